@@ -1,0 +1,30 @@
+"""hf_recattn: recurrent forms of attention as Hugging Face Transformers models."""
+
+from .modeling.cache import RecAttnCache
+from .modeling.configuration import RecAttnConfig
+from .modeling.mixer_base import Mixer, MixerInputs, MixerShape
+from .modeling.mixers import MIXERS, register_mixer
+from .modeling.modeling import RecAttnForCausalLM, RecAttnModel, RecAttnPreTrainedModel
+from .registration import register_auto_classes
+
+register_auto_classes()
+
+from .conversion.from_llama import from_llama  # noqa: E402
+from .state_size import state_size_report  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MIXERS",
+    "Mixer",
+    "MixerInputs",
+    "MixerShape",
+    "RecAttnCache",
+    "RecAttnConfig",
+    "RecAttnForCausalLM",
+    "RecAttnModel",
+    "RecAttnPreTrainedModel",
+    "from_llama",
+    "register_mixer",
+    "state_size_report",
+]

@@ -1,0 +1,1 @@
+"""Conversion of pretrained softmax checkpoints."""

@@ -1,0 +1,88 @@
+"""RecAttnConfig: a LlamaConfig whose attention is chosen per layer by mixer specs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import LlamaConfig
+
+from .mixers import validate_spec
+
+DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
+
+
+def _override_layers(key: str, num_layers: int) -> list[int]:
+    """Layers selected by an override key: "3", "-1", "every:4" (3, 7, ...), "every:4:0" (0, 4, ...)."""
+    where = f"attention_overrides[{key!r}]"
+    if key.startswith("every:"):
+        parts = key.split(":")[1:]
+        try:
+            period = int(parts[0])
+            offset = int(parts[1]) if len(parts) > 1 else period - 1
+        except (ValueError, IndexError):
+            raise ValueError(f"{where}: expected 'every:N' or 'every:N:OFFSET' with integers") from None
+        if period < 1 or not 0 <= offset < period or len(parts) > 2:
+            raise ValueError(f"{where}: need N >= 1 and 0 <= OFFSET < N")
+        return [i for i in range(num_layers) if i % period == offset]
+    try:
+        index = int(key)
+    except ValueError:
+        raise ValueError(f"{where}: a key is a layer index or 'every:N[:OFFSET]'") from None
+    if not -num_layers <= index < num_layers:
+        raise ValueError(f"{where}: layer index out of range for {num_layers} layers")
+    return [index % num_layers]
+
+
+def resolve_layer_specs(attention: Any, overrides: dict | None, num_layers: int) -> list[dict[str, Any]]:
+    """Expand (one spec or a list) plus overrides into one validated spec per layer."""
+    if isinstance(attention, list):
+        if len(attention) != num_layers:
+            raise ValueError(
+                f"attention: a list needs one spec per layer ({num_layers}), got {len(attention)}"
+            )
+        raw = [copy.deepcopy(s) for s in attention]
+    else:
+        raw = [copy.deepcopy(attention) for _ in range(num_layers)]
+    overrides = overrides or {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"attention_overrides must be a dict of layer key -> spec, got {type(overrides).__name__}")
+    # patterns first, explicit indices last so that they win
+    for key in sorted(overrides, key=lambda k: not str(k).startswith("every:")):
+        for i in _override_layers(str(key), num_layers):
+            raw[i] = copy.deepcopy(overrides[key])
+    return [validate_spec(spec, f"layer {i}") for i, spec in enumerate(raw)]
+
+
+class RecAttnConfig(LlamaConfig):
+    r"""Llama configuration plus per-layer attention mixers.
+
+    Args:
+        attention: one spec for every layer (``{"mixer": "linear", "feature_map": "hedgehog"}``), a mixer
+            name, or a list with one spec per layer.
+        attention_overrides: per-layer replacements keyed by layer index (``"0"``, ``"-1"``) or by a
+            period (``"every:4"`` picks layers 3, 7, 11, ...; ``"every:4:0"`` picks 0, 4, 8, ...).
+    """
+
+    model_type = "recattn"
+
+    attention: dict | list | str | None = None
+    attention_overrides: dict | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.attention is None:
+            self.attention = dict(DEFAULT_SPEC)
+        super().__post_init__(**kwargs)
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        self.layer_specs()  # validate now, so that a bad spec fails at construction
+
+    def layer_specs(self) -> list[dict[str, Any]]:
+        """One validated spec (defaults filled in) per layer."""
+        return resolve_layer_specs(self.attention, self.attention_overrides, self.num_hidden_layers)
+
+    def layer_spec(self, layer_idx: int) -> dict[str, Any]:
+        return self.layer_specs()[layer_idx]

@@ -1,0 +1,149 @@
+"""The mixer contract shared by every attention family.
+
+A mixer receives projected (and rotary-embedded) queries, keys and values and returns the per-head output.
+It offers up to three forms of the same function:
+
+* ``parallel(q, k, v, inputs)``: the whole sequence at once (training / prefill, may be quadratic);
+* ``chunked(q, k, v, inputs, state)``: chunkwise state passing, sub-quadratic, returns the final state;
+* ``step(q, k, v, inputs, state)``: one token, fixed-size state in, state out.
+
+States are plain ``dict[str, Tensor]`` whose leading dimension is the batch, so the cache can reorder,
+repeat and select them without knowing the family. Shapes: ``q`` is ``[B, H, T, D]``, ``k`` and ``v`` are
+``[B, Hkv, T, D]``; every form returns ``[B, T, H, E]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .options import Option, resolve_options
+
+State = dict[str, torch.Tensor]
+
+COMMON_OPTIONS: dict[str, Option] = {
+    "rope": Option((bool,), True, "apply rotary position embeddings to q and k before the mixer"),
+}
+
+
+@dataclass
+class MixerInputs:
+    """What a mixer may read besides q, k and v."""
+
+    hidden_states: torch.Tensor  # [B, T, C] the (normed) layer input, for gates and projections
+    padding_mask: torch.Tensor | None = None  # [B, past + T] bool, True marks real tokens; None: all real
+    past_length: int = 0  # tokens already folded into the state
+
+    @property
+    def token_mask(self) -> torch.Tensor | None:
+        """[B, T] bool mask of the current tokens, or None when every token is real."""
+        if self.padding_mask is None:
+            return None
+        return self.padding_mask[:, -self.hidden_states.shape[1] :]
+
+
+@dataclass(frozen=True)
+class MixerShape:
+    """Sizes a mixer is built for."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_idx: int
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+class Mixer(nn.Module):
+    """Base class: subclasses set ``name``, ``options``, ``state_kind`` and implement the forms."""
+
+    name: ClassVar[str]
+    options: ClassVar[dict[str, Option]] = {}
+    #: "kv" (grows with context), "window" (bounded) or "recurrent" (fixed size)
+    state_kind: ClassVar[str] = "recurrent"
+    has_chunked: ClassVar[bool] = False
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__()
+        self.spec = dict(spec)
+        self.shape = shape
+        self.config = config
+
+    # ----- spec handling -------------------------------------------------------------------------------
+    @classmethod
+    def all_options(cls) -> dict[str, Option]:
+        return {**COMMON_OPTIONS, **cls.options}
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        """Cross-option checks; raise ValueError naming `where` and the option."""
+
+    @classmethod
+    def validate(cls, spec: dict[str, Any], where: str) -> dict[str, Any]:
+        return resolve_options(spec, cls.all_options(), where, cls.check_spec)
+
+    # ----- the contract ---------------------------------------------------------------------------------
+    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        raise NotImplementedError(f"mixer {self.name!r} has no chunked form")
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        raise NotImplementedError
+
+    def state_size(self, context_length: int) -> int:
+        """Number of state elements per sequence held after `context_length` tokens."""
+        raise NotImplementedError
+
+    # ----- dispatch --------------------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: MixerInputs,
+        state: State | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, State | None]:
+        """Pick the form: parallel or chunked without a cache, chunked prefill or one step with one."""
+        seq_len = q.shape[2]
+        if not use_cache and state is None:
+            long_sequence = seq_len > self.spec.get("chunk_size", seq_len)
+            if self.has_chunked and self.spec.get("causal", True) and long_sequence:
+                out, _ = self.chunked(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype))
+                return out, None
+            return self.parallel(q, k, v, inputs), None
+        if state is None:
+            state = self.init_state(q.shape[0], q.device, q.dtype)
+        if seq_len == 1:
+            return self.step(q, k, v, inputs, state)
+        return self.chunked(q, k, v, inputs, state)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.spec.items() if k != "mixer")
+
+
+def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, H, T, D] -> [B, Hkv, G, T, D]: the query heads that share one key/value head."""
+    b, h, t, d = q.shape
+    return q.view(b, num_kv_heads, h // num_kv_heads, t, d)
+
+
+def ungroup_output(o: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, G, T, E] -> [B, T, H, E]."""
+    b, hk, g, t, e = o.shape
+    return o.reshape(b, hk * g, t, e).transpose(1, 2)

@@ -1,0 +1,38 @@
+"""The registry of mixer families by spec name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .mixer_base import Mixer, MixerShape
+from .mixer_linear import LinearMixer
+from .mixer_softmax import SlidingWindowMixer, SoftmaxMixer
+
+MIXERS: dict[str, type[Mixer]] = {cls.name: cls for cls in (SoftmaxMixer, SlidingWindowMixer, LinearMixer)}
+
+
+def register_mixer(cls: type[Mixer]) -> type[Mixer]:
+    """Add a mixer family (usable as a class decorator). Names must be unique."""
+    if cls.name in MIXERS and MIXERS[cls.name] is not cls:
+        raise ValueError(f"a mixer named {cls.name!r} is already registered ({MIXERS[cls.name].__name__})")
+    MIXERS[cls.name] = cls
+    return cls
+
+
+def mixer_class(name: Any, where: str) -> type[Mixer]:
+    if not isinstance(name, str) or name not in MIXERS:
+        raise ValueError(f"{where}: unknown mixer {name!r}; known mixers: {sorted(MIXERS)}")
+    return MIXERS[name]
+
+
+def validate_spec(spec: Any, where: str) -> dict[str, Any]:
+    """Check one spec dict and return it with every default filled in."""
+    if isinstance(spec, str):
+        spec = {"mixer": spec}
+    if not isinstance(spec, dict) or "mixer" not in spec:
+        raise ValueError(f"{where}: a spec must be a dict with a 'mixer' key, got {spec!r}")
+    return mixer_class(spec["mixer"], where).validate(spec, where)
+
+
+def build_mixer(spec: dict[str, Any], shape: MixerShape, config: Any = None) -> Mixer:
+    return mixer_class(spec["mixer"], f"layer {shape.layer_idx}")(spec, shape, config)

@@ -1,0 +1,273 @@
+"""RecAttn models: the Llama architecture with one shared decoder block whose attention mixer is per layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .cache import RecAttnCache
+from .configuration import RecAttnConfig
+from .mixer_base import MixerInputs, MixerShape
+from .mixers import build_mixer
+
+
+class RecAttnAttention(nn.Module):
+    """Llama's q/k/v/o projections and RoPE around a pluggable mixer."""
+
+    def __init__(self, config: RecAttnConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        shape = MixerShape(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+        self.mixer = build_mixer(config.layer_spec(layer_idx), shape, config)
+
+    def project(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B,H,T,D], k and v [B,Hkv,T,D], rotary-embedded unless the spec says rope=False."""
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.mixer.spec.get("rope", True):
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: RecAttnCache | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        q, k, v = self.project(hidden_states, position_embeddings)
+        layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
+        inputs = MixerInputs(
+            hidden_states=hidden_states,
+            padding_mask=padding_mask,
+            past_length=layer.get_seq_length() if layer is not None else 0,
+        )
+        out, state = self.mixer(q, k, v, inputs, state=layer.state if layer else None, use_cache=layer is not None)
+        if layer is not None:
+            layer.update(state, hidden_states.shape[1])
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+
+
+class RecAttnDecoderLayer(GradientCheckpointingLayer):
+    """The one decoder block: RMSNorm, mixer attention, residual, RMSNorm, SwiGLU MLP, residual."""
+
+    def __init__(self, config: RecAttnConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = RecAttnAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: RecAttnCache | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            padding_mask=padding_mask,
+            past_key_values=past_key_values,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class RecAttnPreTrainedModel(PreTrainedModel):
+    config_class = RecAttnConfig
+    config: RecAttnConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RecAttnDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _supports_attention_backend = False
+    _is_stateful = True  # recurrent states cannot be rolled back: generate() refuses assisted decoding
+    _can_record_outputs = {"hidden_states": RecAttnDecoderLayer}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        init_parameters = getattr(module, "init_parameters", None)
+        if callable(init_parameters):  # mixer parameters (feature maps, gains, gates) say how they start
+            init_parameters(init)
+
+
+def _check_padding_mask(attention_mask: torch.Tensor | None, total_length: int) -> torch.Tensor | None:
+    """A [B, past + T] 0/1 mask becomes a bool mask, or None when every token is real."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
+            f"{tuple(attention_mask.shape)}; hf_recattn builds the causal structure itself"
+        )
+    if attention_mask.shape[1] != total_length:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds past tokens plus the "
+            f"new ones: {total_length}"
+        )
+    mask = attention_mask.bool()
+    return None if bool(mask.all()) else mask
+
+
+class RecAttnModel(RecAttnPreTrainedModel):
+    def __init__(self, config: RecAttnConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(RecAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def new_cache(self) -> RecAttnCache:
+        """An empty cache with one state layer per decoder layer."""
+        return RecAttnCache.for_model(self)
+
+    def _checked_cache(self, past_key_values: Cache | None, use_cache: bool, batch_size: int) -> RecAttnCache | None:
+        if past_key_values is None or (not isinstance(past_key_values, RecAttnCache)
+                                       and past_key_values.get_seq_length() == 0):
+            return self.new_cache() if use_cache else None
+        if not isinstance(past_key_values, RecAttnCache):
+            raise TypeError(
+                f"hf_recattn models need a RecAttnCache (model.new_cache()), got {type(past_key_values).__name__} "
+                "that already holds tokens"
+            )
+        if len(past_key_values.layers) != len(self.layers) or past_key_values.model_id not in (None, id(self)):
+            raise ValueError("past_key_values was built for another model: start a new cache with model.new_cache()")
+        held = past_key_values.max_batch_size
+        if held is not None and held != batch_size:
+            raise ValueError(f"past_key_values holds a batch of {held} sequences but the input has {batch_size}")
+        return past_key_values
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        cache = self._checked_cache(past_key_values, bool(use_cache), batch_size)
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq_len, device=inputs_embeds.device).unsqueeze(0)
+        padding_mask = _check_padding_mask(attention_mask, past + seq_len)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                padding_mask=padding_mask,
+                past_key_values=cache,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+
+
+class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: RecAttnConfig) -> None:
+        super().__init__(config)
+        self.model = RecAttnModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def new_cache(self) -> RecAttnCache:
+        return self.model.new_cache()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):  # noqa: ANN001
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            model_kwargs["past_key_values"] = self.new_cache()
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )

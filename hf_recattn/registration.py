@@ -1,0 +1,26 @@
+"""Register hf_recattn with the transformers Auto classes and the trust_remote_code auto_map."""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .modeling.configuration import RecAttnConfig
+from .modeling.modeling import RecAttnForCausalLM, RecAttnModel
+
+AUTO_MAP = {
+    "AutoConfig": "configuration.RecAttnConfig",
+    "AutoModel": "modeling.RecAttnModel",
+    "AutoModelForCausalLM": "modeling.RecAttnForCausalLM",
+}
+
+
+def register_auto_classes() -> None:
+    """Idempotent: adds model_type "recattn" without touching any built-in type."""
+    AutoConfig.register(RecAttnConfig.model_type, RecAttnConfig, exist_ok=True)
+    AutoModel.register(RecAttnConfig, RecAttnModel, exist_ok=True)
+    AutoModelForCausalLM.register(RecAttnConfig, RecAttnForCausalLM, exist_ok=True)
+    # save_pretrained copies the runtime files next to the weights and writes this auto_map, so that a
+    # checkpoint also loads with trust_remote_code=True where hf_recattn is not installed
+    RecAttnConfig.register_for_auto_class("AutoConfig")
+    RecAttnModel.register_for_auto_class("AutoModel")
+    RecAttnForCausalLM.register_for_auto_class("AutoModelForCausalLM")

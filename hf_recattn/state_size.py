@@ -1,0 +1,67 @@
+"""Per-layer decode-state size against a KV cache, and the context at which the state breaks even."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .modeling.configuration import RecAttnConfig
+from .modeling.mixer_base import MixerShape
+from .modeling.mixers import build_mixer
+
+
+@dataclass
+class LayerStateSize:
+    layer: int
+    mixer: str
+    kind: str  # kv, window, recurrent
+    state_elements: int  # per sequence at the requested context
+    kv_cache_elements: int  # what softmax attention would hold at that context
+    break_even_context: int | None  # first context where a KV cache is at least as large; None: never smaller
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _break_even(mixer: Any, kv_per_token: int) -> int | None:
+    if mixer.state_kind == "kv":
+        return None
+    fixed = mixer.state_size(1 << 40)  # the state's size once it stops growing
+    return -(-fixed // kv_per_token)
+
+
+def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerStateSize]:
+    """One row per layer; element counts per sequence (multiply by the dtype size for bytes)."""
+    if context_length < 1:
+        raise ValueError(f"context length must be >= 1, got {context_length}")
+    rows = []
+    kv_per_token = 2 * config.num_key_value_heads * config.head_dim
+    with torch.device("meta"):
+        for i, spec in enumerate(config.layer_specs()):
+            shape = MixerShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                               config.head_dim, i)
+            mixer = build_mixer(spec, shape, config)
+            rows.append(LayerStateSize(
+                layer=i,
+                mixer=spec["mixer"],
+                kind=mixer.state_kind,
+                state_elements=mixer.state_size(context_length),
+                kv_cache_elements=kv_per_token * context_length,
+                break_even_context=_break_even(mixer, kv_per_token),
+            ))
+    return rows
+
+
+def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str:
+    """A plain-text table with totals in MiB at the given element size."""
+    lines = [f"{'layer':>5} {'mixer':<16} {'kind':<9} {'state':>14} {'kv cache':>14} {'break-even':>11}"]
+    for r in rows:
+        be = "-" if r.break_even_context is None else str(r.break_even_context)
+        lines.append(f"{r.layer:>5} {r.mixer:<16} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}")
+    total_state = sum(r.state_elements for r in rows) * bytes_per_element / 2**20
+    total_kv = sum(r.kv_cache_elements for r in rows) * bytes_per_element / 2**20
+    lines.append(f"total per sequence: state {total_state:.2f} MiB, kv cache {total_kv:.2f} MiB "
+                 f"({bytes_per_element} bytes per element)")
+    return "\n".join(lines)
