@@ -1,0 +1,23 @@
+"""Shared test set-up: deterministic torch, fp32 default, opt-in slow tests (HF_RECATTN_SLOW=1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("HF_RECATTN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set HF_RECATTN_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
