@@ -62,7 +62,120 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_state_size, add_demo]
+_CHECKPOINT_HELP = "hf_recattn checkpoint folder, or a teacher spec (embedded, .gguf, folder, Hub id)"
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="held-out perplexity, passkey, samples and decode cost of a checkpoint")
+    p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
+                   "folder, or a saved datasets folder; its held-out split is used")
+    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for perplexity")
+    p.add_argument("--block-size", type=int, default=1024, help="tokens per perplexity block")
+    p.add_argument("--teacher", default=None, help="also evaluate this teacher on the same tokens")
+    p.add_argument("--quick", action="store_true", help="smaller passkey / sample / decode probes")
+    p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
+    p.add_argument("--seed", type=int, default=0)
+
+    def run(args: argparse.Namespace) -> int:
+        from .eval_commands import run_eval
+
+        return run_eval(args)
+
+    p.set_defaults(handler=run)
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from a checkpoint through its (recurrent) cache")
+    p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--seed", type=int, default=0)
+
+    def run(args: argparse.Namespace) -> int:
+        from .eval_commands import run_generate
+
+        return run_generate(args)
+
+    p.set_defaults(handler=run)
+
+
+def _convert_threads(value: str) -> int:
+    """``--threads``: an integer, or auto (1 thread when other jobs keep the cores busy)."""
+    import os
+
+    import torch
+
+    if value != "auto":
+        try:
+            threads = int(value)
+        except ValueError:
+            raise ValueError(f"--threads must be an integer or 'auto', got {value!r}") from None
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        return threads
+    default = torch.get_num_threads()
+    cores = os.cpu_count() or default
+    try:
+        busy = os.getloadavg()[0] >= cores - 0.5
+    except OSError:  # no load average on this platform
+        busy = False
+    return 1 if busy and default > 1 else default
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="distill a softmax teacher into recurrent attention (stage 1 + stage 2), evaluate, save",
+        description="Convert a Llama-shaped teacher with a recipe: attention transfer, LoRA finetuning, "
+        "evaluation against the teacher, a model card and a sample through the recurrent cache. Rerun the "
+        "same command to resume an interrupted run.",
+    )
+    p.add_argument("--teacher", default="embedded", help="embedded (SmolLM2-135M-Instruct), a .gguf file, a "
+                   "model folder or a Hub id")
+    p.add_argument("--recipe", required=True, help="a packaged recipe name or a .yaml file")
+    p.add_argument("--output", required=True, help="output folder (resumed when it holds the same run)")
+    p.add_argument("--budget", default="quick", help="a budget of the recipe: quick or full")
+    p.add_argument("--seed", type=int, default=None, help="override the recipe's seed")
+    p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
+                   "folder, or a saved datasets folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an output folder holding another run")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation (still saves the model)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--threads", default="auto", help="torch CPU threads, or auto: torch's default unless the "
+                   "machine is already busy (load average >= cores - 0.5), then 1, which is faster there")
+
+    def run(args: argparse.Namespace) -> int:
+        import torch
+
+        from .conversion.attention_transfer import NonFiniteLossError
+        from .conversion.pipeline import convert
+
+        torch.set_num_threads(_convert_threads(args.threads))
+        try:
+            convert(teacher=args.teacher, recipe=args.recipe, output=args.output, budget=args.budget,
+                    seed=args.seed, overwrite=args.overwrite, data=args.corpus, progress=not args.no_progress,
+                    evaluate_models=not args.no_eval)
+        except (NonFiniteLossError, FileNotFoundError) as err:
+            print(f"hf-recattn convert: error: {err}", file=sys.stderr)
+            return 3 if isinstance(err, NonFiniteLossError) else 2
+        except KeyboardInterrupt:
+            print(f"hf-recattn convert: interrupted; rerun the same command to resume from {args.output}",
+                  file=sys.stderr)
+            return 130
+        return 0
+
+    p.set_defaults(handler=run)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_state_size, add_demo, add_eval, add_generate
+]
+SUBCOMMANDS.append(add_convert)
 
 
 def build_parser() -> argparse.ArgumentParser:

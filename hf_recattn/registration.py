@@ -5,13 +5,10 @@ from __future__ import annotations
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .modeling.configuration import RecAttnConfig
-from .modeling.modeling import RecAttnForCausalLM, RecAttnModel
+from .modeling.modeling import RecAttnForCausalLM, RecAttnModel, runtime_auto_map
 
-AUTO_MAP = {
-    "AutoConfig": "configuration.RecAttnConfig",
-    "AutoModel": "modeling.RecAttnModel",
-    "AutoModelForCausalLM": "modeling.RecAttnForCausalLM",
-}
+#: what config.json's auto_map holds after save_pretrained (RecAttnPreTrainedModel.save_pretrained writes it)
+AUTO_MAP = runtime_auto_map()
 
 
 def register_auto_classes() -> None:

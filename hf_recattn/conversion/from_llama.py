@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ..modeling.configuration import RecAttnConfig
 from ..modeling.modeling import RecAttnForCausalLM
 
-#: architectures whose weights map one to one onto ours
-LLAMA_SHAPED = ("llama", "mistral")
+#: architectures whose weights map one to one onto ours (qwen2: q/k/v biases, no o_proj bias)
+LLAMA_SHAPED = ("llama", "mistral", "qwen2")
 
 # config keys of the teacher that do not describe the architecture we copy
 _DROP_KEYS = {"architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "dtype",
@@ -32,7 +32,11 @@ def recattn_config_from(teacher_config: Any, attention: Any, attention_overrides
             "teacher is a Mistral model with sliding_window set; give its layers "
             "{'mixer': 'sliding_window', 'window': N} explicitly after converting a copy with sliding_window=None"
         )
+    if model_type == "qwen2" and getattr(teacher_config, "use_sliding_window", False):
+        raise ValueError("teacher is a Qwen2 model with use_sliding_window=True; only full attention converts")
     values = {k: v for k, v in teacher_config.to_dict().items() if k not in _DROP_KEYS}
+    if model_type == "qwen2":  # Qwen2's attention: biases on q/k/v, none on o_proj (not in its config)
+        values.update(attention_bias=True, o_proj_bias=False)
     known = set(RecAttnConfig.__dataclass_fields__) if hasattr(RecAttnConfig, "__dataclass_fields__") else None
     if known is not None:
         values = {k: v for k, v in values.items() if k in known or k.startswith("rope")}
@@ -59,6 +63,7 @@ def from_llama(
     teacher_dtype = next(teacher.parameters()).dtype
     student = RecAttnForCausalLM(config).to(teacher_dtype)
     state = teacher.state_dict()
+    _check_shapes(state, student.state_dict(), config)
     result = student.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"teacher weights with no place in the student: {result.unexpected_keys[:8]}")
@@ -74,6 +79,20 @@ def from_llama(
     with torch.no_grad():
         _check_copied(student, teacher)
     return student
+
+
+def _check_shapes(teacher_state: dict[str, torch.Tensor], student_state: dict[str, torch.Tensor],
+                  config: Any) -> None:
+    """A teacher whose weights do not match its own config (e.g. head counts) is a ValueError, not a crash."""
+    wrong = [f"{name}: teacher {tuple(t.shape)}, config implies {tuple(student_state[name].shape)}"
+             for name, t in teacher_state.items()
+             if name in student_state and t.shape != student_state[name].shape]
+    if wrong:
+        raise ValueError(
+            "teacher weights do not match its config (num_attention_heads="
+            f"{config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, "
+            f"head_dim={config.head_dim}, hidden_size={config.hidden_size}): " + "; ".join(wrong[:4])
+        )
 
 
 def _check_copied(student: torch.nn.Module, teacher: torch.nn.Module) -> None:

@@ -1,8 +1,8 @@
 """RecAttnCache: a transformers ``Cache`` whose layers hold each mixer's state, whatever its family.
 
-Every layer keeps a ``dict[str, Tensor]`` (batch first) and the number of tokens it has seen. The mixer decides
-what the tensors are (a KV cache, a window of keys, or fixed-size recurrent states); the cache only stores,
-reorders, repeats and selects them, so a new family needs no code here.
+Every layer keeps a ``dict[str, Tensor]`` (batch first) and the number of tokens it has seen. The mixer
+decides what the tensors are (a KV cache, a window of keys, or fixed-size recurrent states); the cache only
+stores, reorders, repeats and selects them, so a new family needs no code here.
 """
 
 from __future__ import annotations
@@ -18,14 +18,18 @@ KINDS = ("kv", "window", "recurrent")
 
 
 class MixerStateLayer:
-    """One layer's state; ``kind`` says whether it grows (kv), is bounded (window) or is fixed (recurrent)."""
+    """One layer's state; ``kind`` says whether it grows (kv), is bounded (window) or is fixed (recurrent).
+
+    KV and window states keep their tokens on axis 2 (``[batch, kv_heads, tokens, head_dim]``), which lets
+    ``crop`` remove tokens from them; a recurrent state has absorbed every token and cannot give one back.
+    """
 
     is_compileable = False
-    is_sliding = False
+    supports_early_init = False
 
     def __init__(self, kind: str, layer_idx: int) -> None:
         if kind not in KINDS:
-            raise ValueError(f"layer {layer_idx}: unknown cache kind {kind!r}")
+            raise ValueError(f"layer {layer_idx}: unknown cache kind {kind!r}; known: {list(KINDS)}")
         self.kind = kind
         self.layer_idx = layer_idx
         self.state: State | None = None
@@ -35,6 +39,11 @@ class MixerStateLayer:
     @property
     def is_initialized(self) -> bool:
         return self.state is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` could remove any number of tokens (only a KV state keeps every token)."""
+        return self.kind == "kv"
 
     def update(self, state: State, new_tokens: int) -> None:
         self.state = state
@@ -54,8 +63,10 @@ class MixerStateLayer:
             return 0
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
+    @property
     def batch_size(self) -> int | None:
-        if self.state is None:
+        """Sequences held, or None before the first forward."""
+        if not self.state:
             return None
         return next(iter(self.state.values())).shape[0]
 
@@ -70,19 +81,44 @@ class MixerStateLayer:
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
+        self._map(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
-    def crop(self, max_length: int) -> None:
-        target = max_length if max_length >= 0 else self.seen_tokens + max_length
-        if target >= self.seen_tokens:
-            return
-        if self.kind != "kv":
+    def _crop_target(self, tokens_to_remove: int) -> int:
+        if tokens_to_remove > 0:  # legacy form: the length to keep
+            return min(tokens_to_remove, self.seen_tokens)
+        if self.seen_tokens + tokens_to_remove < 0:
             raise ValueError(
-                f"layer {self.layer_idx}: cannot crop a {self.kind} cache to {target} tokens: its state has "
-                f"already absorbed all {self.seen_tokens} tokens and cannot be rolled back"
+                f"layer {self.layer_idx}: cannot remove {-tokens_to_remove} tokens from a cache holding "
+                f"{self.seen_tokens}"
             )
-        self._map(lambda t: t[:, :, :target])
-        self.seen_tokens = target
+        return self.seen_tokens + tokens_to_remove
+
+    def crop_refusal(self, tokens_to_remove: int) -> str | None:
+        """Why ``crop(tokens_to_remove)`` is impossible here, or None when it can be done."""
+        target = self._crop_target(tokens_to_remove)
+        if target == self.seen_tokens or self.state is None or self.kind == "kv":
+            return None
+        if self.kind == "window" and all(t.dim() >= 3 and t.shape[2] == self.seen_tokens
+                                         for t in self.state.values()):
+            return None  # a window that has not dropped a token yet still holds all of them
+        what = "a recurrent state" if self.kind == "recurrent" else "a window that already dropped tokens"
+        return (
+            f"layer {self.layer_idx}: cannot crop {what} from {self.seen_tokens} to {target} tokens: it "
+            "has absorbed them and cannot roll back; re-run the prompt up to the wanted length instead"
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop tokens: ``crop(-n)`` removes the last n; ``crop(n)``, n > 0, keeps the first n (legacy form).
+
+        Only a KV state, or a window state that has not yet dropped a token, can roll back; others raise.
+        """
+        refusal = self.crop_refusal(tokens_to_remove)
+        if refusal is not None:
+            raise ValueError(refusal)
+        target = self._crop_target(tokens_to_remove)
+        if target < self.seen_tokens:
+            self._map(lambda t: t[:, :, :target])
+            self.seen_tokens = target
 
     def reset(self) -> None:
         self.state = None
@@ -107,6 +143,34 @@ class RecAttnCache(Cache):
         super().__init__(layers=[MixerStateLayer(kind, i) for i, kind in enumerate(kinds)])
         self.model_id = model_id
 
+    @property
+    def kinds(self) -> list[str]:
+        return [layer.kind for layer in self.layers]
+
+    def check_compatible(self, kinds: list[str], model_id: int, batch_size: int) -> None:
+        """Raise ValueError unless this cache was made for a model with these layers and holds this batch."""
+        if self.model_id not in (None, model_id):
+            raise ValueError(
+                "past_key_values was built by another model instance; start one with model.new_cache()"
+            )
+        if len(self.layers) != len(kinds):
+            raise ValueError(
+                f"past_key_values has {len(self.layers)} layers but the model has {len(kinds)}; it was built "
+                "for another model: start a new cache with model.new_cache()"
+            )
+        for i, (held, wanted) in enumerate(zip(self.kinds, kinds, strict=True)):
+            if held != wanted:
+                raise ValueError(
+                    f"layer {i}: past_key_values holds a {held!r} state but the model's mixer needs "
+                    f"{wanted!r}; it was built for another model: start a new cache with model.new_cache()"
+                )
+        held = self.max_batch_size
+        if held is not None and held != batch_size:
+            raise ValueError(
+                f"past_key_values holds {held} sequences but the input has {batch_size}; select or repeat "
+                "its rows (cache.batch_select_indices / batch_repeat_interleave) or start a new cache"
+            )
+
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> RecAttnCache:
         kinds = [layer.self_attn.mixer.state_kind for layer in model.layers]
@@ -126,7 +190,14 @@ class RecAttnCache(Cache):
 
     @property
     def max_batch_size(self) -> int | None:
-        return next((b for layer in self.layers if (b := layer.batch_size()) is not None), None)
+        """Sequences held, or None before the first forward."""
+        return next((b for layer in self.layers if (b := layer.batch_size) is not None), None)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences held, or -1 before the first forward (transformers' convention)."""
+        held = self.max_batch_size
+        return -1 if held is None else held
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -156,9 +227,17 @@ class RecAttnCache(Cache):
         for layer in self.layers:
             layer.batch_select_indices(indices)
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-n)`` drops the last n tokens (``crop(n > 0)``: keep n); raises if a layer cannot roll back.
+
+        Every layer is checked first, so that a refused crop leaves the cache as it was.
+        """
         for layer in self.layers:
-            layer.crop(max_length)
+            refusal = layer.crop_refusal(tokens_to_remove)
+            if refusal is not None:
+                raise ValueError(refusal)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
 
     def reset(self) -> None:
         for layer in self.layers:

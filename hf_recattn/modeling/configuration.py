@@ -62,12 +62,15 @@ class RecAttnConfig(LlamaConfig):
             name, or a list with one spec per layer.
         attention_overrides: per-layer replacements keyed by layer index (``"0"``, ``"-1"``) or by a
             period (``"every:4"`` picks layers 3, 7, 11, ...; ``"every:4:0"`` picks 0, 4, 8, ...).
+        o_proj_bias: whether the output projection has a bias; ``None`` follows ``attention_bias`` (Llama).
+            Qwen2 teachers have q/k/v biases but none on o_proj: ``attention_bias=True, o_proj_bias=False``.
     """
 
     model_type = "recattn"
 
     attention: dict | list | str | None = None
     attention_overrides: dict | None = None
+    o_proj_bias: bool | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.attention is None:
@@ -83,6 +86,11 @@ class RecAttnConfig(LlamaConfig):
     def layer_specs(self) -> list[dict[str, Any]]:
         """One validated spec (defaults filled in) per layer."""
         return resolve_layer_specs(self.attention, self.attention_overrides, self.num_hidden_layers)
+
+    @property
+    def output_bias(self) -> bool:
+        """The o_proj bias actually used: ``o_proj_bias`` when set, else ``attention_bias``."""
+        return self.attention_bias if self.o_proj_bias is None else bool(self.o_proj_bias)
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         return self.layer_specs()[layer_idx]

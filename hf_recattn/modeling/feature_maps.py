@@ -56,7 +56,16 @@ class FeatureMap(nn.Module):
         return {"hedgehog": 2 * d, "taylor2": 1 + d + d * (d + 1) // 2}.get(self.kind, d)
 
     def init_parameters(self, init: Any) -> None:
-        """Start as the plain map: temperature 1, hedgehog projections the identity (``init`` skips loaded ones)."""
+        """Start as the plain map: temperature 1, hedgehog projections the identity (``init`` skips loaded
+        ones).
+
+        Also (re)fills taylor2's pair indices, which are not saved and so are never loaded.
+        """
+        if self.kind == "taylor2":  # non-persistent buffers: from_pretrained leaves them uninitialized (meta)
+            d = self.shape.head_dim
+            rows, cols = torch.triu_indices(d, d, offset=1, device=self._pair_rows.device)
+            init.copy_(self._pair_rows, rows)
+            init.copy_(self._pair_cols, cols)
         if self.kind == "cosine":
             init.zeros_(self.log_temperature)
         elif self.kind == "hedgehog":

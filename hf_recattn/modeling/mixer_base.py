@@ -14,7 +14,7 @@ repeat and select them without knowing the family. Shapes: ``q`` is ``[B, H, T, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -95,7 +95,23 @@ class Mixer(nn.Module):
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        raise NotImplementedError(f"mixer {self.name!r} has no chunked form")
+        """Default for families without a chunked form: the recurrent step, token by token (exact, slow).
+
+        Prefill with a cache always comes here, so every mixer with a ``step`` can generate.
+        """
+        t = q.shape[2]
+        outs = []
+        for i in range(t):
+            mask = inputs.padding_mask
+            one = replace(
+                inputs,
+                hidden_states=inputs.hidden_states[:, i : i + 1],
+                padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + i + 1],
+                past_length=inputs.past_length + i,
+            )
+            out, state = self.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], one, state)
+            outs.append(out)
+        return torch.cat(outs, dim=1), state
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State

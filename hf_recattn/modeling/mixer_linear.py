@@ -79,6 +79,23 @@ class LinearMixer(Mixer):
         num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"])
         return self._finish(num, den), {"S": S, "z": z}
 
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: MixerInputs,
+        state: State | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, State | None]:
+        """As ``Mixer.forward``; a bidirectional layer runs a whole fresh sequence (cache or not, e.g. the
+        default ``use_cache=True`` of a training forward) and refuses to continue one."""
+        if self.causal:
+            return super().forward(q, k, v, inputs, state, use_cache)
+        if inputs.past_length > 0:
+            self._require_causal("recurrent")
+        return self.parallel(q, k, v, inputs), None
+
     def _require_causal(self, form: str) -> None:
         if not self.causal:
             raise ValueError(

@@ -5,10 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from .mixer_base import Mixer, MixerShape
+from .mixer_heinsen import HeinsenMixer
+from .mixer_hybrid import HybridMixer
 from .mixer_linear import LinearMixer
 from .mixer_softmax import SlidingWindowMixer, SoftmaxMixer
+from .mixer_taylor import TaylorMixer
 
-MIXERS: dict[str, type[Mixer]] = {cls.name: cls for cls in (SoftmaxMixer, SlidingWindowMixer, LinearMixer)}
+MIXERS: dict[str, type[Mixer]] = {
+    cls.name: cls
+    for cls in (SoftmaxMixer, SlidingWindowMixer, LinearMixer, TaylorMixer, HeinsenMixer, HybridMixer)
+}
 
 
 def register_mixer(cls: type[Mixer]) -> type[Mixer]:

@@ -41,7 +41,7 @@ class RecAttnAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.output_bias)
         shape = MixerShape(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
         self.mixer = build_mixer(config.layer_spec(layer_idx), shape, config)
 
@@ -123,6 +123,12 @@ class RecAttnPreTrainedModel(PreTrainedModel):
     _is_stateful = True  # recurrent states cannot be rolled back: generate() refuses assisted decoding
     _can_record_outputs = {"hidden_states": RecAttnDecoderLayer}
 
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """Also name the sibling Auto classes in ``auto_map`` (transformers writes only the saved class)."""
+        if self._auto_class is not None:  # registered for trust_remote_code: the runtime files are copied too
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **runtime_auto_map()}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -131,8 +137,14 @@ class RecAttnPreTrainedModel(PreTrainedModel):
             init_parameters(init)
 
 
-def _check_padding_mask(attention_mask: torch.Tensor | None, total_length: int) -> torch.Tensor | None:
-    """A [B, past + T] 0/1 mask becomes a bool mask, or None when every token is real."""
+def _check_padding_mask(
+    attention_mask: torch.Tensor | None, total_length: int, drop_if_all_real: bool = True
+) -> torch.Tensor | None:
+    """A [B, past + T] 0/1 mask becomes a bool mask, or None when every token is real.
+
+    ``drop_if_all_real=False`` keeps the mask as given (decode steps: the check would cost a device sync per
+    token, and masking is the identity on real tokens).
+    """
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -142,11 +154,25 @@ def _check_padding_mask(attention_mask: torch.Tensor | None, total_length: int) 
         )
     if attention_mask.shape[1] != total_length:
         raise ValueError(
-            f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds past tokens plus the "
-            f"new ones: {total_length}"
+            f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds past tokens plus "
+            f"the new ones: {total_length}"
         )
     mask = attention_mask.bool()
-    return None if bool(mask.all()) else mask
+    return None if drop_if_all_real and bool(mask.all()) else mask
+
+
+def _position_ids(
+    padding_mask: torch.Tensor | None, past: int, seq_len: int, device: torch.device
+) -> torch.Tensor:
+    """Positions of the new tokens: counted over real tokens only (padding takes 0), as ``generate()`` does.
+
+    So a left-padded row gets the same positions as the same tokens without padding, and a forward without
+    ``position_ids`` agrees with ``generate()``, cached or not.
+    """
+    if padding_mask is None:
+        return torch.arange(past, past + seq_len, device=device).unsqueeze(0)
+    positions = padding_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(~padding_mask, 0)[:, -seq_len:]
 
 
 class RecAttnModel(RecAttnPreTrainedModel):
@@ -165,21 +191,29 @@ class RecAttnModel(RecAttnPreTrainedModel):
         """An empty cache with one state layer per decoder layer."""
         return RecAttnCache.for_model(self)
 
-    def _checked_cache(self, past_key_values: Cache | None, use_cache: bool, batch_size: int) -> RecAttnCache | None:
+    def _checked_cache(
+        self, past_key_values: Cache | None, use_cache: bool, batch_size: int
+    ) -> RecAttnCache | None:
+        """The cache to use: a new one, or the given RecAttnCache once known to fit this model and batch."""
         if past_key_values is None or (not isinstance(past_key_values, RecAttnCache)
                                        and past_key_values.get_seq_length() == 0):
             return self.new_cache() if use_cache else None
         if not isinstance(past_key_values, RecAttnCache):
             raise TypeError(
-                f"hf_recattn models need a RecAttnCache (model.new_cache()), got {type(past_key_values).__name__} "
-                "that already holds tokens"
+                "hf_recattn models need a RecAttnCache (model.new_cache()), got "
+                f"{type(past_key_values).__name__} that already holds tokens"
             )
-        if len(past_key_values.layers) != len(self.layers) or past_key_values.model_id not in (None, id(self)):
-            raise ValueError("past_key_values was built for another model: start a new cache with model.new_cache()")
-        held = past_key_values.max_batch_size
-        if held is not None and held != batch_size:
-            raise ValueError(f"past_key_values holds a batch of {held} sequences but the input has {batch_size}")
+        kinds = [layer.self_attn.mixer.state_kind for layer in self.layers]
+        past_key_values.check_compatible(kinds, id(self), batch_size)
         return past_key_values
+
+    def _check_length(self, past: int, seq_len: int) -> None:
+        limit = self.config.max_position_embeddings
+        if limit is not None and past + seq_len > limit:
+            raise ValueError(
+                f"{past} cached + {seq_len} new tokens exceed max_position_embeddings={limit}, the longest "
+                "sequence this model supports; shorten the prompt or the generation"
+            )
 
     @merge_with_config_defaults
     @capture_outputs
@@ -200,9 +234,11 @@ class RecAttnModel(RecAttnPreTrainedModel):
         batch_size, seq_len = inputs_embeds.shape[:2]
         cache = self._checked_cache(past_key_values, bool(use_cache), batch_size)
         past = cache.get_seq_length() if cache is not None else 0
+        if past_key_values is not None:  # incremental decoding (generate() always passes its cache)
+            self._check_length(past, seq_len)
+        padding_mask = _check_padding_mask(attention_mask, past + seq_len, drop_if_all_real=seq_len > 1)
         if position_ids is None:
-            position_ids = torch.arange(past, past + seq_len, device=inputs_embeds.device).unsqueeze(0)
-        padding_mask = _check_padding_mask(attention_mask, past + seq_len)
+            position_ids = _position_ids(padding_mask, past, seq_len, inputs_embeds.device)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -215,6 +251,22 @@ class RecAttnModel(RecAttnPreTrainedModel):
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+
+
+def runtime_auto_map() -> dict[str, str]:
+    """auto_map entries for trust_remote_code, named after the flat runtime files (``modeling.py`` ...)."""
+    config_file = RecAttnConfig.__module__.rsplit(".", 1)[-1]
+    model_file = __name__.rsplit(".", 1)[-1]
+    return {
+        "AutoConfig": f"{config_file}.RecAttnConfig",
+        "AutoModel": f"{model_file}.RecAttnModel",
+        "AutoModelForCausalLM": f"{model_file}.RecAttnForCausalLM",
+    }
+
+
+def _is_empty_foreign_cache(cache: Cache) -> bool:
+    """An empty transformers cache (e.g. a DynamicCache()) that generate() may replace with a RecAttnCache."""
+    return not isinstance(cache, RecAttnCache) and cache.get_seq_length() == 0
 
 
 class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
@@ -230,12 +282,56 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
     def new_cache(self) -> RecAttnCache:
         return self.model.new_cache()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):  # noqa: ANN001
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+    # ----- generate() hooks ---------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(  # noqa: ANN001
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """generate() always decodes with a RecAttnCache (transformers' caches cannot hold mixer states)."""
+        if generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
+                "hf_recattn models decode with their own RecAttnCache (pass "
+                "past_key_values=model.new_cache() or nothing)"
+            )
+        cache = model_kwargs.get("past_key_values")
+        if generation_config.use_cache is not False and (cache is None or _is_empty_foreign_cache(cache)):
             model_kwargs["past_key_values"] = self.new_cache()
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def _expand_inputs_for_generation(  # noqa: ANN001, ANN003
+        self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs
+    ):
+        """Also repeat the rows of a cache passed in (continuing with num_beams or num_return_sequences)."""
+        cache = model_kwargs.get("past_key_values")
+        if expand_size > 1 and isinstance(cache, RecAttnCache) and input_ids is not None:
+            if cache.max_batch_size == input_ids.shape[0]:
+                cache.batch_repeat_interleave(expand_size)
+        return super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids,
+            **model_kwargs,
+        )
+
+    def _validate_generated_length(  # noqa: ANN001
+        self, generation_config, input_ids_length, has_default_max_length
+    ):
+        """Refuse, before any compute, a prompt or a max_length beyond max_position_embeddings."""
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        limit = self.config.max_position_embeddings
+        if limit is None:
+            return
+        if input_ids_length > limit:
+            raise ValueError(
+                f"the prompt has {input_ids_length} tokens (padding and cached tokens included) but this "
+                f"model supports at most max_position_embeddings={limit}"
+            )
+        if generation_config.max_length > limit:
+            raise ValueError(
+                f"generation would reach {generation_config.max_length} tokens (prompt {input_ids_length} + "
+                f"new tokens) but this model supports at most max_position_embeddings={limit}; lower "
+                f"max_new_tokens to at most {limit - input_ids_length}"
+            )
 
     @can_return_tuple
     def forward(

@@ -54,10 +54,15 @@ def linear_chunked(
 def linear_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token (T == 1): fold k v^T into the state, then read it with q."""
-    S = S + torch.einsum("bhsf,bhse->bhfe", k, v)
-    z = z + k.sum(2)
-    return torch.einsum("bhgtf,bhfe->bhgte", q, S), torch.einsum("bhgtf,bhf->bhgt", q, z), S, z
+    """One token (T == 1): fold k v^T into the state, then read it with q.
+
+    Written with addcmul / matmul rather than einsum: a decode step runs this once per layer per token, and
+    einsum's reshapes cost more than the arithmetic at these sizes.
+    """
+    S = torch.addcmul(S, k.transpose(-1, -2), v)
+    z = z + k[:, :, 0]
+    q1 = q[:, :, :, 0]  # [B, Hkv, G, F]
+    return torch.matmul(q1, S).unsqueeze(3), torch.matmul(q1, z.unsqueeze(-1)), S, z
 
 
 def noncausal_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

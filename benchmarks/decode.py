@@ -1,0 +1,310 @@
+"""Per-token decode latency and cache bytes: hf_recattn mixers against transformers' Llama + DynamicCache.
+
+A SmolLM2-135M-shaped model (30 layers, hidden 576, intermediate 1536, 9 heads, 3 KV heads, head_dim 64,
+vocab 49152, tied embeddings), random weights, fp32, batch 1. Every model shares one copy of the weights. For
+each model and context the cache is filled to that context, then single-token decode steps (what generate()
+runs: one token, its position, the cache, logits of the last position) are timed. The table gives the median
+step, the cache bytes, the speed-up over transformers' LlamaForCausalLM with its DynamicCache at the same
+context, and the ratio to two floors measured in the same run:
+
+* read floor: one streaming pass over every weight (``sum``), the memory-bound time to read them once;
+* gemv floor: one matrix-vector product per weight matrix (``mv``), the least arithmetic any decoder does per
+  token, at the speed this CPU's BLAS reaches with batch 1.
+
+Every model, context and floor runs in each of ``--rounds`` rounds (interleaved), so that load from other
+processes on a shared machine hits them alike; medians are over all rounds.
+
+Filling a context (``--fill``):
+
+* ``synthetic`` (default): a real chunked prefill of ``--prefill-tokens`` tokens (default 512, so that window
+  layers are full and every state has its real shape); then every KV tensor (one whose token axis grew with
+  the prompt) is replaced by random keys/values of the target length and each layer's token count is set to
+  the context. A fixed-size recurrent state has the same shape after 512 or 32k tokens and a step's work does
+  not depend on its values, so the step costs what it would after a real 32k prefill. Each layer's element
+  count is checked against its mixer's ``state_size(context)``. The Llama DynamicCache gets random keys and
+  values of the context length.
+* ``real``: prefill every context for real, in chunks of ``--prefill-tokens`` through the cache (slow: many
+  minutes per mixer at 32k on two cores).
+
+``python benchmarks/decode.py --help`` lists the flags; ``--quick`` is a short smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from hf_recattn import RecAttnCache, RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.modeling.mixers import MIXERS
+
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+
+#: label -> spec; a spec whose mixer is not registered (yet) is skipped with a note
+MIXER_SPECS: dict[str, dict] = {
+    "softmax": {"mixer": "softmax"},
+    "sliding_window(64)": {"mixer": "sliding_window", "window": 64},
+    "linear elu": {"mixer": "linear", "feature_map": "elu"},
+    "linear hedgehog": {"mixer": "linear", "feature_map": "hedgehog"},
+    "linear taylor2": {"mixer": "linear", "feature_map": "taylor2"},
+    "taylor(2)": {"mixer": "taylor", "order": 2},
+    "heinsen": {"mixer": "heinsen"},
+    "hybrid(64)+hedgehog": {"mixer": "hybrid", "window": 64},
+}
+BASELINE = "llama+DynamicCache"
+CONTEXTS = (512, 2048, 8192, 32768)
+Step = Callable[[], object]
+
+
+@dataclass
+class Row:
+    label: str
+    kind: str
+    ms: dict[int, float] = field(default_factory=dict)
+    nbytes: dict[int, int] = field(default_factory=dict)
+
+
+# ----- timing ---------------------------------------------------------------------------------------------
+def _time_once(fn: Step) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def round_robin(steppers: dict[str, Step], repeats: int, warmup: int, rounds: int) -> dict[str, float]:
+    """Median ms per stepper; every stepper runs in every round."""
+    samples: dict[str, list[float]] = {key: [] for key in steppers}
+    for fn in steppers.values():
+        for _ in range(warmup):
+            fn()
+    per_round = max(1, repeats // rounds)
+    for _ in range(rounds):
+        for key, fn in steppers.items():
+            samples[key] += [_time_once(fn) for _ in range(per_round)]
+    return {key: statistics.median(s) for key, s in samples.items()}
+
+
+def weight_passes(model: torch.nn.Module) -> tuple[dict[str, Step], int]:
+    """The read and gemv floors over every distinct parameter, and the bytes they read."""
+    params = list({p.data_ptr(): p.detach() for p in model.parameters()}.values())
+    vectors = {p.shape[1]: torch.randn(p.shape[1]) for p in params if p.dim() == 2}
+
+    def read() -> None:
+        for p in params:
+            p.sum()
+
+    def gemv() -> None:
+        for p in params:
+            if p.dim() == 2:
+                torch.mv(p, vectors[p.shape[1]])
+            else:
+                p.sum()
+
+    return {"floor:read": read, "floor:gemv": gemv}, sum(p.numel() * p.element_size() for p in params)
+
+
+def decode_step(model: torch.nn.Module, cache: object, seen: Callable[[], int]) -> Step:
+    """One generate()-style decode step: a single token at its position, no padding mask."""
+    token = torch.tensor([[17]])
+
+    def step() -> object:
+        pos = torch.tensor([[seen()]])
+        return model(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
+
+    return step
+
+
+# ----- transformers baseline --------------------------------------------------------------------------------
+def llama_model(max_positions: int) -> LlamaForCausalLM:
+    config = LlamaConfig(**SHAPE, max_position_embeddings=max_positions, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def llama_cache(model: LlamaForCausalLM, context: int) -> DynamicCache:
+    """A DynamicCache holding `context` random keys/values per layer."""
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    gen = torch.Generator().manual_seed(context)
+    for layer in range(cfg.num_hidden_layers):
+        shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
+        cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer)
+    return cache
+
+
+def dynamic_cache_bytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+# ----- hf_recattn models ------------------------------------------------------------------------------------
+def recattn_model(spec: dict, max_positions: int, weights: dict[str, torch.Tensor]) -> RecAttnForCausalLM:
+    """Our model with `spec` in every layer, sharing (not copying) the Llama weights."""
+    config = RecAttnConfig(**SHAPE, max_position_embeddings=max_positions, attention=spec)
+    config._attn_implementation = "sdpa"
+    model = RecAttnForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if unexpected or any(".mixer." not in name for name in missing):
+        raise RuntimeError(f"weights do not map onto {spec}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
+
+
+def filled_cache(model: RecAttnForCausalLM, context: int, args: argparse.Namespace) -> RecAttnCache:
+    """A cache holding `context` tokens (see the module docstring for the two ways)."""
+    cache = model.new_cache()
+    chunk = min(args.prefill_tokens, context)
+    gen = torch.Generator().manual_seed(context)
+    todo = context if args.fill == "real" else chunk
+    done = 0
+    while done < todo:
+        n = min(chunk, todo - done)
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, n), generator=gen)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        done += n
+    if context > done:
+        for layer in cache.layers:
+            if layer.kind == "kv":
+                layer.state = {name: _grown(t, done, context, gen) for name, t in layer.state.items()}
+            layer.seen_tokens = context
+    check_state_sizes(model, cache, context)
+    return cache
+
+
+def _grown(t: torch.Tensor, done: int, context: int, gen: torch.Generator) -> torch.Tensor:
+    if t.dim() < 3 or t.shape[2] != done:
+        return t
+    return torch.randn(*t.shape[:2], context, *t.shape[3:], generator=gen, dtype=t.dtype)
+
+
+def check_state_sizes(model: RecAttnForCausalLM, cache: RecAttnCache, context: int) -> None:
+    """Every layer must hold what its mixer's state_size says for this context (guards the synthetic fill)."""
+    for block, layer in zip(model.model.layers, cache.layers, strict=True):
+        mixer = block.self_attn.mixer
+        held = sum(t.numel() for t in layer.state.values())
+        if held != mixer.state_size(context):
+            raise RuntimeError(
+                f"layer {layer.layer_idx} ({mixer.name}): cache holds {held} elements at context {context}, "
+                f"state_size says {mixer.state_size(context)}; raise --prefill-tokens or use --fill real"
+            )
+
+
+# ----- report -----------------------------------------------------------------------------------------------
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def render(rows: list[Row], contexts: list[int], medians: dict[str, float], weight_bytes: int,
+           notes: list[str]) -> str:
+    base = rows[0]
+    read, gemv = medians["floor:read"], medians["floor:gemv"]
+    lines = [
+        f"floors ({weight_bytes / 2**20:.0f} MiB of weights): read {read:.1f} ms "
+        f"({weight_bytes / read / 1e6:.1f} GB/s), gemv {gemv:.1f} ms ({weight_bytes / gemv / 1e6:.1f} GB/s)",
+        "",
+        f"| model | cache | context | ms/token | cache | x faster than {base.label} | / gemv floor "
+        "| / read floor | vs own first context |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        first = row.ms[contexts[0]]
+        for c in contexts:
+            ms = row.ms[c]
+            lines.append(
+                f"| {row.label} | {row.kind} | {c} | {ms:.1f} | {_fmt_bytes(row.nbytes[c])} | "
+                f"{base.ms[c] / ms:.2f} | {ms / gemv:.2f} | {ms / read:.2f} | {ms / first - 1:+.0%} |"
+            )
+    lines += ["", *notes]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="contexts to decode at")
+    add("--repeats", type=int, default=24, help="timed steps per model and context (median)")
+    add("--rounds", type=int, default=4, help="interleave all models and floors in this many rounds")
+    add("--warmup", type=int, default=3, help="untimed steps per model and context first")
+    add("--mixers", nargs="+", default=None, help=f"labels to run (default all): {list(MIXER_SPECS)}")
+    add("--fill", choices=("synthetic", "real"), default="synthetic", help="how contexts are filled")
+    add("--prefill-tokens", type=int, default=512, help="real prefill (chunk size with --fill real)")
+    add("--threads", type=int, default=1,
+        help="torch threads (1: two OpenMP threads stall when another process shares a core)")
+    add("--no-baseline", action="store_true", help="skip transformers' Llama (ratios vs first row)")
+    add("--quick", action="store_true", help="smoke run: contexts 512 2048, 6 repeats, 2 rounds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.repeats, args.rounds, args.warmup = [512, 2048], 6, 2, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    contexts = sorted(args.contexts)
+    max_positions = max(contexts) + args.warmup + args.repeats + 64
+    labels = args.mixers or list(MIXER_SPECS)
+    unknown = [label for label in labels if label not in MIXER_SPECS]
+    if unknown:
+        raise SystemExit(f"unknown --mixers {unknown}; known: {list(MIXER_SPECS)}")
+    notes = [
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), fill={args.fill}, median of "
+        f"{args.rounds * max(1, args.repeats // args.rounds)} steps per cell, all rows and floors "
+        f"interleaved in {args.rounds} rounds"
+    ]
+    llama = llama_model(max_positions)
+    weights = llama.state_dict()
+    floors, weight_bytes = weight_passes(llama)
+    rows: list[Row] = []
+    steppers: dict[str, Step] = dict(floors)
+    keep_alive: list[object] = []
+    with torch.inference_mode():
+        if not args.no_baseline:
+            row = Row(BASELINE, "kv")
+            for c in contexts:
+                cache = llama_cache(llama, c)
+                row.nbytes[c] = dynamic_cache_bytes(cache)
+                steppers[f"{BASELINE}@{c}"] = decode_step(llama, cache, cache.get_seq_length)
+            rows.append(row)
+        for label in labels:
+            spec = MIXER_SPECS[label]
+            if spec["mixer"] not in MIXERS:
+                notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
+                continue
+            model = recattn_model(spec, max_positions, weights)
+            keep_alive.append(model)
+            kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
+            row = Row(label, "/".join(kinds))
+            for c in contexts:
+                cache = filled_cache(model, c, args)
+                row.nbytes[c] = cache.nbytes()
+                steppers[f"{label}@{c}"] = decode_step(model, cache, cache.get_seq_length)
+            rows.append(row)
+            print(f"filled {label}", flush=True)
+        medians = round_robin(steppers, args.repeats, args.warmup, args.rounds)
+    for row in rows:
+        row.ms = {c: medians[f"{row.label}@{c}"] for c in contexts}
+    print()
+    print(render(rows, contexts, medians, weight_bytes, notes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,475 @@
+"""Stage 1 of conversion, attention transfer (LoLCATs): teach each new mixer to reproduce softmax attention.
+
+The teacher runs frozen with forward hooks on every ``self_attn``: they record what each attention layer
+received (the normed hidden states) and what it returned (its output after ``o_proj``). Each student layer
+then runs only its attention on the *teacher's* inputs, and the MSE to the teacher's output trains that
+layer's new mixer parameters, nothing else (the copied q/k/v/o projections stay frozen).
+
+All layers share one teacher forward per batch, but each layer is its own problem: its loss reaches only
+its own parameters, it has its own AdamW parameter group and its own gradient clipping, so the result equals
+training the layers one at a time on the same batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modeling.mixer_base import MixerInputs
+from .checkpoints import (
+    atomic_dir,
+    latest_step_dir,
+    load_tensors,
+    prune_step_dirs,
+    save_tensors,
+    step_dir,
+)
+from .recipe import Stage1Settings
+
+
+class NonFiniteLossError(RuntimeError):
+    """A distillation loss became NaN or infinite; the message names the stage, step and layer."""
+
+
+@dataclass
+class TransferResult:
+    """What stage 1 did: steps, tokens, per-layer MSE at the start and the end, time."""
+
+    steps: int
+    tokens: int
+    first_loss: dict[int, float] = field(default_factory=dict)  # MSE of the first step
+    last_loss: dict[int, float] = field(default_factory=dict)  # MSE at the end (moving average, beta 0.8)
+    relative_last: dict[int, float] = field(default_factory=dict)  # MSE / mean(target^2), moving average
+    seconds: float = 0.0
+    resumed_from: int = 0
+    trainable_parameters: int = 0
+    forms: dict[str, str] = field(default_factory=dict)  # the form each distinct mixer spec trained in
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "first_loss": {str(k): v for k, v in self.first_loss.items()},
+            "last_loss": {str(k): v for k, v in self.last_loss.items()},
+            "relative_last": {str(k): v for k, v in self.relative_last.items()},
+            "seconds": self.seconds,
+            "resumed_from": self.resumed_from,
+            "trainable_parameters": self.trainable_parameters,
+            "forms": self.forms,
+        }
+
+
+# ----- which parameters stage 1 trains ----------------------------------------------------------------------
+def mixer_parameters(
+    student: nn.Module, projections: tuple[str, ...] = ()
+) -> dict[int, dict[str, nn.Parameter]]:
+    """Per layer, by full name: the new mixer parameters (feature maps, gains, gates, mixing weights), plus
+    the weights of the attention ``projections`` named (e.g. ``("q_proj", "k_proj")``) when asked."""
+    out: dict[int, dict[str, nn.Parameter]] = {}
+    for i, layer in enumerate(_decoder_layers(student)):
+        prefix = f"model.layers.{i}.self_attn."
+        params = {prefix + "mixer." + n: p for n, p in layer.self_attn.mixer.named_parameters()}
+        for proj in projections:
+            module = getattr(layer.self_attn, proj, None)
+            if not isinstance(module, nn.Module):
+                raise ValueError(f"layer {i}: the attention has no projection {proj!r}")
+            params.update({f"{prefix}{proj}.{n}": p for n, p in module.named_parameters()})
+        if params:
+            out[i] = params
+    return out
+
+
+def mixer_state_dict(student: nn.Module, projections: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    groups = mixer_parameters(student, projections)
+    return {n: p.detach().clone() for params in groups.values() for n, p in params.items()}
+
+
+def load_mixer_state(
+    student: nn.Module, tensors: dict[str, torch.Tensor], projections: tuple[str, ...] = ()
+) -> None:
+    """Copy saved stage-1 parameters into ``student``; every expected name must be present."""
+    expected = {n: p for params in mixer_parameters(student, projections).values() for n, p in params.items()}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"saved mixer parameters do not fit the student (missing {missing[:4]}, extra {extra[:4]})"
+        )
+    with torch.no_grad():
+        for name, param in expected.items():
+            param.copy_(tensors[name].to(param.dtype))
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper
+    if callable(get_base):
+        model = get_base()
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers")
+    return layers
+
+
+# ----- capturing the teacher -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def capture_attention_io(teacher: nn.Module) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Hooks on every teacher ``self_attn``: ``record[i] = (input hidden states, attention output)``."""
+    record: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = []
+
+    def make_hook(i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            out = output[0] if isinstance(output, tuple) else output
+            record[i] = (hidden.detach(), out.detach())
+
+        return hook
+
+    for i, layer in enumerate(_decoder_layers(teacher)):
+        handles.append(layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True))
+    try:
+        yield record
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def teacher_attention_io(
+    teacher: nn.Module, input_ids: torch.Tensor
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Run the teacher's decoder stack (not its LM head); return every layer's attention input and output."""
+    base = getattr(teacher, "model", teacher)
+    with capture_attention_io(teacher) as record:
+        base(input_ids=input_ids, use_cache=False)
+    return dict(record)
+
+
+def student_attention(
+    student: nn.Module,
+    layer_idx: int,
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """One student attention layer on given inputs (q/k/v without a graph unless a projection trains)."""
+    attn = _decoder_layers(student)[layer_idx].self_attn
+    projections_train = any(
+        p.requires_grad for m in (attn.q_proj, attn.k_proj, attn.v_proj) for p in m.parameters()
+    )
+    with torch.set_grad_enabled(projections_train and torch.is_grad_enabled()):
+        q, k, v = attn.project(hidden, position_embeddings)
+    out, _ = attn.mixer(q, k, v, MixerInputs(hidden_states=hidden))
+    return attn.o_proj(out.reshape(*hidden.shape[:-1], -1))
+
+
+# ----- picking the faster training form ---------------------------------------------------------------------
+def _time_form(mixer: nn.Module, form: str, seq_len: int, hidden_size: int, repeats: int = 2) -> float:
+    shape = mixer.shape
+    device = next((p.device for p in mixer.parameters()), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    best = float("inf")
+    for _ in range(repeats):
+        q = (
+            torch.randn(1, shape.num_heads, seq_len, shape.head_dim, generator=gen)
+            .to(device)
+            .requires_grad_()
+        )
+        k = (
+            torch.randn(1, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
+            .to(device)
+            .requires_grad_()
+        )
+        v = (
+            torch.randn(1, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
+            .to(device)
+            .requires_grad_()
+        )
+        inputs = MixerInputs(hidden_states=torch.randn(1, seq_len, hidden_size, generator=gen).to(device))
+        start = time.perf_counter()
+        if form == "parallel":
+            out = mixer.parallel(q, k, v, inputs)
+        else:
+            out, _ = mixer.chunked(q, k, v, inputs, mixer.init_state(1, device, q.dtype))
+        out.float().square().mean().backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@contextlib.contextmanager
+def fastest_forms(model: nn.Module, seq_len: int, enabled: bool = True) -> Iterator[dict[str, str]]:
+    """Without a cache at ``seq_len`` (training, perplexity), run each mixer in its faster form.
+
+    Both forms compute the same function (the mixer contract, tested per family); which one is faster
+    depends on the family and the length (a quadratic parallel form wins at short lengths for Taylor
+    mixers, the chunked one for Heinsen's). Each distinct spec is timed once (forward + backward on random
+    inputs); a mixer whose parallel form wins has ``has_chunked`` switched off on the instance until exit.
+    Yields ``{spec as JSON: chosen form}``.
+    """
+    chosen: dict[str, str] = {}
+    switched: list[nn.Module] = []
+    if enabled:
+        layers = _decoder_layers(model)
+        hidden_size = getattr(model.config, "hidden_size", None)
+        for layer in layers:
+            mixer = layer.self_attn.mixer
+            if "has_chunked" in vars(mixer):  # an enclosing fastest_forms already chose for this mixer
+                continue
+            key = json.dumps(mixer.spec, sort_keys=True, default=str)
+            if key not in chosen:
+                chunk = mixer.spec.get("chunk_size")
+                if not mixer.has_chunked or chunk is None or seq_len <= chunk or hidden_size is None:
+                    chosen[key] = "default"
+                else:
+                    with torch.enable_grad():
+                        par = _time_form(mixer, "parallel", seq_len, hidden_size)
+                        chk = _time_form(mixer, "chunked", seq_len, hidden_size)
+                    mixer.zero_grad(set_to_none=True)
+                    chosen[key] = "parallel" if par < chk else "chunked"
+            if chosen[key] == "parallel":
+                mixer.has_chunked = False  # instance attribute: Mixer.forward then takes the parallel form
+                switched.append(mixer)
+    try:
+        yield chosen
+    finally:
+        for mixer in switched:
+            del mixer.has_chunked  # back to the class attribute
+
+
+# ----- the training loop ------------------------------------------------------------------------------------
+def lr_at(step: int, total: int, settings: Stage1Settings) -> float:
+    """Linear warm-up, then cosine decay to ``lr * min_lr_fraction``."""
+    warmup = max(1, int(round(settings.warmup_fraction * total))) if settings.warmup_fraction > 0 else 0
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    floor = settings.min_lr_fraction
+    return settings.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def batch_schedule(num_blocks: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """Block indices per step: shuffled epochs (a new permutation each), deterministic in ``seed``."""
+    order: list[int] = []
+    epoch = 0
+    while len(order) < steps * batch_size:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order.extend(torch.randperm(num_blocks, generator=gen).tolist())
+        epoch += 1
+    flat = torch.tensor(order[: steps * batch_size])
+    return list(flat.view(steps, batch_size))
+
+
+def attention_transfer(
+    teacher: nn.Module,
+    student: nn.Module,
+    blocks: torch.Tensor,
+    settings: Stage1Settings,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    progress: bool = True,
+    keep_checkpoints: int = 1,
+    pick_forms: bool = True,
+    on_step: Callable[[int, nn.Module], None] | None = None,
+) -> TransferResult:
+    """Train every layer's mixer parameters to match the teacher's attention output; resumable.
+
+    ``blocks`` is a ``[N, block_size]`` LongTensor of training tokens. With ``checkpoint_dir`` the mixer
+    parameters, the optimizer and the per-layer losses are saved every ``settings.save_every`` steps
+    (atomically) and a rerun continues from the newest checkpoint. A NaN/inf loss stops the run with a
+    ``NonFiniteLossError`` naming the layer and step, after saving the last good parameters.
+    ``pick_forms``: train each mixer in its faster form (see ``fastest_forms``). ``on_step(step, student)``
+    runs after every optimizer step (the benchmark measures perplexity there).
+    """
+    if blocks.dim() != 2 or blocks.shape[0] == 0:
+        raise ValueError(
+            f"stage 1: need a non-empty [N, block] tensor of token ids, got {tuple(blocks.shape)}"
+        )
+    projections = tuple(settings.projections)
+    groups = mixer_parameters(student, projections)
+    result = TransferResult(steps=0, tokens=0)
+    if not groups or settings.tokens <= 0:
+        return result
+    tokens_per_step = settings.batch_size * blocks.shape[1]
+    total = max(1, settings.tokens // tokens_per_step)
+    schedule = batch_schedule(blocks.shape[0], settings.batch_size, total, seed)
+
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    layers = sorted(groups)
+    for i in layers:
+        for p in groups[i].values():
+            p.requires_grad_(True)
+    result.trainable_parameters = sum(p.numel() for i in layers for p in groups[i].values())
+    param_groups = []
+    for i in layers:
+        mixer = [p for n, p in groups[i].items() if ".mixer." in n]
+        projs = [p for n, p in groups[i].items() if ".mixer." not in n]
+        if mixer:
+            param_groups.append({"params": mixer, "layer": i, "lr_scale": 1.0})
+        if projs:
+            param_groups.append(
+                {"params": projs, "layer": i, "lr_scale": settings.projection_lr / settings.lr}
+            )
+    optimizer = torch.optim.AdamW(param_groups, lr=settings.lr, weight_decay=0.0)
+
+    start = 0
+    history: dict[str, Any] = {"first_loss": {}, "count": 0}
+    if checkpoint_dir is not None:
+        start, history = _resume(Path(checkpoint_dir), student, optimizer, total, projections)
+    result.resumed_from = start
+
+    device = next(student.parameters()).device
+    rotary = getattr(student, "model", student).rotary_emb
+    began = time.perf_counter()
+    last_step = start
+    student.train()
+    stack = contextlib.ExitStack()
+    result.forms = stack.enter_context(fastest_forms(student, blocks.shape[1], pick_forms))
+    bar = _progress(total, start, progress)
+    try:
+        for step in range(start, total):
+            ids = blocks[schedule[step]].to(device)
+            io = teacher_attention_io(teacher, ids)
+            positions = torch.arange(ids.shape[1], device=device)[None]
+            position_embeddings = rotary(io[0][0], position_ids=positions)
+            lr = lr_at(step, total, settings)
+            optimizer.zero_grad(set_to_none=True)
+            losses: dict[int, float] = {}
+            relative: dict[int, float] = {}
+            for i in layers:
+                hidden, target = io[i]
+                pred = student_attention(student, i, hidden, position_embeddings)
+                loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    if checkpoint_dir is not None:  # the parameters are still those of the last good step
+                        _save(
+                            Path(checkpoint_dir),
+                            step,
+                            student,
+                            optimizer,
+                            history,
+                            keep_checkpoints,
+                            projections,
+                        )
+                    where = (
+                        f" (last good checkpoint: step {step} in {checkpoint_dir})" if checkpoint_dir else ""
+                    )
+                    raise NonFiniteLossError(
+                        f"stage 1: layer {i}: attention-transfer loss is {value} at step {step}{where}; "
+                        "lower stage1.lr or check the mixer spec of this layer"
+                    )
+                loss.backward()
+                losses[i] = value
+                relative[i] = value / max(float(target.float().pow(2).mean()), 1e-12)
+            for i in layers:  # clip each layer on its own: layers stay independent problems
+                torch.nn.utils.clip_grad_norm_(list(groups[i].values()), settings.max_grad_norm)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            optimizer.step()
+            _accumulate(history, losses, relative)
+            last_step = step + 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(mse=f"{sum(losses.values()) / len(losses):.3g}", rel=f"{_mean(relative):.3f}")
+            if on_step is not None:
+                on_step(last_step, student)
+            if checkpoint_dir is not None and (last_step % settings.save_every == 0 or last_step == total):
+                _save(
+                    Path(checkpoint_dir),
+                    last_step,
+                    student,
+                    optimizer,
+                    history,
+                    keep_checkpoints,
+                    projections,
+                )
+    finally:
+        if bar is not None:
+            bar.close()
+        stack.close()
+    student.eval()
+    for p in student.parameters():
+        p.requires_grad_(False)
+    result.steps = last_step
+    result.tokens = last_step * tokens_per_step
+    result.seconds = time.perf_counter() - began
+    result.first_loss = {int(k): v for k, v in history["first_loss"].items()}
+    result.last_loss = {int(k): v for k, v in history.get("last_loss", {}).items()}
+    result.relative_last = {int(k): v for k, v in history.get("last_rel", {}).items()}
+    return result
+
+
+def _mean(values: dict[int, float]) -> float:
+    return sum(values.values()) / max(len(values), 1)
+
+
+def _accumulate(
+    history: dict[str, Any], losses: dict[int, float], relative: dict[int, float], beta: float = 0.8
+) -> None:
+    """First loss per layer, and exponential moving averages of the loss and the relative loss."""
+    for key, values in (("last_loss", losses), ("last_rel", relative)):
+        smoothed = history.setdefault(key, {})
+        for i, value in values.items():
+            old = smoothed.get(str(i))
+            smoothed[str(i)] = value if old is None else beta * old + (1 - beta) * value
+    for i, value in losses.items():
+        history["first_loss"].setdefault(str(i), value)
+    history["count"] = history.get("count", 0) + 1
+
+
+def _progress(total: int, start: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, initial=start, desc="stage 1 attention transfer", unit="step", dynamic_ncols=True
+    )
+
+
+def _save(
+    folder: Path,
+    step: int,
+    student: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    history: dict[str, Any],
+    keep: int,
+    projections: tuple[str, ...],
+) -> None:
+    with atomic_dir(step_dir(folder, step)) as tmp:
+        save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, projections))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "history": history}, indent=1))
+    prune_step_dirs(folder, keep)
+
+
+def _resume(
+    folder: Path,
+    student: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    total: int,
+    projections: tuple[str, ...],
+) -> tuple[int, dict[str, Any]]:
+    latest = latest_step_dir(folder)
+    if latest is None:
+        return 0, {"first_loss": {}, "count": 0}
+    state = json.loads((latest / "state.json").read_text())
+    step = int(state["step"])
+    if step > total:
+        raise ValueError(f"stage 1 checkpoint {latest} is at step {step}, beyond this run's {total} steps")
+    load_mixer_state(student, load_tensors(latest / "mixer.safetensors"), projections)
+    optimizer.load_state_dict(torch.load(latest / "optimizer.pt", weights_only=True))
+    return step, state["history"]

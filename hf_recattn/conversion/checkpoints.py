@@ -1,0 +1,182 @@
+"""Crash-safe files for the conversion pipeline: atomic writes, step checkpoints, the run identity.
+
+Everything the pipeline leaves in its output folder is written to a temporary sibling first and moved into
+place with ``os.replace``, so an interrupt leaves either the old state or the new one, never half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+RUN_FILE = "run.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
+    atomic_write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary folder; on success it replaces ``final`` (any old content is discarded)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():  # os.replace cannot replace a non-empty folder: move the old one aside first
+            old = final.parent / f".old-{final.name}-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def clean_temporaries(folder: str | os.PathLike) -> None:
+    """Remove leftovers of interrupted atomic writes (``.tmp-*`` / ``.old-*``) directly inside ``folder``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if child.name.startswith((".tmp-", ".old-")):
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
+# ----- tensors ----------------------------------------------------------------------------------------------
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+
+def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+# ----- numbered step checkpoints ----------------------------------------------------------------------------
+def step_dir(folder: str | os.PathLike, step: int) -> Path:
+    return Path(folder) / f"step-{step:07d}"
+
+
+def latest_step_dir(folder: str | os.PathLike, marker: str = "state.json") -> Path | None:
+    """The highest ``step-N`` folder under ``folder`` that holds ``marker`` (complete checkpoints only)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for child in folder.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / marker).is_file() and (best is None or int(match.group(1)) > best[0]):
+            best = (int(match.group(1)), child)
+    return None if best is None else best[1]
+
+
+def prune_step_dirs(folder: str | os.PathLike, keep: int) -> None:
+    """Delete all but the ``keep`` newest ``step-N`` folders."""
+    folder = Path(folder)
+    steps = sorted(
+        (int(m.group(1)), child) for child in folder.iterdir() if (m := _STEP_DIR.match(child.name))
+    )
+    for _, child in steps[: max(len(steps) - keep, 0)]:
+        shutil.rmtree(child, ignore_errors=True)
+
+
+def latest_trainer_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete Trainer ``checkpoint-N`` (with ``trainer_state.json``); removes incomplete ones.
+
+    Trainer writes its checkpoint files in place and ``trainer_state.json`` among the last, so a folder
+    without it is the remains of an interrupted save.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found: list[tuple[int, Path]] = []
+    for child in folder.iterdir():
+        match = _TRAINER_DIR.match(child.name)
+        if not match or not child.is_dir():
+            continue
+        if (child / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), child))
+        else:
+            shutil.rmtree(child, ignore_errors=True)
+    return max(found)[1] if found else None
+
+
+# ----- the run identity -------------------------------------------------------------------------------------
+def check_output_folder(output: str | os.PathLike, identity: dict[str, Any], overwrite: bool) -> bool:
+    """Prepare ``output`` for a run described by ``identity``; return True when an earlier run is resumed.
+
+    A folder holding another run (different teacher, recipe, budget, seed or data) or anything that is not
+    a conversion run is refused unless ``overwrite``, which empties it first.
+    """
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output {str(output)!r} exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()):
+        previous = _read_identity(output)
+        if previous == identity:
+            clean_temporaries(output)
+            return True
+        if not overwrite:
+            if previous is None:
+                what = "files that are not a conversion run"
+            else:
+                diff = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
+                what = f"another conversion (differs in: {', '.join(diff)})"
+            raise ValueError(
+                f"output {str(output)!r} already holds {what}; choose another folder or pass --overwrite"
+            )
+        _refuse_dangerous(output)
+        shutil.rmtree(output)
+    output.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(output / RUN_FILE, identity)
+    return False
+
+
+def _refuse_dangerous(output: Path) -> None:
+    resolved = output.resolve()
+    if resolved in (Path("/"), Path.home().resolve(), Path.cwd().resolve()) or (resolved / ".git").exists():
+        raise ValueError(f"refusing to overwrite {str(output)!r}: it is a home, root, working or git folder")
+
+
+def _read_identity(output: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads((output / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

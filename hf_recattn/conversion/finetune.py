@@ -1,0 +1,287 @@
+"""Stage 2 of conversion: LoRA finetuning with transformers' Trainer, cross-entropy and/or KL to the teacher.
+
+The loss is a *sum* over predicted tokens divided by ``num_items_in_batch``, the number of predicted tokens
+in the whole accumulated batch that Trainer counts before the micro-batches run. The division makes each
+micro-batch's loss already scaled for gradient accumulation, so the trainer says so
+(``loss_is_scaled_for_ga = True``) and Trainer does not divide again. The gradient of one optimizer step is
+then the same for 1 micro-batch of 4 and for 4 micro-batches of 1, whatever the padding
+(tests/test_finetune.py checks this).
+
+Batches carry ``shift_labels`` (the next-token targets), which is what Trainer counts when present.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+from .attention_transfer import NonFiniteLossError, fastest_forms
+from .checkpoints import latest_trainer_checkpoint
+from .recipe import Stage2Settings
+
+
+# ----- data -------------------------------------------------------------------------------------------------
+class BlockDataset(torch.utils.data.Dataset):
+    """Fixed-length token blocks as causal-LM examples: ``input_ids``, ``labels`` and ``shift_labels``."""
+
+    def __init__(self, blocks: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        if blocks.dim() != 2:
+            raise ValueError(f"stage 2: blocks must be [N, block_size], got {tuple(blocks.shape)}")
+        self.blocks = blocks.long()
+        self.attention_mask = attention_mask
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self.blocks[index]
+        labels = ids.clone()
+        item = {"input_ids": ids}
+        if self.attention_mask is not None:
+            mask = self.attention_mask[index].long()
+            item["attention_mask"] = mask
+            labels = labels.masked_fill(mask == 0, -100)
+        item["labels"] = labels
+        item["shift_labels"] = torch.cat([labels[1:], labels.new_full((1,), -100)])
+        return item
+
+
+# ----- the loss ---------------------------------------------------------------------------------------------
+def distill_loss_sum(
+    student_logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    teacher_logits: torch.Tensor | None = None,
+    loss: str = "ce",
+    temperature: float = 1.0,
+    kl_weight: float = 1.0,
+) -> tuple[torch.Tensor, int]:
+    """Summed loss over the predicted positions (``shift_labels != -100``) and their count.
+
+    ``ce``: cross-entropy to the next token. ``kl``: ``T^2 * KL(teacher_T || student_T)`` per position, the
+    distributions taken at temperature ``T``. ``ce+kl``: ``ce + kl_weight * kl``.
+    """
+    mask = shift_labels != -100
+    count = int(mask.sum())
+    vocab = student_logits.shape[-1]
+    logits = student_logits[mask].float()
+    total = logits.new_zeros(())
+    if loss in ("ce", "ce+kl"):
+        total = total + F.cross_entropy(logits.view(-1, vocab), shift_labels[mask].view(-1), reduction="sum")
+    if loss in ("kl", "ce+kl"):
+        if teacher_logits is None:
+            raise ValueError(f"stage 2: loss {loss!r} needs the teacher's logits")
+        t = temperature
+        log_p_teacher = F.log_softmax(teacher_logits[mask].float() / t, dim=-1)
+        log_p_student = F.log_softmax(logits / t, dim=-1)
+        kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum() * (t * t)
+        total = total + (kl_weight if loss == "ce+kl" else 1.0) * kl
+    elif loss != "ce":
+        raise ValueError(f"stage 2: unknown loss {loss!r}; use ce, kl or ce+kl")
+    return total, count
+
+
+class DistillTrainer(Trainer):
+    """Trainer with cross-entropy and/or KL to a frozen teacher, normalized over the accumulated batch."""
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        *args: Any,
+        teacher: nn.Module | None = None,
+        loss: str = "ce",
+        temperature: float = 1.0,
+        kl_weight: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if loss != "ce" and teacher is None:
+            raise ValueError(f"stage 2: loss {loss!r} needs a teacher model")
+        self.teacher = teacher
+        if teacher is not None:
+            teacher.eval()
+            teacher.requires_grad_(False)
+            teacher.to(self.args.device)
+        self.distill_loss = loss
+        self.temperature = temperature
+        self.kl_weight = kl_weight
+        self.model_accepts_loss_kwargs = True  # so that Trainer counts num_items_in_batch for us
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        shift_labels = inputs["shift_labels"]
+        forward = {"input_ids": inputs["input_ids"]}
+        if "attention_mask" in inputs:
+            forward["attention_mask"] = inputs["attention_mask"]
+        outputs = model(**forward, use_cache=False)
+        teacher_logits = None
+        if self.distill_loss != "ce":
+            with torch.no_grad():
+                teacher_logits = self.teacher(**forward, use_cache=False).logits
+        total, count = distill_loss_sum(
+            outputs.logits, shift_labels, teacher_logits, self.distill_loss, self.temperature, self.kl_weight
+        )
+        if num_items_in_batch is not None:
+            denominator = float(num_items_in_batch)
+        else:  # no count from Trainer (outside train()): this micro-batch's mean, scaled for accumulation
+            steps = self.current_gradient_accumulation_steps if model.training else 1
+            denominator = max(count, 1) * steps
+        value = total / max(denominator, 1.0)
+        if not torch.isfinite(value.detach()):
+            last = latest_trainer_checkpoint(self.args.output_dir)
+            raise NonFiniteLossError(
+                f"stage 2: loss is {float(value.detach())} at step {self.state.global_step}"
+                f" (last good checkpoint: {last or 'none yet'}); lower stage2.lr or check stage 1"
+            )
+        return (value, outputs) if return_outputs else value
+
+
+# ----- LoRA -------------------------------------------------------------------------------------------------
+def apply_lora(student: nn.Module, settings: Stage2Settings) -> nn.Module:
+    """Wrap ``student`` with LoRA adapters on ``settings.lora.targets`` (optionally training the mixers)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("stage 2 needs peft: pip install 'hf-recattn[train]'") from err
+    lora = settings.lora
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets),
+        bias="none",
+        modules_to_save=["mixer"] if settings.train_mixer else None,
+    )
+    for p in student.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(student, config)
+
+
+def merge_lora(peft_model: nn.Module) -> nn.Module:
+    """Fold the adapters into the weights and return the plain model."""
+    merged = peft_model.merge_and_unload()
+    merged.eval()
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    return merged
+
+
+# ----- the stage --------------------------------------------------------------------------------------------
+@dataclass
+class FinetuneResult:
+    steps: int
+    tokens: int
+    seconds: float
+    final_loss: float | None
+    resumed_from: int
+    trainable_parameters: int
+    forms: dict[str, str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _StopAfter(TrainerCallback):
+    """Stop training after a given global step (used to split a run into resumable pieces)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+def training_arguments(
+    settings: Stage2Settings, output_dir: str | Path, seed: int, steps: int, progress: bool, **overrides: Any
+) -> TrainingArguments:
+    values: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": settings.batch_size,
+        "gradient_accumulation_steps": settings.grad_accum,
+        "learning_rate": settings.lr,
+        "max_steps": steps,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": int(round(settings.warmup_fraction * steps)),
+        "weight_decay": settings.weight_decay,
+        "max_grad_norm": settings.max_grad_norm,
+        "logging_steps": max(1, min(10, steps // 10)),
+        "save_strategy": "steps",
+        "save_steps": settings.save_steps,
+        "save_total_limit": 1,
+        "report_to": "none",
+        "seed": seed,
+        "data_seed": seed,
+        "dataloader_num_workers": 0,
+        "dataloader_pin_memory": False,
+        "remove_unused_columns": False,
+        "disable_tqdm": not progress,
+        "use_cpu": not torch.cuda.is_available(),
+    }
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def finetune(
+    teacher: nn.Module | None,
+    student: nn.Module,
+    blocks: torch.Tensor,
+    settings: Stage2Settings,
+    output_dir: str | Path,
+    seed: int = 0,
+    progress: bool = True,
+    stop_after_step: int | None = None,
+    pick_forms: bool = True,
+    callbacks: list[TrainerCallback] | None = None,
+) -> tuple[nn.Module, FinetuneResult]:
+    """LoRA-finetune ``student`` on ``blocks`` (resuming from Trainer checkpoints in ``output_dir``), merge.
+
+    Returns the merged plain model and a summary. ``stop_after_step`` ends the run early at that step with a
+    checkpoint (the merged model is still returned). ``pick_forms``: train each mixer in its faster form.
+    """
+    tokens_per_step = settings.batch_size * settings.grad_accum * blocks.shape[1]
+    steps = max(1, settings.tokens // tokens_per_step)
+    peft_model = apply_lora(student, settings)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    args = training_arguments(settings, output_dir, seed, steps, progress)
+    trainer = DistillTrainer(
+        model=peft_model,
+        args=args,
+        train_dataset=BlockDataset(blocks),
+        data_collator=default_data_collator,
+        teacher=teacher if settings.loss != "ce" else None,
+        loss=settings.loss,
+        temperature=settings.temperature,
+        kl_weight=settings.kl_weight,
+        callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
+    )
+    last = latest_trainer_checkpoint(output_dir)
+    resumed = 0
+    if last is not None:
+        resumed = int(last.name.split("-")[-1])
+    began = time.perf_counter()
+    with fastest_forms(student, blocks.shape[1], pick_forms) as forms:
+        trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
+    seconds = time.perf_counter() - began
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    final = float(losses[-1]) if losses else None
+    if final is not None and not math.isfinite(final):
+        raise NonFiniteLossError(f"stage 2: the logged loss is {final} at step {trainer.state.global_step}")
+    done = trainer.state.global_step
+    merged = merge_lora(peft_model)
+    return merged, FinetuneResult(done, done * tokens_per_step, seconds, final, resumed, trainable, forms)

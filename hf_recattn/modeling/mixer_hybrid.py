@@ -1,0 +1,254 @@
+"""LoLCATs-style hybrid: softmax over the last ``window`` tokens plus a linear / taylor mixer over the rest.
+
+Query t sees keys t-W+1..t (W = window, itself included) through softmax and keys <= t-W through the "far"
+mixer; a key enters the far state when it leaves the window. Per query head, a learnable g = sigmoid(lambda)
+(``mix_init`` is g at initialization) weighs the two parts. ``combine`` says how:
+
+* ``shared`` (default, as in LoLCATs): one normalization over both parts,
+
+      o_t = (g sum_win e^{s q.k} v + (1-g) num_far) / (g sum_win e^{s q.k} + (1-g) den_far),
+
+  where num_far / den_far are the far mixer's un-normalized numerator and denominator. It is computed stably
+  as a softmax over the window logits (+ log g) plus one extra entry with logit log((1-g) den_far) whose
+  value is the far mixer's own average num_far / den_far. This is the rule that converts best from a
+  pretrained softmax model: with a taylor far part the layer *is* softmax with exp replaced by T_N on far
+  keys (exactly so at g = 1/2, where the common factor cancels), and with any far mixer the split of
+  attention mass between near and far keys depends on the query, as in softmax (a query with one dominant
+  local key ignores the far estimate). It needs a far mixer with a positive denominator: linear with
+  normalize="denominator" and a non-negative feature map, or taylor with denominator="exact".
+* ``sum``: o_t = g softmax_window_t + (1-g) far_t, each part normalized on its own (any far mixer, e.g. a
+  taylor far part with an l2 norm). The split between near and far is then a fixed per-head constant.
+
+The recurrent state holds the last W keys / values (with a mask of which are real tokens) and the far
+mixer's state (keys prefixed "far."). Both parts read the same rotary-embedded q and k (the hybrid spec's
+``rope`` decides; the nested far spec's ``rope`` is ignored), and the window logits use s = 1/sqrt(d).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_linear import LinearMixer
+from .mixer_taylor import TaylorMixer
+from .ops_linear import linear_chunked, linear_parallel, linear_step
+from .options import Option
+
+FAR_MIXERS = ("linear", "taylor")
+COMBINE = ("shared", "sum")
+#: linear feature maps whose features are never negative (so the linear denominator is >= 0)
+NONNEGATIVE_MAPS = ("elu", "relu", "exp", "hedgehog", "taylor2")
+FAR_PREFIX = "far."
+
+
+def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
+    """Why a validated far spec cannot serve as the far part, or None."""
+    if far["mixer"] not in FAR_MIXERS:
+        return f"must be a {' or '.join(FAR_MIXERS)} spec, got mixer {far['mixer']!r}"
+    if not far["causal"]:
+        return "the far mixer must be causal"
+    if far["mixer"] == "taylor" and (far["order"] == "exp" or far["cache"] == "kv"):
+        return "a taylor far mixer needs a finite order and a recurrent state (not order='exp' or cache='kv')"
+    if combine == "shared":
+        positive = (
+            far["mixer"] == "linear"
+            and far["normalize"] == "denominator"
+            and far["feature_map"] in NONNEGATIVE_MAPS
+        ) or (far["mixer"] == "taylor" and far["denominator"] == "exact")
+        if not positive:
+            return (
+                "combine='shared' needs a far mixer with a positive denominator: linear with "
+                f"normalize='denominator' and feature_map in {list(NONNEGATIVE_MAPS)}, or taylor with "
+                "denominator='exact'; use combine='sum' otherwise"
+            )
+    return None
+
+
+class HybridMixer(Mixer):
+    """Sliding-window softmax + a recurrent far mixer, mixed per head by a learnable weight."""
+
+    name = "hybrid"
+    options = {
+        "window": Option((int,), 64, "softmax keys per query, the current token included", minimum=1),
+        "far": Option(
+            (dict, str),
+            {"mixer": "linear", "feature_map": "hedgehog"},
+            "spec of the mixer over the tokens before the window: linear or taylor",
+        ),
+        "combine": Option(
+            (str,),
+            "shared",
+            "one shared normalization, or a weighted sum of normalized parts",
+            choices=COMBINE,
+        ),
+        "mix_init": Option((float,), 0.5, "initial window weight g = sigmoid(lambda), in (0, 1)"),
+        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
+    }
+    state_kind = "window"
+    has_chunked = True
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        from .mixers import validate_spec  # the registry imports this module
+
+        far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])
+        far = validate_spec(far, f"{where}: option 'far'")
+        problem = _far_spec_problem(far, spec["combine"])
+        if problem is not None:
+            raise ValueError(f"{where}: option 'far' {problem}")
+        spec["far"] = far
+        if not 0.0 < spec["mix_init"] < 1.0:
+            raise ValueError(f"{where}: option 'mix_init' must be in (0, 1), got {spec['mix_init']!r}")
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        self.window = int(spec["window"])
+        self.combine = spec["combine"]
+        self.chunk_size = int(spec["chunk_size"])
+        self.scale = shape.head_dim**-0.5
+        self.mix_init = float(spec["mix_init"])
+        far = dict(spec["far"])
+        if far["mixer"] == "taylor":  # the far part must be recurrent: a budget overrun is an error here
+            far["cache"] = "recurrent"
+            self.far: Mixer = TaylorMixer(far, shape, config)
+        else:
+            self.far = LinearMixer(far, shape, config)
+        self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), self._logit_init()))
+
+    def _logit_init(self) -> float:
+        return math.log(self.mix_init / (1.0 - self.mix_init))
+
+    def init_parameters(self, init: Any) -> None:
+        init.constant_(self.mix_logit, self._logit_init())
+
+    # ----- the far part through one interface -----------------------------------------------------------
+    def _far_terms(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, State | None]:
+        far = self.far
+        if isinstance(far, TaylorMixer):
+            return far.terms(q, k, v, inputs, state, form)
+        qf, kf = far._features(q, k, inputs)
+        if form == "parallel":
+            num, den = linear_parallel(qf, kf, v)
+            return num, den, None, None
+        if form == "step":
+            num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"])
+        else:
+            num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], far.chunk_size)
+        return num, den, None, {"S": S, "z": z}
+
+    def _far_finish(
+        self, num: torch.Tensor, den: torch.Tensor | None, cnt: torch.Tensor | None, inputs: MixerInputs
+    ) -> torch.Tensor:
+        if isinstance(self.far, TaylorMixer):
+            return self.far.finish(num, den, cnt, inputs)
+        return self.far._finish(num, den)
+
+    # ----- one block of new tokens against the window buffer and the far state ------------------------------
+    def _block(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
+    ) -> tuple[torch.Tensor, State]:
+        w, t = self.window, q.shape[2]
+        hk, g = self.shape.num_kv_heads, self.shape.groups
+        keys = torch.cat([state["wk"], k], dim=2)  # [B, Hkv, W+T, D]: the last W old keys, then the new ones
+        values = torch.cat([state["wv"], v], dim=2)
+        new_real = inputs.token_mask
+        if new_real is None:
+            new_real = torch.ones(q.shape[0], t, dtype=torch.bool, device=q.device)
+        real = torch.cat([state["wmask"], new_real.bool()], dim=1)  # [B, W+T]
+
+        # far part: query j reads keys W+T indices <= j, i.e. the far state plus the keys that left the window
+        far_inputs = MixerInputs(
+            hidden_states=inputs.hidden_states, padding_mask=real[:, :t], past_length=inputs.past_length
+        )
+        far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
+        num_f, den_f, cnt_f, far_state = self._far_terms(
+            q, keys[:, :, :t], values[:, :, :t], far_inputs, far_state, form
+        )
+
+        # window part: query j sees indices j+1 .. j+W (itself is j+W, always visible so no row is empty)
+        qg = group_queries(q, hk)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
+        rel = torch.arange(w + t, device=q.device)[None, :] - torch.arange(t, device=q.device)[:, None]
+        visible = (rel >= 1) & (rel <= w)
+        visible = (visible & real[:, None, None, None, :]) | (rel == w)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
+
+        if self.combine == "shared":
+            has_far = den_f > 0
+            log_den = torch.where(
+                has_far,
+                torch.log(den_f.clamp_min(torch.finfo(den_f.dtype).tiny)),
+                torch.full_like(den_f, float("-inf")),
+            )
+            far_avg = num_f / torch.where(has_far, den_f, torch.ones_like(den_f))[..., None]
+            logits = torch.cat(
+                [scores + F.logsigmoid(mix)[..., None], (F.logsigmoid(-mix) + log_den)[..., None]], dim=-1
+            )
+            p = torch.softmax(logits, dim=-1)
+            out = torch.einsum("bhgts,bhse->bhgte", p[..., :-1], values) + p[..., -1:] * far_avg
+            out = ungroup_output(out)
+        else:
+            near = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values))
+            far_out = self._far_finish(num_f, den_f, cnt_f, far_inputs)
+            share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
+            out = share * near + (1.0 - share) * far_out
+
+        new_state = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
+        if far_state is not None:
+            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        return out, new_state
+
+    # ----- forms ------------------------------------------------------------------------------------------
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
+        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), "parallel")
+        return out
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        t = q.shape[2]
+        outs = []
+        for start in range(0, t, self.chunk_size):
+            stop = min(start + self.chunk_size, t)
+            mask = inputs.padding_mask
+            sub = MixerInputs(
+                hidden_states=inputs.hidden_states[:, start:stop],
+                padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + stop],
+                past_length=inputs.past_length + start,
+            )
+            out, state = self._block(
+                q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, "chunked"
+            )
+            outs.append(out)
+        return torch.cat(outs, dim=1), state
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._block(q, k, v, inputs, state, "step")
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        shape = (batch_size, self.shape.num_kv_heads, self.window, self.shape.head_dim)
+        state = {
+            "wk": torch.zeros(shape, device=device, dtype=dtype),
+            "wv": torch.zeros(shape, device=device, dtype=dtype),
+            "wmask": torch.zeros(batch_size, self.window, dtype=torch.bool, device=device),
+        }
+        state.update(
+            {FAR_PREFIX + name: x for name, x in self.far.init_state(batch_size, device, dtype).items()}
+        )
+        return state
+
+    def state_size(self, context_length: int) -> int:
+        window = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.window + self.window
+        return window + self.far.state_size(context_length)

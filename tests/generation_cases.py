@@ -1,0 +1,141 @@
+"""Model cases shared by the generation and cache tests: every mixer, representative specs, hybrids.
+
+A spec whose mixer is not registered yet is skipped; every registered mixer missing from the list gets its
+default spec, so a family added later is covered without editing this file.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.modeling.mixers import MIXERS
+
+VOCAB = 64
+PAD = 0
+
+#: representative specs; the tiny model shrinks chunk sizes (see `tiny_spec`) so prompts span several chunks
+SPECS: list[dict[str, Any]] = [
+    {"mixer": "softmax"},
+    {"mixer": "sliding_window", "window": 3},
+    {"mixer": "linear", "feature_map": "elu"},
+    {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms"},
+    {"mixer": "linear", "feature_map": "taylor2"},
+    {"mixer": "linear", "feature_map": "cosine", "normalize": "l2"},
+    {"mixer": "taylor", "order": 2},
+    {"mixer": "taylor", "order": 3, "denominator": "l2"},
+    {"mixer": "taylor", "order": 2, "denominator": "gate"},
+    {"mixer": "taylor", "order": "exp"},
+    {"mixer": "heinsen"},
+    {"mixer": "hybrid", "window": 3},
+    {"mixer": "hybrid", "window": 3, "far": {"mixer": "taylor", "order": 2}},
+]
+
+#: models whose layers use different mixers: (attention, overrides, layers)
+HYBRID_MODELS: dict[str, tuple[Any, dict | None, int]] = {
+    "layers:window+taylor+softmax": (
+        {"mixer": "taylor", "order": 2},
+        {"0": {"mixer": "sliding_window", "window": 3}, "-1": {"mixer": "softmax"}},
+        3,
+    ),
+    "layers:linear+heinsen+hybrid": (
+        [{"mixer": "linear", "feature_map": "hedgehog"}, {"mixer": "heinsen"},
+         {"mixer": "hybrid", "window": 4}],
+        None,
+        3,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    attention: Any
+    overrides: dict | None = None
+    layers: int = 2
+
+    def mixers(self) -> set[str]:
+        specs = self.attention if isinstance(self.attention, list) else [self.attention]
+        specs = [*specs, *(self.overrides or {}).values()]
+        names = {s["mixer"] for s in specs}
+        names |= {s["far"]["mixer"] for s in specs if isinstance(s.get("far"), dict)}
+        return names
+
+
+def spec_id(spec: dict[str, Any]) -> str:
+    rest = ",".join(
+        f"{k}={v['mixer'] if isinstance(v, dict) else v}" for k, v in spec.items() if k != "mixer"
+    )
+    return f"{spec['mixer']}({rest})" if rest else spec["mixer"]
+
+
+def all_cases() -> list[Case]:
+    specs = list(SPECS)
+    named = {s["mixer"] for s in specs}
+    specs += [{"mixer": name} for name in MIXERS if name not in named]  # families registered later
+    cases = [Case(spec_id(s), s) for s in specs]
+    cases += [Case(name, att, ov, n) for name, (att, ov, n) in HYBRID_MODELS.items()]
+    return cases
+
+
+def case_params() -> list[Any]:
+    """pytest params: one per case, skipped while one of its mixers is not registered."""
+    params = []
+    for case in all_cases():
+        missing = sorted(case.mixers() - set(MIXERS))
+        marks = [pytest.mark.skip(reason=f"mixer(s) {missing} not registered yet")] if missing else []
+        params.append(pytest.param(case, id=case.id, marks=marks))
+    return params
+
+
+def tiny_spec(spec: Any) -> Any:
+    """Small chunks, so that short prompts exercise several chunks of the chunked form."""
+    if isinstance(spec, list):
+        return [tiny_spec(s) for s in spec]
+    spec = copy.deepcopy(spec)
+    cls = MIXERS.get(spec["mixer"])
+    if cls is not None and "chunk_size" in cls.all_options() and "chunk_size" not in spec:
+        spec["chunk_size"] = 4
+    if isinstance(spec.get("far"), dict):
+        spec["far"] = tiny_spec(spec["far"])
+    return spec
+
+
+def tiny_model(case: Case, max_positions: int = 64, seed: int = 0) -> RecAttnForCausalLM:
+    """A 2-3 layer fp32 model (hidden 32, 4 heads, 2 KV heads, head_dim 8) with spread-out logits."""
+    torch.manual_seed(seed)
+    overrides = {k: tiny_spec(v) for k, v in case.overrides.items()} if case.overrides else None
+    config = RecAttnConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=case.layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None,
+        attention=tiny_spec(case.attention), attention_overrides=overrides,
+    )
+    return RecAttnForCausalLM(config).eval()
+
+
+def left_padded_batch(
+    lengths: tuple[int, ...] = (6, 8, 9), seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and 0/1 mask of rows with the given real lengths, left-padded to the longest."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, VOCAB, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n :] = 1
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def one_thread() -> None:
+    """Tiny models run fastest on one thread; two OpenMP threads on two shared cores stall (10x slower)."""
+    torch.set_num_threads(1)
+
+
+def kinds(model: RecAttnForCausalLM) -> list[str]:
+    return [layer.self_attn.mixer.state_kind for layer in model.model.layers]

@@ -1,0 +1,180 @@
+"""Stage 1 (attention transfer) on a tiny random Llama: what it trains and leaves alone, resume, NaN stop."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
+
+from hf_recattn import from_llama
+from hf_recattn.conversion import attention_transfer as at
+from hf_recattn.conversion.recipe import Stage1Settings
+from hf_recattn.data.corpus import token_blocks
+
+HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # tiny ops: a second thread only adds synchronization on a shared machine
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[torch.nn.Module, torch.Tensor]:
+    tokenizer = tiny_tokenizer()
+    teacher = tiny_teacher(len(tokenizer))
+    blocks = token_blocks(tokenizer, tiny_texts(), 32)
+    return teacher, blocks
+
+
+def _settings(steps: int, **kw: object) -> Stage1Settings:
+    return Stage1Settings(tokens=steps * 4 * 32, lr=2e-2, block_size=32, batch_size=4, save_every=2, **kw)
+
+
+def _layer_mse(teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+    io = at.teacher_attention_io(teacher, ids)
+    pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
+    with torch.no_grad():
+        return [
+            float(torch.nn.functional.mse_loss(at.student_attention(student, i, h, pe), y))
+            for i, (h, y) in sorted(io.items())
+        ]
+
+
+def test_hooks_capture_the_teacher_attention(setup) -> None:  # noqa: ANN001
+    """A softmax student fed the captured inputs reproduces the captured outputs (the capture is faithful)."""
+    teacher, blocks = setup
+    student = from_llama(teacher, "softmax")
+    assert max(_layer_mse(teacher, student, blocks[:2])) < 1e-10
+
+
+def test_stage1_reduces_mse_and_touches_only_mixer_parameters(setup) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    torch.manual_seed(0)
+    student = from_llama(teacher, HEDGEHOG)
+    teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    student_before = {k: v.clone() for k, v in student.state_dict().items()}
+    heldout = blocks[-4:]
+    before = _layer_mse(teacher, student, heldout)
+    result = at.attention_transfer(teacher, student, blocks[:-4], _settings(30), progress=False)
+    after = _layer_mse(teacher, student, heldout)
+    assert result.steps == 30 and result.tokens == 30 * 4 * 32
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        assert a < 0.8 * b, f"layer {i}: held-out MSE {b:.4g} -> {a:.4g}"
+    for key, value in teacher.state_dict().items():
+        assert torch.equal(value, teacher_before[key]), f"teacher weight {key} changed"
+    changed = {k for k, v in student.state_dict().items() if not torch.equal(v, student_before[k])}
+    assert changed and all(".mixer." in k for k in changed), sorted(changed)
+    expected = {n for group in at.mixer_parameters(student).values() for n in group}
+    assert changed <= expected
+    assert not any(p.requires_grad for p in student.parameters())  # left frozen for stage 2
+
+
+def test_projections_option_trains_only_those_copies(setup) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    student = from_llama(teacher, {"mixer": "heinsen", "scale": 0.5})  # a mixer without parameters
+    assert at.mixer_parameters(student) == {}
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    settings = _settings(3, projections=("q_proj", "k_proj"), projection_lr=1e-3)
+    at.attention_transfer(teacher, student, blocks, settings, progress=False)
+    changed = {k for k, v in student.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight")) for k in changed), sorted(changed)
+    assert torch.equal(
+        teacher.model.layers[0].self_attn.q_proj.weight,
+        tiny_teacher(teacher.config.vocab_size).model.layers[0].self_attn.q_proj.weight,
+    )
+
+
+def test_resume_after_interrupt_continues_identically(setup, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    settings = _settings(6)
+    torch.manual_seed(0)
+    reference = from_llama(teacher, HEDGEHOG)
+    at.attention_transfer(teacher, reference, blocks, settings, checkpoint_dir=tmp_path / "a", progress=False)
+
+    torch.manual_seed(0)
+    student = from_llama(teacher, HEDGEHOG)
+    real = at.teacher_attention_io
+    calls = {"n": 0}
+
+    def interrupt_at_step_5(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(at, "teacher_attention_io", interrupt_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        at.attention_transfer(
+            teacher, student, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False
+        )
+    monkeypatch.setattr(at, "teacher_attention_io", real)
+    assert at.latest_step_dir(tmp_path / "b").name == "step-0000004"
+
+    torch.manual_seed(0)
+    fresh = from_llama(teacher, HEDGEHOG)
+    result = at.attention_transfer(
+        teacher, fresh, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False
+    )
+    assert result.resumed_from == 4 and result.steps == 6
+    for (name, a), b in zip(
+        at.mixer_state_dict(reference).items(), at.mixer_state_dict(fresh).values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=name)
+
+
+def test_nan_loss_stops_naming_layer_and_step_and_keeps_last_good(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    student = from_llama(teacher, HEDGEHOG)
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 4:  # the fourth step
+            return (torch.full_like(output[0], float("nan")), *output[1:])
+        return output
+
+    handle = teacher.model.layers[1].self_attn.register_forward_hook(poison)
+    try:
+        with pytest.raises(at.NonFiniteLossError, match=r"layer 1: .* at step 3") as info:
+            at.attention_transfer(
+                teacher, student, blocks, _settings(10), checkpoint_dir=tmp_path, progress=False
+            )
+    finally:
+        handle.remove()
+    assert "last good checkpoint" in str(info.value)
+    kept = at.latest_step_dir(tmp_path)
+    assert kept is not None and kept.name == "step-0000003"
+    saved = at.load_tensors(kept / "mixer.safetensors")
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    for name, param in at.mixer_state_dict(student).items():  # the saved state is the one before the NaN step
+        assert torch.equal(saved[name], param)
+
+
+def test_fastest_forms_switch_back(setup) -> None:  # noqa: ANN001
+    teacher, _ = setup
+    student = from_llama(teacher, {"mixer": "taylor", "order": 2, "denominator": "rms", "chunk_size": 8})
+    mixer = student.model.layers[0].self_attn.mixer
+    with at.fastest_forms(student, seq_len=32) as chosen:
+        assert list(chosen.values())[0] in ("parallel", "chunked")
+        assert mixer.has_chunked == (list(chosen.values())[0] == "chunked")
+    assert "has_chunked" not in vars(mixer) and mixer.has_chunked is type(mixer).has_chunked
+
+
+def test_lr_schedule_and_empty_input() -> None:
+    settings = dataclasses.replace(_settings(100), warmup_fraction=0.1, min_lr_fraction=0.1)
+    lrs = [at.lr_at(s, 100, settings) for s in range(100)]
+    assert lrs[0] < lrs[9] == pytest.approx(settings.lr) and lrs[-1] == pytest.approx(
+        0.1 * settings.lr, rel=0.01
+    )
+    with pytest.raises(ValueError, match="stage 1"):
+        at.attention_transfer(
+            torch.nn.Linear(1, 1),
+            torch.nn.Linear(1, 1),
+            torch.zeros(0, 4, dtype=torch.long),
+            _settings(1),
+            progress=False,
+        )

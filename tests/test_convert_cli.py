@@ -1,0 +1,175 @@
+"""``hf-recattn convert`` end to end on a tiny teacher folder and a tiny corpus file: outputs, resume after an
+interrupt, refusing a folder that holds another run, determinism, and the NaN stop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_teacher_folder, write_recipe
+
+from hf_recattn.cli import main
+from hf_recattn.conversion import attention_transfer as at
+from hf_recattn.conversion import finetune as ft
+
+HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    monkeypatch.setenv("HF_RECATTN_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "teacher": tiny_teacher_folder(root / "teacher"),
+        "corpus": tiny_corpus_file(root / "corpus.jsonl"),
+        "hybrid": write_recipe(root / "tiny-hybrid.yaml", tiny_recipe_dict(HYBRID)),
+        "linear": write_recipe(root / "tiny-linear.yaml", tiny_recipe_dict()),
+    }
+
+
+def _args(assets: dict[str, Path], out: Path, recipe: str = "linear", *extra: str) -> list[str]:
+    return [
+        "convert",
+        "--teacher",
+        str(assets["teacher"]),
+        "--recipe",
+        str(assets[recipe]),
+        "--output",
+        str(out),
+        "--corpus",
+        str(assets["corpus"]),
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_convert_end_to_end_hybrid(
+    assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "run"
+    assert main(_args(assets, out, "hybrid")) == 0
+    printed = capsys.readouterr().out
+    assert "| teacher |" in printed and "| window-only |" in printed and "| far-only |" in printed
+    assert "through the window cache" in printed  # the sample went through the recurrent cache
+    model_dir = out / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "report.json"):
+        assert (model_dir / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["comparison"]) == {"teacher", "window-only", "far-only", "tiny-hybrid"}
+    for row in report["comparison"].values():
+        assert row["perplexity"] > 1 and row["eval_tokens"] == report["comparison"]["teacher"]["eval_tokens"]
+    assert report["stage1"]["steps"] == 6 and report["stage2"]["steps"] == 4
+    card = (model_dir / "README.md").read_text()
+    assert card.startswith("---") and "| window-only |" in card and "tiny-hybrid" in card
+    # the folder is a plain checkpoint: it loads with the Auto classes and generates through its cache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer("the cat sat", return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape[1] == ids.shape[1] + 4
+    # stage checkpoints are cleaned up once the model exists
+    assert not (out / "stage1" / "progress").exists() and not (out / "stage2" / "trainer").exists()
+
+
+def test_resume_after_interrupt_skips_finished_stage(
+    assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "run"
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ft, "finetune", interrupted)
+    assert main(_args(assets, out, "linear", "--no-eval")) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    assert (out / "stage1" / "result" / "summary.json").is_file() and not (out / "model").exists()
+    saved = (out / "stage1" / "result" / "mixer.safetensors").read_bytes()
+
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_RECATTN_CACHE", str(tmp_path / "cache"))
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("stage 1 ran again")
+
+    monkeypatch.setattr("hf_recattn.conversion.pipeline.attention_transfer", must_not_run)
+    assert main(_args(assets, out, "linear", "--no-eval")) == 0
+    printed = capsys.readouterr().out
+    assert "resuming" in printed and "stage 1: done earlier" in printed
+    assert (out / "model" / "model.safetensors").is_file()
+    assert (out / "stage1" / "result" / "mixer.safetensors").read_bytes() == saved
+
+
+def test_refuses_a_folder_holding_something_else(
+    assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(_args(assets, out, "linear", "--no-eval")) == 2
+    assert "already holds files that are not a conversion run" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
+
+    other = tmp_path / "other"
+    assert main(_args(assets, other, "linear", "--no-eval")) == 0
+    assert main(_args(assets, other, "linear", "--no-eval", "--seed", "3")) == 2
+    assert "differs in: recipe_fingerprint, seed" in capsys.readouterr().err
+    assert main(_args(assets, other, "linear", "--no-eval", "--seed", "3", "--overwrite")) == 0
+    assert json.loads((other / "run.json").read_text())["seed"] == 3
+
+
+def test_same_seed_same_model(assets: dict[str, Path], tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        assert main(_args(assets, tmp_path / name, "linear", "--no-eval")) == 0
+    a = (tmp_path / "a" / "model" / "model.safetensors").read_bytes()
+    b = (tmp_path / "b" / "model" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_nan_during_stage1_stops_with_a_clear_message(
+    assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    real = at.teacher_attention_io
+    calls = {"n": 0}
+
+    def poisoned(teacher: torch.nn.Module, ids: torch.Tensor) -> dict:
+        io = real(teacher, ids)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            hidden, out = io[0]
+            io[0] = (hidden, out * float("inf"))
+        return io
+
+    monkeypatch.setattr(at, "teacher_attention_io", poisoned)
+    out = tmp_path / "run"
+    assert main(_args(assets, out, "linear", "--no-eval")) == 3
+    err = capsys.readouterr().err
+    assert "layer 0" in err and "at step 1" in err and "last good checkpoint" in err
+    assert (out / "stage1" / "progress" / "step-0000001" / "mixer.safetensors").is_file()
+    assert not (out / "model").exists()
+
+
+def test_bad_recipe_is_one_clear_line(
+    assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    bad = write_recipe(tmp_path / "bad.yaml", tiny_recipe_dict({"mixer": "linear", "feature_map": "nope"}))
+    args = [
+        "convert",
+        "--teacher",
+        str(assets["teacher"]),
+        "--recipe",
+        str(bad),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-recattn convert: error:") and "bad.yaml" in err and "feature_map" in err

@@ -1,0 +1,250 @@
+"""Evaluation: perplexity against an independent float64 loop, passkey scoring, generation through the cache,
+decode cost, reports, model cards and the eval / generate commands."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from tiny_lm import save_tiny_teacher, tiny_dims, tiny_tokenizer
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama
+from hf_recattn import evaluation as ev
+from hf_recattn.cli import main
+from hf_recattn.evaluation import (
+    comparison_table,
+    decode_stats,
+    evaluate,
+    generation_samples,
+    passkey_probe,
+    passkey_prompt,
+    perplexity,
+    write_model_card,
+    write_report,
+)
+
+
+class BigramLM(torch.nn.Module):
+    """logits[t] = table[token t]: a model whose every logit is known without running it."""
+
+    def __init__(self, vocab: int, scale: float = 3.0) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab) * scale)
+        self.config = SimpleNamespace(vocab_size=vocab)
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def _reference_perplexity(table: torch.Tensor, blocks: torch.Tensor) -> float:
+    """exp of the mean NLL, one token at a time in float64 with an explicit log-sum-exp."""
+    table = table.double()
+    nll, count = 0.0, 0
+    for row in blocks.tolist():
+        for prev, nxt in zip(row[:-1], row[1:], strict=True):
+            logits = table[prev].tolist()
+            top = max(logits)
+            log_z = top + math.log(sum(math.exp(x - top) for x in logits))
+            nll += log_z - logits[nxt]
+            count += 1
+    return math.exp(nll / count)
+
+
+def _tiny_model(tokenizer, spec: object = "softmax", max_positions: int = 2048) -> RecAttnForCausalLM:  # noqa: ANN001
+    torch.manual_seed(0)
+    dims = dict(tiny_dims(len(tokenizer)), max_position_embeddings=max_positions)
+    return RecAttnForCausalLM(RecAttnConfig(**dims, attention=spec)).eval()
+
+
+# ----- perplexity ---------------------------------------------------------------------------------
+def test_perplexity_matches_float64_reference_for_any_batch_size() -> None:
+    model = BigramLM(17)
+    blocks = torch.randint(0, 17, (5, 9), generator=torch.Generator().manual_seed(0))
+    expected = _reference_perplexity(model.table.detach(), blocks)
+    for batch_size in (1, 2, 5, 8):
+        assert perplexity(model, blocks, batch_size=batch_size) == pytest.approx(expected, rel=1e-5)
+
+
+def test_perplexity_of_uniform_logits_is_the_vocab_size() -> None:
+    model = BigramLM(23, scale=0.0)
+    blocks = torch.randint(0, 23, (3, 7))
+    assert perplexity(model, blocks) == pytest.approx(23.0, rel=1e-6)
+    model.train()
+    perplexity(model, blocks)
+    assert model.training  # restored
+    with pytest.raises(ValueError, match="blocks"):
+        perplexity(model, torch.zeros(3, dtype=torch.long))
+
+
+# ----- generation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["softmax", {"mixer": "linear", "feature_map": "elu"}])
+def test_samples_are_greedy_through_the_cache(spec: object) -> None:
+    tok = tiny_tokenizer()
+    model = _tiny_model(tok, spec)
+    prompts = ["the river runs", "what is the pass key?"]
+    samples = generation_samples(model, tok, prompts, max_new_tokens=6)
+    for prompt, sample in zip(prompts, samples, strict=True):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        plain = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=2)
+        assert sample == tok.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_chat_template_is_used_when_present() -> None:
+    tok = tiny_tokenizer()
+    raw = ev.prompt_ids(tok, "the river")
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>{% endif %}")
+    chat = ev.prompt_ids(tok, "the river")[0].tolist()
+    assert chat[0] == tok.bos_token_id and chat[-1] == tok.bos_token_id
+    assert chat[-2] == tok.eos_token_id and len(chat) > raw.shape[1]
+    assert ev.prompt_ids(tok, "the river", chat=False).tolist() == raw.tolist()
+
+
+# ----- passkey ------------------------------------------------------------------------------------
+def test_passkey_prompt_length_and_depth() -> None:
+    tok = tiny_tokenizer()
+    unit = len(tok(ev._FILLER, add_special_tokens=False)["input_ids"])
+    for length, depth in ((300, 0.2), (600, 0.8)):
+        ids = passkey_prompt(tok, length, "12345", depth)[0]
+        assert abs(ids.shape[0] - length) <= unit + 4
+        text = tok.decode(ids)
+        assert text.count("12345") == 2 and text.rstrip().endswith("The pass key is")
+        assert abs(text.index("12345") / len(text) - depth) < 0.1
+
+
+def test_passkey_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = tiny_tokenizer()
+    model = _tiny_model(tok)
+
+    def oracle(model, tokenizer, ids, max_new_tokens, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        key = re.search(r"\d{5}", tokenizer.decode(ids[0])).group(0)  # the filler has no digits
+        return torch.tensor(tokenizer(f" {key}.", add_special_tokens=False)["input_ids"])
+
+    monkeypatch.setattr(ev, "_generate", oracle)
+    result = passkey_probe(model, tok, context_lengths=(200, 400), trials=3, seed=1)
+    assert result["accuracy"] == {"200": 1.0, "400": 1.0} and result["mean_accuracy"] == 1.0
+    keys = [a["key"] for a in result["answers"]["200"]]
+    assert len(set(keys)) == 3 and all(len(k) == 5 for k in keys)
+    assert passkey_probe(model, tok, (200, 400), trials=3, seed=1)["answers"] == result["answers"]  # seeded
+    monkeypatch.setattr(ev, "_generate", lambda *a, **k: torch.tensor(tok("no idea")["input_ids"]))
+    assert passkey_probe(model, tok, (200,), trials=2)["mean_accuracy"] == 0.0
+
+
+def test_passkey_runs_a_real_model() -> None:
+    tok = tiny_tokenizer()
+    result = passkey_probe(_tiny_model(tok, {"mixer": "linear", "feature_map": "elu"}), tok, (128,), trials=2)
+    assert result["accuracy"]["128"] in (0.0, 0.5, 1.0) and len(result["answers"]["128"]) == 2
+
+
+def test_probes_respect_max_position_embeddings() -> None:
+    tok = tiny_tokenizer()
+    model = _tiny_model(tok, max_positions=256)
+    result = passkey_probe(model, tok, context_lengths=(1024,), trials=1)
+    assert result["skipped"] == [1024] and result["accuracy"] == {} and result["mean_accuracy"] is None
+    stats = decode_stats(model, context_length=512, steps=4)
+    assert stats["context_length"] == 252 and stats["requested_context_length"] == 512
+
+
+# ----- decode cost --------------------------------------------------------------------------------
+def test_decode_stats_cache_bytes() -> None:
+    tok = tiny_tokenizer()
+    kv_per_token = 2 * 2 * 8 * 4  # k and v, 2 kv heads, head_dim 8, fp32
+    stats = decode_stats(_tiny_model(tok), context_length=40, steps=3)
+    assert stats["cache_bytes"] == 2 * 40 * kv_per_token  # 2 layers
+    assert stats["cache_bytes_after_decode"] == 2 * 43 * kv_per_token
+    assert stats["median_ms_per_token"] > 0 and stats["steps"] == 3
+    linear_model = _tiny_model(tok, {"mixer": "linear", "feature_map": "elu"})
+    linear = decode_stats(linear_model, context_length=40, steps=3)
+    assert linear["cache_bytes"] == linear["cache_bytes_after_decode"] > 0  # a fixed-size state
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(**tiny_dims(len(tok)))).eval()  # a DynamicCache: counted generically
+    assert decode_stats(llama, context_length=40, steps=2)["cache_bytes"] == 2 * 40 * kv_per_token
+
+
+# ----- reports ------------------------------------------------------------------------------------
+def test_evaluate_quick_report_and_card(tmp_path: Path) -> None:
+    tok = tiny_tokenizer()
+    model = _tiny_model(tok, {"mixer": "linear", "feature_map": "elu"})
+    blocks = torch.randint(3, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
+    report = evaluate(model, tok, blocks, quick=True)
+    assert report["perplexity"] == pytest.approx(perplexity(model, blocks))
+    assert report["eval_tokens"] == 32 and report["block_size"] == 16
+    assert set(report["passkey"]["accuracy"]) == {"1024"} and len(report["samples"]) == 2
+    assert report["model"]["mixers"] == {"linear": 2}
+    path = write_report(tmp_path, report)
+    assert json.loads(path.read_text())["perplexity"] == report["perplexity"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left
+
+    teacher = dict(report, perplexity=10.0)
+    report["comparison"] = {"teacher": teacher, "hybrid": dict(report, perplexity=11.5)}
+    card = write_model_card(tmp_path / "out", report, "org/teacher", {"attention": {"mixer": "linear"}})
+    text = card.read_text()
+    front = yaml.safe_load(text.split("---")[1])
+    assert front["license"] == "apache-2.0" and front["base_model"] == "org/teacher"
+    assert front["library_name"] == "transformers" and "hf_recattn" in front["tags"]
+    assert "mixer-linear" in front["tags"]
+    assert "| hybrid | 11.50 | 1.150 |" in text and "trust_remote_code=True" in text
+    assert "import hf_recattn" in text and "mixer: linear" in text
+
+
+def test_comparison_table() -> None:
+    rows = {
+        "teacher": {"perplexity": 20.0, "passkey": {"mean_accuracy": 1.0},
+                    "decode": {"median_ms_per_token": 37.0, "context_length": 2048, "cache_bytes": 2**21}},
+        "window-only": {"perplexity": 30.0},
+        "hybrid": {"perplexity": 22.0, "passkey": {"mean_accuracy": 0.5}},
+    }
+    lines = comparison_table(rows).splitlines()
+    assert lines[0].startswith("| model | perplexity | × teacher |") and len(lines) == 5
+    assert lines[2] == "| teacher | 20.00 | 1.000 | 100% | 37.0 | 2048 | 2.00 |"
+    assert lines[3] == "| window-only | 30.00 | 1.500 | - | - | - | - |"
+    assert lines[4].startswith("| hybrid | 22.00 | 1.100 | 50% |")
+    with pytest.raises(ValueError):
+        comparison_table({})
+
+
+# ----- commands -----------------------------------------------------------------------------------
+def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ev, "passkey_probe", lambda *a, **k: {"accuracy": {}, "mean_accuracy": 0.0})
+    teacher = save_tiny_teacher(tmp_path / "teacher")
+    student = from_llama(teacher, "softmax")  # the same function: the same perplexity
+    student.save_pretrained(tmp_path / "student")
+    tiny_tokenizer().save_pretrained(tmp_path / "student")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"{i:02d}.txt").write_text(f"the river runs past the old mill {i} times and birds sing " * 3)
+    common = ["--corpus", str(docs), "--block-size", "16", "--quick"]
+    student_dir, teacher_dir = str(tmp_path / "student"), str(tmp_path / "teacher")
+    code = main(["eval", student_dir, "--tokens", "64", "--teacher", teacher_dir, *common])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| teacher |" in out and "| student |" in out
+    saved = json.loads((tmp_path / "student" / "eval.json").read_text())
+    results = saved["results"]
+    assert saved["heldout_tokens"] == 64
+    assert results["student"]["perplexity"] == pytest.approx(results["teacher"]["perplexity"], rel=1e-4)
+
+    generate = ["generate", str(tmp_path / "student"), "--prompt", "the river", "--max-new-tokens", "5"]
+    assert main(generate) == 0
+    assert main([*generate, "--sample", "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt + 5 new tokens" in captured.err
+
+    other = tmp_path / "other"
+    save_tiny_teacher(other, vocab_size=len(tiny_tokenizer()))
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tiny_tokenizer(vocab_size=90)
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    tok.save_pretrained(other)  # a different vocabulary
+    assert main(["eval", str(tmp_path / "student"), "--tokens", "32", "--teacher", str(other), *common]) == 2
+    assert "tokenizer differs" in capsys.readouterr().err

@@ -1,0 +1,273 @@
+"""Stage 2 (Trainer + LoRA): the loss, gradient-accumulation scaling, merging, resume and the NaN stop."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
+from transformers import default_data_collator
+
+from hf_recattn import RecAttnForCausalLM, from_llama
+from hf_recattn.conversion.attention_transfer import NonFiniteLossError
+from hf_recattn.conversion.finetune import (
+    BlockDataset,
+    DistillTrainer,
+    apply_lora,
+    distill_loss_sum,
+    finetune,
+    merge_lora,
+    training_arguments,
+)
+from hf_recattn.conversion.recipe import LoraSettings, Stage2Settings
+from hf_recattn.data.corpus import token_blocks
+
+HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[torch.nn.Module, torch.Tensor]:
+    tokenizer = tiny_tokenizer()
+    return tiny_teacher(len(tokenizer)), token_blocks(tokenizer, tiny_texts(), 32)
+
+
+def _settings(**kw: object) -> Stage2Settings:
+    base = dict(
+        tokens=4 * 2 * 32,
+        lr=1e-2,
+        block_size=32,
+        batch_size=2,
+        grad_accum=1,
+        loss="ce+kl",
+        temperature=2.0,
+        save_steps=2,
+        warmup_fraction=0.0,
+        lora=LoraSettings(r=4, alpha=8),
+    )
+    base.update(kw)
+    return Stage2Settings(**base)
+
+
+# ----- the loss ---------------------------------------------------------------------------------------------
+def _reference_loss(
+    student: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor, mode: str, t: float, w: float
+) -> tuple[float, int]:
+    """Per-position float64 loop, written independently of distill_loss_sum."""
+    total, count = 0.0, 0
+    for b in range(labels.shape[0]):
+        for i in range(labels.shape[1]):
+            if labels[b, i] == -100:
+                continue
+            s = student[b, i].double()
+            count += 1
+            ce = float(torch.logsumexp(s, 0) - s[labels[b, i]])
+            p = torch.softmax(teacher[b, i].double() / t, 0)
+            kl = float((p * (p.log() - torch.log_softmax(s / t, 0))).sum()) * t * t
+            total += {"ce": ce, "kl": kl, "ce+kl": ce + w * kl}[mode]
+    return total, count
+
+
+@pytest.mark.parametrize("mode", ["ce", "kl", "ce+kl"])
+def test_distill_loss_sum_matches_a_float64_loop(mode: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, generator=gen) * 3, torch.randn(2, 5, 11, generator=gen) * 3
+    labels = torch.randint(0, 11, (2, 5), generator=gen)
+    labels[0, 3:] = -100
+    total, count = distill_loss_sum(student, labels, teacher, mode, temperature=2.0, kl_weight=0.5)
+    ref_total, ref_count = _reference_loss(student, labels, teacher, mode, 2.0, 0.5)
+    assert count == ref_count == 8
+    assert float(total) == pytest.approx(ref_total, rel=1e-5)  # fp32 against fp64
+
+
+def test_kl_of_identical_distributions_is_zero() -> None:
+    logits = torch.randn(1, 4, 9)
+    total, _ = distill_loss_sum(logits, torch.zeros(1, 4, dtype=torch.long), logits.clone(), "kl", 3.0)
+    assert abs(float(total)) < 1e-5
+
+
+# ----- gradient accumulation --------------------------------------------------------------------------------
+class _UnscaledTrainer(DistillTrainer):
+    """The bug the test must catch: a per-token-normalized loss that Trainer then divides again."""
+
+    loss_is_scaled_for_ga = False
+
+
+def _one_sgd_step(
+    teacher: torch.nn.Module,
+    blocks: torch.Tensor,
+    mask: torch.Tensor,
+    batch: int,
+    accum: int,
+    tmp: Path,
+    trainer_class: type = DistillTrainer,
+) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    student = from_llama(teacher, HEDGEHOG)
+    settings = _settings(batch_size=batch, grad_accum=accum, tokens=4 * 32)
+    peft_model = apply_lora(student, settings)
+    with torch.no_grad():  # non-zero B so that both LoRA factors get gradients
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    args = training_arguments(
+        settings,
+        tmp,
+        seed=0,
+        steps=1,
+        progress=False,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        save_strategy="no",
+        logging_strategy="no",
+    )
+    trainer = trainer_class(
+        model=peft_model,
+        args=args,
+        train_dataset=BlockDataset(blocks, mask),
+        data_collator=default_data_collator,
+        teacher=teacher,
+        loss="ce+kl",
+        temperature=2.0,
+    )
+    trainer.train()
+    return {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def test_accumulation_1x4_equals_4x1(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """One optimizer step over 4 sequences gives the same update as a batch of 4 or 4 micro-batches of 1, even
+    with different numbers of real tokens per sequence (the loss is normalized over the accumulated batch)."""
+    teacher, blocks = setup
+    blocks = blocks[:4]
+    mask = torch.ones_like(blocks)
+    for row, real in enumerate((32, 9, 20, 4)):  # right padding of different lengths
+        mask[row, real:] = 0
+    start = _one_sgd_step(teacher, blocks, mask, 4, 1, tmp_path / "init")  # reference update
+    torch.manual_seed(0)
+    initial = {
+        n: p.detach().clone()
+        for n, p in apply_lora(from_llama(teacher, HEDGEHOG), _settings()).named_parameters()
+        if p.requires_grad
+    }
+    big = _one_sgd_step(teacher, blocks, mask, 4, 1, tmp_path / "a")
+    small = _one_sgd_step(teacher, blocks, mask, 1, 4, tmp_path / "b")
+    wrong = _one_sgd_step(teacher, blocks, mask, 1, 4, tmp_path / "c", _UnscaledTrainer)
+    for name in big:
+        torch.testing.assert_close(big[name], start[name], rtol=0, atol=0)  # deterministic
+        torch.testing.assert_close(small[name], big[name], rtol=1e-4, atol=1e-6, msg=name)
+    name = next(n for n in big if "lora_A" in n)
+    step_big = big[name] - _lora_init(initial, name, big)
+    step_wrong = wrong[name] - _lora_init(initial, name, big)
+    ratio = float(step_wrong.norm() / step_big.norm())
+    assert 0.1 < ratio < 0.9, ratio  # the double-scaled update is visibly smaller: the test can fail
+
+
+def _lora_init(initial: dict[str, torch.Tensor], name: str, like: dict[str, torch.Tensor]) -> torch.Tensor:
+    """LoRA A starts from the seeded init (the B values we overwrite do not touch A)."""
+    return initial[name] if name in initial else torch.zeros_like(like[name])
+
+
+# ----- merging, the whole stage, resume, NaN ----------------------------------------------------------------
+def test_merged_model_equals_the_peft_model(setup) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    peft_model = apply_lora(from_llama(teacher, HEDGEHOG), _settings())
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=blocks[:2]).logits
+        merged = merge_lora(peft_model)
+        got = merged(input_ids=blocks[:2]).logits
+    assert type(merged) is RecAttnForCausalLM
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    plain = from_llama(teacher, HEDGEHOG)
+    assert (got - plain(input_ids=blocks[:2]).logits).abs().max() > 1e-3  # the adapters did change something
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_finetune_trains_lora_merges_and_saves(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    torch.manual_seed(0)
+    student = from_llama(teacher, HEDGEHOG)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    merged, result = finetune(
+        teacher, student, blocks, _settings(tokens=6 * 2 * 32), tmp_path / "t", progress=False
+    )
+    assert result.steps == 6 and result.trainable_parameters > 0 and result.final_loss is not None
+    state = merged.state_dict()
+    changed = {k for k, v in state.items() if not torch.equal(v, before[k])}
+    assert changed and all(
+        k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed
+    ), sorted(changed)
+    merged.save_pretrained(tmp_path / "m")
+    loaded = RecAttnForCausalLM.from_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=blocks[:1]).logits, merged(input_ids=blocks[:1]).logits)
+
+
+def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    settings = _settings(tokens=4 * 2 * 32)
+    torch.manual_seed(0)
+    reference, _ = finetune(
+        teacher, from_llama(teacher, HEDGEHOG), blocks, settings, tmp_path / "a", progress=False
+    )
+    torch.manual_seed(0)
+    finetune(
+        teacher,
+        from_llama(teacher, HEDGEHOG),
+        blocks,
+        settings,
+        tmp_path / "b",
+        progress=False,
+        stop_after_step=2,
+    )
+    torch.manual_seed(0)
+    resumed, result = finetune(
+        teacher, from_llama(teacher, HEDGEHOG), blocks, settings, tmp_path / "b", progress=False
+    )
+    assert result.resumed_from == 2 and result.steps == 4
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_nan_loss_stops_stage2(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    bad_teacher = tiny_teacher(teacher.config.vocab_size)
+    with torch.no_grad():
+        bad_teacher.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLossError, match=r"stage 2: loss is nan at step 0"):
+        finetune(
+            bad_teacher, from_llama(teacher, HEDGEHOG), blocks, _settings(loss="kl"), tmp_path, progress=False
+        )
+
+
+def test_kl_needs_a_teacher(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    _, blocks = setup
+    with pytest.raises(ValueError, match="teacher"):
+        DistillTrainer(
+            model=torch.nn.Linear(2, 2),
+            args=training_arguments(dataclasses.replace(_settings()), tmp_path, 0, 1, False),
+            loss="kl",
+        )
+
+
+def test_train_mixer_also_trains_the_mixer_parameters(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    student = from_llama(teacher, HEDGEHOG)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    merged, _ = finetune(teacher, student, blocks, _settings(train_mixer=True), tmp_path, progress=False)
+    state = merged.state_dict()
+    assert set(state) == set(before)  # merged back into the plain layout
+    changed = {k for k, v in state.items() if not torch.equal(v, before[k])}
+    assert any(".mixer.feature_map." in k for k in changed) and any("q_proj" in k for k in changed)

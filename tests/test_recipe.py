@@ -1,0 +1,154 @@
+"""Recipes: packaged ones load for every budget and fit SmolLM2; bad ones fail naming the file and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from distill_fixtures import tiny_recipe_dict, write_recipe
+from transformers import LlamaConfig
+
+from hf_recattn.conversion.recipe import (
+    available_recipes,
+    budgets_of,
+    check_against_teacher,
+    load_recipe,
+    recipe_from_dict,
+)
+
+REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen"}
+
+
+def smollm2_config() -> LlamaConfig:
+    """SmolLM2-135M's shape (no weights needed: the check builds the student on the meta device)."""
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+
+
+def test_required_recipes_are_packaged() -> None:
+    assert REQUIRED <= set(available_recipes())
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_packaged_recipe_loads_and_fits_smollm2(name: str) -> None:
+    assert {"quick", "full"} <= set(budgets_of(name))
+    quick, full = load_recipe(name, "quick"), load_recipe(name, "full")
+    for recipe in (quick, full):
+        config = check_against_teacher(recipe, smollm2_config())
+        assert len(config.layer_specs()) == 30
+    total = full.stage1.tokens + full.stage2.tokens
+    assert quick.stage1.tokens + quick.stage2.tokens < total <= 3_000_000  # the issue's budget cap
+    assert quick.eval.quick and not full.eval.quick
+    assert quick.fingerprint() != full.fingerprint()
+
+
+def _error(tmp_path: Path, recipe: dict, budget: str = "quick") -> str:
+    path = write_recipe(tmp_path / "bad.yaml", recipe)
+    with pytest.raises(ValueError) as info:
+        load_recipe(path, budget)
+    message = str(info.value)
+    assert "bad.yaml" in message, message  # every error names the file
+    return message
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    recipe = tiny_recipe_dict()
+    recipe["stage3"] = {}
+    assert "stage3" in _error(tmp_path, recipe)
+
+
+def test_unknown_nested_key_names_its_path(tmp_path: Path) -> None:
+    recipe = tiny_recipe_dict()
+    recipe["stage2"]["lora"]["rank"] = 4
+    message = _error(tmp_path, recipe)
+    assert "stage2.lora" in message and "'rank'" in message
+
+
+def test_unknown_mixer_option(tmp_path: Path) -> None:
+    message = _error(tmp_path, tiny_recipe_dict({"mixer": "linear", "feature_map": "hedgehog", "depth": 3}))
+    assert "attention" in message and "depth" in message
+
+
+def test_bad_mixer_option_value(tmp_path: Path) -> None:
+    message = _error(tmp_path, tiny_recipe_dict({"mixer": "linear", "feature_map": "gaussian"}))
+    assert "feature_map" in message and "gaussian" in message
+
+
+def test_unknown_mixer_and_bad_override(tmp_path: Path) -> None:
+    assert "nonesuch" in _error(tmp_path, tiny_recipe_dict({"mixer": "nonesuch"}))
+    recipe = tiny_recipe_dict(attention_overrides={"0": {"mixer": "sliding_window", "width": 8}})
+    message = _error(tmp_path, recipe)
+    assert "attention_overrides" in message and "width" in message
+
+
+def test_wrong_types_and_values(tmp_path: Path) -> None:
+    recipe = tiny_recipe_dict()
+    recipe["stage1"]["batch_size"] = "four"
+    assert "stage1.batch_size" in _error(tmp_path, recipe)
+    recipe = tiny_recipe_dict()
+    recipe["stage2"]["loss"] = "mse"
+    assert "stage2.loss" in _error(tmp_path, recipe)
+    recipe = tiny_recipe_dict()
+    recipe["stage1"]["projections"] = ["gate_proj"]
+    assert "stage1.projections" in _error(tmp_path, recipe)
+    recipe = tiny_recipe_dict()
+    recipe["stage2"]["tokens"] = 10  # less than one optimizer step
+    assert "stage2.tokens" in _error(tmp_path, recipe)
+
+
+def test_missing_budget_lists_the_available_ones(tmp_path: Path) -> None:
+    recipe = tiny_recipe_dict(budgets={"quick": {"stage1": {"tokens": 1024}}})
+    write_recipe(tmp_path / "r.yaml", recipe)
+    assert load_recipe(tmp_path / "r.yaml", "quick").stage1.tokens == 1024
+    message = _error(tmp_path, recipe, budget="huge")
+    assert "huge" in message and "quick" in message
+
+
+def test_budget_merges_over_base_and_yaml_floats(tmp_path: Path) -> None:
+    recipe = tiny_recipe_dict(budgets={"full": {"stage2": {"lr": "3e-4", "lora": {"r": 16}}}})
+    path = write_recipe(tmp_path / "r.yaml", recipe)
+    full = load_recipe(path, "full")
+    assert full.stage2.lr == pytest.approx(3e-4)  # PyYAML reads 3e-4 as a string; we accept it
+    assert full.stage2.lora.r == 16 and full.stage2.lora.alpha == 8.0  # merged, not replaced
+    assert full.stage2.temperature == 2.0
+    assert load_recipe(path, "full", seed=7).seed == 7
+
+
+def test_unknown_recipe_name() -> None:
+    with pytest.raises(ValueError, match="packaged recipes"):
+        load_recipe("no-such-recipe")
+
+
+def test_fingerprint_ignores_description_only() -> None:
+    a = recipe_from_dict(tiny_recipe_dict())
+    b = recipe_from_dict(tiny_recipe_dict(description="other words"))
+    c = recipe_from_dict(tiny_recipe_dict(seed=1))
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+def test_teacher_mismatches() -> None:
+    teacher = smollm2_config()
+    with pytest.raises(ValueError, match="expects head_dim=128 but the teacher has head_dim=64"):
+        check_against_teacher(recipe_from_dict(tiny_recipe_dict(expects={"head_dim": 128})), teacher)
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_against_teacher(recipe_from_dict(tiny_recipe_dict(expects={"vocab_size": 32000})), teacher)
+    out_of_range = tiny_recipe_dict(attention_overrides={"40": {"mixer": "softmax"}})
+    with pytest.raises(ValueError, match="out of range"):
+        check_against_teacher(recipe_from_dict(out_of_range), teacher)
+    recipe = tiny_recipe_dict()
+    recipe["stage2"]["lora"]["targets"] = ["c_attn"]
+    with pytest.raises(ValueError, match="c_attn"):
+        check_against_teacher(recipe_from_dict(recipe), teacher)
+    recipe = tiny_recipe_dict()
+    recipe["eval"]["block_size"] = 10_000
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        check_against_teacher(recipe_from_dict(recipe), teacher)

@@ -1,0 +1,160 @@
+"""state_size_report and ``hf-recattn state-size``: sizes, break-even contexts, table, JSON, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_recattn import RecAttnConfig, state_size_report
+from hf_recattn.cli import main
+from hf_recattn.state_size import format_report
+
+D, HKV = 64, 2
+KV_PER_TOKEN = 2 * HKV * D
+LAYERS = [
+    {"mixer": "softmax"},
+    {"mixer": "sliding_window", "window": 128},
+    {"mixer": "linear", "feature_map": "taylor2"},
+    {"mixer": "linear", "feature_map": "elu"},
+    {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms"},
+]
+
+
+def config(attention: object = None) -> RecAttnConfig:
+    return RecAttnConfig(
+        vocab_size=100,
+        hidden_size=4 * D,
+        intermediate_size=64,
+        num_hidden_layers=len(LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=HKV,
+        attention=attention or LAYERS,
+    )
+
+
+def test_taylor2_breaks_even_near_1090_tokens_per_kv_head() -> None:
+    rows = state_size_report(config(), 4096)
+    taylor = rows[2]
+    features = 1 + D + D * (D + 1) // 2  # 2145: constant, linear and packed symmetric quadratic terms
+    per_head = features * (D + 1)  # S (features x d) and z (features)
+    assert taylor.state_elements == HKV * per_head == 278_850
+    assert taylor.kind == "recurrent"
+    assert taylor.break_even_context == math.ceil(per_head / (2 * D)) == 1090
+    # at the break-even context the KV cache is at least as large as the state, one token earlier it is not
+    assert KV_PER_TOKEN * 1090 >= taylor.state_elements > KV_PER_TOKEN * 1089
+
+
+def test_first_order_maps_break_even_at_33_and_hedgehog_at_65() -> None:
+    rows = state_size_report(config(), 10)
+    assert rows[3].break_even_context == 33  # d (d + 1) / 2d
+    assert rows[4].break_even_context == 65  # 2d features: 2d (d + 1) / 2d
+
+
+def test_softmax_never_breaks_even_and_grows() -> None:
+    short, long = state_size_report(config(), 100)[0], state_size_report(config(), 10_000)[0]
+    assert short.kind == "kv" and short.break_even_context is None
+    assert short.state_elements == short.kv_cache_elements == 100 * KV_PER_TOKEN
+    assert long.state_elements == 10_000 * KV_PER_TOKEN
+
+
+def test_window_is_bounded() -> None:
+    sizes = [state_size_report(config(), n)[1] for n in (10, 127, 128, 100_000)]
+    assert [r.kind for r in sizes] == ["window"] * 4
+    assert sizes[0].state_elements == 10 * KV_PER_TOKEN
+    assert sizes[1].state_elements == sizes[2].state_elements == sizes[3].state_elements == 127 * KV_PER_TOKEN
+    assert sizes[3].break_even_context == 127
+
+
+def test_recurrent_state_does_not_grow() -> None:
+    a, b = state_size_report(config(), 1), state_size_report(config(), 1_000_000)
+    for i in (2, 3, 4):
+        assert a[i].state_elements == b[i].state_elements
+        assert b[i].kv_cache_elements == 1_000_000 * KV_PER_TOKEN
+
+
+def test_bad_context_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="context length must be >= 1, got 0"):
+        state_size_report(config(), 0)
+
+
+def test_format_report_table() -> None:
+    text = format_report(state_size_report(config(), 4096), bytes_per_element=2)
+    lines = text.splitlines()
+    assert lines[0].split() == ["layer", "mixer", "kind", "state", "kv", "cache", "break-even"]
+    assert len(lines) == 1 + len(LAYERS) + 1
+    assert lines[3].split() == ["2", "linear", "recurrent", "278,850", "1,048,576", "1090"]
+    assert lines[1].split()[-1] == "-"
+    total_kv = len(LAYERS) * 4096 * KV_PER_TOKEN * 2 / 2**20
+    assert f"kv cache {total_kv:.2f} MiB" in lines[-1] and "2 bytes per element" in lines[-1]
+
+
+# ----- the command line -------------------------------------------------------------------------------------
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    config().save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_cli_table_from_folder_and_config_json(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["state-size", str(folder), "--context", "4096"]) == 0
+    table = capsys.readouterr().out
+    assert "1090" in table and "taylor" not in table and "linear" in table
+    assert main(["state-size", str(folder / "config.json"), "--context", "4096"]) == 0
+    assert capsys.readouterr().out == table
+
+
+def test_cli_json_and_inline_config(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["state-size", str(folder), "--context", "2000", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["mixer"] for r in rows] == [s["mixer"] for s in LAYERS]
+    assert rows[2]["break_even_context"] == 1090 and rows[0]["break_even_context"] is None
+    assert (
+        rows[1]["state_elements"] == 127 * KV_PER_TOKEN
+        and rows[0]["kv_cache_elements"] == 2000 * KV_PER_TOKEN
+    )
+    inline = json.dumps(
+        {
+            "num_hidden_layers": 1,
+            "hidden_size": 4 * D,
+            "num_attention_heads": 4,
+            "num_key_value_heads": HKV,
+            "attention": {"mixer": "linear", "feature_map": "taylor2"},
+        }
+    )
+    assert main(["state-size", inline, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["break_even_context"] == 1090
+
+
+def test_cli_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(SystemExit, match=r"no config at .*nowhere"):
+        main(["state-size", str(missing)])
+
+
+def test_cli_bad_input_is_one_line_not_a_traceback(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["state-size", str(folder), "--context", "0"]) == 2
+    assert "error: context length must be >= 1" in capsys.readouterr().err
+    data = json.loads((folder / "config.json").read_text())
+    data["attention"][2]["feature_map"] = "taylor9"
+    (folder / "config.json").write_text(json.dumps(data))
+    assert main(["state-size", str(folder)]) == 2
+    assert "layer 2: option 'feature_map'" in capsys.readouterr().err
+
+
+def test_console_script(folder: Path) -> None:
+    """The installed entry point, as a user runs it (one subprocess: imports torch once)."""
+    script = Path(sys.executable).with_name("hf-recattn")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "hf_recattn.cli"]
+    ok = subprocess.run(
+        [*command, "state-size", str(folder), "--context", "4096"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[3].split()[-1] == "1090"
