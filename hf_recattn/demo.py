@@ -17,8 +17,15 @@ DEMO_SPECS: list[dict] = [
 
 
 def tiny_config(attention: object, **overrides: object) -> RecAttnConfig:
-    values = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    values = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     values.update(overrides)
     return RecAttnConfig(**values, attention=attention)
 
@@ -30,8 +37,18 @@ def run_demo(new_tokens: int = 16) -> None:
     print(f"{'mixer':<44} {'cache bytes':>11}  same as no-cache  tokens")
     for spec in DEMO_SPECS:
         model = RecAttnForCausalLM(tiny_config(spec)).eval()
-        out = model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
-        plain = model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, use_cache=False)
+        out = model.generate(
+            prompt,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+        plain = model.generate(
+            prompt, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, use_cache=False
+        )
         same = bool(torch.equal(out.sequences, plain))
         label = ", ".join(f"{k}={v}" for k, v in spec.items())
-        print(f"{label:<44} {out.past_key_values.nbytes():>11}  {str(same):<16}  {out.sequences[0, -6:].tolist()}")
+        print(
+            f"{label:<44} {out.past_key_values.nbytes():>11}  {str(same):<16}  {out.sequences[0, -6:].tolist()}"
+        )

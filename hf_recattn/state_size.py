@@ -40,17 +40,20 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
     kv_per_token = 2 * config.num_key_value_heads * config.head_dim
     with torch.device("meta"):
         for i, spec in enumerate(config.layer_specs()):
-            shape = MixerShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                               config.head_dim, i)
+            shape = MixerShape(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim, i
+            )
             mixer = build_mixer(spec, shape, config)
-            rows.append(LayerStateSize(
-                layer=i,
-                mixer=spec["mixer"],
-                kind=mixer.state_kind,
-                state_elements=mixer.state_size(context_length),
-                kv_cache_elements=kv_per_token * context_length,
-                break_even_context=_break_even(mixer, kv_per_token),
-            ))
+            rows.append(
+                LayerStateSize(
+                    layer=i,
+                    mixer=spec["mixer"],
+                    kind=mixer.state_kind,
+                    state_elements=mixer.state_size(context_length),
+                    kv_cache_elements=kv_per_token * context_length,
+                    break_even_context=_break_even(mixer, kv_per_token),
+                )
+            )
     return rows
 
 
@@ -59,9 +62,13 @@ def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str
     lines = [f"{'layer':>5} {'mixer':<16} {'kind':<9} {'state':>14} {'kv cache':>14} {'break-even':>11}"]
     for r in rows:
         be = "-" if r.break_even_context is None else str(r.break_even_context)
-        lines.append(f"{r.layer:>5} {r.mixer:<16} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}")
+        lines.append(
+            f"{r.layer:>5} {r.mixer:<16} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}"
+        )
     total_state = sum(r.state_elements for r in rows) * bytes_per_element / 2**20
     total_kv = sum(r.kv_cache_elements for r in rows) * bytes_per_element / 2**20
-    lines.append(f"total per sequence: state {total_state:.2f} MiB, kv cache {total_kv:.2f} MiB "
-                 f"({bytes_per_element} bytes per element)")
+    lines.append(
+        f"total per sequence: state {total_state:.2f} MiB, kv cache {total_kv:.2f} MiB "
+        f"({bytes_per_element} bytes per element)"
+    )
     return "\n".join(lines)

@@ -20,4 +20,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed_and_threads() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds contention

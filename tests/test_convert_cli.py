@@ -173,3 +173,11 @@ def test_bad_recipe_is_one_clear_line(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-recattn convert: error:") and "bad.yaml" in err and "feature_map" in err
+
+
+def test_missing_teacher_fails_before_taking_the_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "o"
+    args = ["convert", "--teacher", str(tmp_path / "nope"), "--recipe", "linear-hedgehog", "--output", str(out)]
+    assert main(args) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert not out.exists()  # a corrected rerun is not refused as "another conversion"

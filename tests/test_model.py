@@ -289,8 +289,9 @@ def test_rope_false_makes_a_layer_position_free() -> None:
         assert bool(diff > 1e-4) is changes, (rope, diff)
 
 
-def test_bidirectional_layer_trains_with_default_config_but_cannot_continue() -> None:
-    model = RecAttnForCausalLM(tiny(["softmax", {"mixer": "linear", "causal": False}]))
+@pytest.mark.parametrize("mixer", ["linear", "taylor", "heinsen"])
+def test_bidirectional_layer_trains_with_default_config_but_cannot_continue(mixer: str) -> None:
+    model = RecAttnForCausalLM(tiny(["softmax", {"mixer": mixer, "causal": False}]))
     assert model.config.use_cache  # the default: a training forward builds a cache
     x = ids(length=8)
     model.train()
@@ -299,5 +300,5 @@ def test_bidirectional_layer_trains_with_default_config_but_cannot_continue() ->
     with torch.no_grad():
         out = model(x)
         assert torch.equal(out.logits, model(x, use_cache=False).logits)
-        with pytest.raises(ValueError, match=r"layer 1 \(linear\): causal=False has no recurrent form"):
+        with pytest.raises(ValueError, match=rf"layer 1 \({mixer}\): causal=False has no recurrent form"):
             model(x[:, :1], past_key_values=out.past_key_values)

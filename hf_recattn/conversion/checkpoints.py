@@ -138,34 +138,45 @@ def latest_trainer_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 
 # ----- the run identity -------------------------------------------------------------------------------------
-def check_output_folder(output: str | os.PathLike, identity: dict[str, Any], overwrite: bool) -> bool:
-    """Prepare ``output`` for a run described by ``identity``; return True when an earlier run is resumed.
+def check_output_folder(output: str | os.PathLike, identity: dict[str, Any], overwrite: bool) -> str:
+    """Decide what a run described by ``identity`` may do with ``output``, writing nothing.
 
-    A folder holding another run (different teacher, recipe, budget, seed or data) or anything that is not
-    a conversion run is refused unless ``overwrite``, which empties it first.
+    Returns ``"new"`` (absent or empty), ``"resume"`` (an earlier run with the same identity) or
+    ``"overwrite"``. A folder holding another run (different teacher, recipe, budget, seed or data) or
+    anything that is not a conversion run is refused (ValueError) unless ``overwrite``.
     """
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ValueError(f"output {str(output)!r} exists and is not a folder")
-    if output.is_dir() and any(output.iterdir()):
-        previous = _read_identity(output)
-        if previous == identity:
-            clean_temporaries(output)
-            return True
-        if not overwrite:
-            if previous is None:
-                what = "files that are not a conversion run"
-            else:
-                diff = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
-                what = f"another conversion (differs in: {', '.join(diff)})"
-            raise ValueError(
-                f"output {str(output)!r} already holds {what}; choose another folder or pass --overwrite"
-            )
+    if not output.is_dir() or not any(output.iterdir()):
+        return "new"
+    previous = _read_identity(output)
+    if previous == identity:
+        return "resume"
+    if overwrite:
+        _refuse_dangerous(output)
+        return "overwrite"
+    if previous is None:
+        what = "files that are not a conversion run"
+    else:
+        diff = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
+        what = f"another conversion (differs in: {', '.join(diff)})"
+    raise ValueError(
+        f"output {str(output)!r} already holds {what}; choose another folder or pass --overwrite"
+    )
+
+
+def claim_output_folder(output: str | os.PathLike, identity: dict[str, Any], decision: str) -> None:
+    """Act on ``check_output_folder``'s decision: empty the folder (overwrite) or tidy it (resume), then
+    record ``identity`` in ``run.json``."""
+    output = Path(output)
+    if decision == "overwrite":
         _refuse_dangerous(output)
         shutil.rmtree(output)
+    elif decision == "resume":
+        clean_temporaries(output)
     output.mkdir(parents=True, exist_ok=True)
     atomic_write_json(output / RUN_FILE, identity)
-    return False
 
 
 def _refuse_dangerous(output: Path) -> None:

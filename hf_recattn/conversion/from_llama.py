@@ -15,12 +15,25 @@ from ..modeling.modeling import RecAttnForCausalLM
 LLAMA_SHAPED = ("llama", "mistral", "qwen2")
 
 # config keys of the teacher that do not describe the architecture we copy
-_DROP_KEYS = {"architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "dtype",
-              "torch_dtype", "sliding_window", "layer_types", "use_sliding_window", "max_window_layers",
-              "quantization_config"}
+_DROP_KEYS = {
+    "architectures",
+    "auto_map",
+    "model_type",
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "sliding_window",
+    "layer_types",
+    "use_sliding_window",
+    "max_window_layers",
+    "quantization_config",
+}
 
 
-def recattn_config_from(teacher_config: Any, attention: Any, attention_overrides: dict | None = None) -> RecAttnConfig:
+def recattn_config_from(
+    teacher_config: Any, attention: Any, attention_overrides: dict | None = None
+) -> RecAttnConfig:
     """A RecAttnConfig with the teacher's architecture and the given attention specs."""
     model_type = getattr(teacher_config, "model_type", None)
     if model_type not in LLAMA_SHAPED:
@@ -33,11 +46,15 @@ def recattn_config_from(teacher_config: Any, attention: Any, attention_overrides
             "{'mixer': 'sliding_window', 'window': N} explicitly after converting a copy with sliding_window=None"
         )
     if model_type == "qwen2" and getattr(teacher_config, "use_sliding_window", False):
-        raise ValueError("teacher is a Qwen2 model with use_sliding_window=True; only full attention converts")
+        raise ValueError(
+            "teacher is a Qwen2 model with use_sliding_window=True; only full attention converts"
+        )
     values = {k: v for k, v in teacher_config.to_dict().items() if k not in _DROP_KEYS}
     if model_type == "qwen2":  # Qwen2's attention: biases on q/k/v, none on o_proj (not in its config)
         values.update(attention_bias=True, o_proj_bias=False)
-    known = set(RecAttnConfig.__dataclass_fields__) if hasattr(RecAttnConfig, "__dataclass_fields__") else None
+    known = (
+        set(RecAttnConfig.__dataclass_fields__) if hasattr(RecAttnConfig, "__dataclass_fields__") else None
+    )
     if known is not None:
         values = {k: v for k, v in values.items() if k in known or k.startswith("rope")}
     config = RecAttnConfig(**values, attention=attention, attention_overrides=attention_overrides)
@@ -81,12 +98,15 @@ def from_llama(
     return student
 
 
-def _check_shapes(teacher_state: dict[str, torch.Tensor], student_state: dict[str, torch.Tensor],
-                  config: Any) -> None:
+def _check_shapes(
+    teacher_state: dict[str, torch.Tensor], student_state: dict[str, torch.Tensor], config: Any
+) -> None:
     """A teacher whose weights do not match its own config (e.g. head counts) is a ValueError, not a crash."""
-    wrong = [f"{name}: teacher {tuple(t.shape)}, config implies {tuple(student_state[name].shape)}"
-             for name, t in teacher_state.items()
-             if name in student_state and t.shape != student_state[name].shape]
+    wrong = [
+        f"{name}: teacher {tuple(t.shape)}, config implies {tuple(student_state[name].shape)}"
+        for name, t in teacher_state.items()
+        if name in student_state and t.shape != student_state[name].shape
+    ]
     if wrong:
         raise ValueError(
             "teacher weights do not match its config (num_attention_heads="

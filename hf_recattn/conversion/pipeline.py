@@ -40,6 +40,7 @@ from .checkpoints import (
     atomic_dir,
     atomic_write_json,
     check_output_folder,
+    claim_output_folder,
     load_tensors,
     save_tensors,
 )
@@ -143,10 +144,10 @@ def convert(
     began = time.perf_counter()
     recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
     output = Path(output)
-    resumed = check_output_folder(output, run_identity(teacher, recipe, data), overwrite)
-    atomic_write_json(output / "recipe.json", recipe.as_dict())
+    identity = run_identity(teacher, recipe, data)
+    decision = check_output_folder(output, identity, overwrite)  # refuse early; write nothing yet
     log(
-        f"{'resuming' if resumed else 'starting'} conversion in {output}: recipe {recipe.name} "
+        f"{'resuming' if decision == 'resume' else 'starting'} conversion in {output}: recipe {recipe.name} "
         f"(budget {recipe.budget}, seed {recipe.seed})"
     )
     timings: dict[str, float] = {}
@@ -157,6 +158,8 @@ def convert(
     teacher_model.eval().requires_grad_(False)
     config = check_against_teacher(recipe, teacher_model.config, tokenizer)
     timings["load_teacher"] = time.perf_counter() - t0
+    claim_output_folder(output, identity, decision)  # teacher and recipe are fine: now take the folder
+    atomic_write_json(output / "recipe.json", recipe.as_dict())
 
     t0 = time.perf_counter()
     log(f"[2/5] preparing data ({data or 'embedded corpus'})")

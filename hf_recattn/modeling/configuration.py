@@ -46,7 +46,9 @@ def resolve_layer_specs(attention: Any, overrides: dict | None, num_layers: int)
         raw = [copy.deepcopy(attention) for _ in range(num_layers)]
     overrides = overrides or {}
     if not isinstance(overrides, dict):
-        raise ValueError(f"attention_overrides must be a dict of layer key -> spec, got {type(overrides).__name__}")
+        raise ValueError(
+            f"attention_overrides must be a dict of layer key -> spec, got {type(overrides).__name__}"
+        )
     # patterns first, explicit indices last so that they win
     for key in sorted(overrides, key=lambda k: not str(k).startswith("every:")):
         for i in _override_layers(str(key), num_layers):

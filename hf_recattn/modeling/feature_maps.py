@@ -35,7 +35,9 @@ class FeatureMap(nn.Module):
     def __init__(self, kind: str, shape: MixerShape) -> None:
         super().__init__()
         if kind not in FEATURE_MAPS:
-            raise ValueError(f"layer {shape.layer_idx}: unknown feature_map {kind!r}; known: {list(FEATURE_MAPS)}")
+            raise ValueError(
+                f"layer {shape.layer_idx}: unknown feature_map {kind!r}; known: {list(FEATURE_MAPS)}"
+            )
         self.kind = kind
         self.shape = shape
         d = shape.head_dim

@@ -89,7 +89,9 @@ class Mixer(nn.Module):
         return resolve_options(spec, cls.all_options(), where, cls.check_spec)
 
     # ----- the contract ---------------------------------------------------------------------------------
-    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def chunked(
@@ -135,11 +137,19 @@ class Mixer(nn.Module):
         state: State | None = None,
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, State | None]:
-        """Pick the form: parallel or chunked without a cache, chunked prefill or one step with one."""
+        """Pick the form: parallel or chunked without a cache, chunked prefill or one step with one.
+
+        A bidirectional layer (``causal=False``) runs a whole fresh sequence in parallel form, cache or not
+        (e.g. the default ``use_cache=True`` of a training forward), and refuses to continue one.
+        """
         seq_len = q.shape[2]
+        if not self.is_causal_mixer:
+            if inputs.past_length > 0:
+                self.require_causal("recurrent")
+            return self.parallel(q, k, v, inputs), None
         if not use_cache and state is None:
             long_sequence = seq_len > self.spec.get("chunk_size", seq_len)
-            if self.has_chunked and self.spec.get("causal", True) and long_sequence:
+            if self.has_chunked and long_sequence:
                 out, _ = self.chunked(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype))
                 return out, None
             return self.parallel(q, k, v, inputs), None
@@ -148,6 +158,18 @@ class Mixer(nn.Module):
         if seq_len == 1:
             return self.step(q, k, v, inputs, state)
         return self.chunked(q, k, v, inputs, state)
+
+    @property
+    def is_causal_mixer(self) -> bool:
+        return bool(self.spec.get("causal", True))
+
+    def require_causal(self, form: str) -> None:
+        """Raise a clear error when a bidirectional layer is asked for a causal-only form."""
+        if not self.is_causal_mixer:
+            raise ValueError(
+                f"layer {self.shape.layer_idx} ({self.name}): causal=False has no {form} form; "
+                "a bidirectional layer cannot be decoded token by token"
+            )
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items() if k != "mixer")

@@ -52,13 +52,6 @@ class HeinsenMixer(Mixer):
         qg = shift_queries(group_queries(q, self.shape.num_kv_heads) * self.scale)
         return qg, mask_keys(k * self.scale, inputs.token_mask)
 
-    def _require_causal(self, form: str) -> None:
-        if not self.causal:
-            raise ValueError(
-                f"layer {self.shape.layer_idx} ({self.name}): causal=False has no {form} form; "
-                "a bidirectional layer cannot be decoded token by token"
-            )
-
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
@@ -68,7 +61,7 @@ class HeinsenMixer(Mixer):
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        self._require_causal("chunked")
+        self.require_causal("chunked")
         qg, kg = self._prepare(q, k, inputs)
         out, state = heinsen_chunked(qg, kg, v, state, self.chunk_size)
         return ungroup_output(out), state
@@ -76,7 +69,7 @@ class HeinsenMixer(Mixer):
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        self._require_causal("step")
+        self.require_causal("step")
         qg, kg = self._prepare(q, k, inputs)
         out, state = heinsen_step(qg, kg, v, state)
         return ungroup_output(out), state

@@ -37,11 +37,15 @@ class LinearMixer(Mixer):
         self.chunk_size = int(spec["chunk_size"])
         self.causal = bool(spec["causal"])
         self.output_norm = (
-            None if self.normalize == "denominator" else OutputNorm(self.normalize, shape, shape.head_dim, self.eps)
+            None
+            if self.normalize == "denominator"
+            else OutputNorm(self.normalize, shape, shape.head_dim, self.eps)
         )
 
     # ----- shared pieces ------------------------------------------------------------------------------------
-    def _features(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _features(
+        self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         qf = self.feature_map(group_queries(q, self.shape.num_kv_heads), is_query=True)
         kf = self.feature_map(k, is_query=False)
         mask = inputs.token_mask
@@ -57,7 +61,9 @@ class LinearMixer(Mixer):
         return ungroup_output(out)
 
     # ----- forms ------------------------------------------------------------------------------------------
-    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
         qf, kf = self._features(q, k, inputs)
         if not self.causal:
             return self._finish(*noncausal_linear(qf, kf, v))
@@ -66,7 +72,7 @@ class LinearMixer(Mixer):
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        self._require_causal("chunked")
+        self.require_causal("chunked")
         qf, kf = self._features(q, k, inputs)
         num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], self.chunk_size)
         return self._finish(num, den), {"S": S, "z": z}
@@ -74,34 +80,10 @@ class LinearMixer(Mixer):
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        self._require_causal("step")
+        self.require_causal("step")
         qf, kf = self._features(q, k, inputs)
         num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"])
         return self._finish(num, den), {"S": S, "z": z}
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        inputs: MixerInputs,
-        state: State | None = None,
-        use_cache: bool = False,
-    ) -> tuple[torch.Tensor, State | None]:
-        """As ``Mixer.forward``; a bidirectional layer runs a whole fresh sequence (cache or not, e.g. the
-        default ``use_cache=True`` of a training forward) and refuses to continue one."""
-        if self.causal:
-            return super().forward(q, k, v, inputs, state, use_cache)
-        if inputs.past_length > 0:
-            self._require_causal("recurrent")
-        return self.parallel(q, k, v, inputs), None
-
-    def _require_causal(self, form: str) -> None:
-        if not self.causal:
-            raise ValueError(
-                f"layer {self.shape.layer_idx} ({self.name}): causal=False has no {form} form; "
-                "a bidirectional layer cannot be decoded token by token"
-            )
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, f, e = self.shape.num_kv_heads, self.feature_map.out_dim, self.shape.head_dim

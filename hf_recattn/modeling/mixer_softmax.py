@@ -104,7 +104,9 @@ class SoftmaxMixer(Mixer):
         return out
 
     # ----- forms ------------------------------------------------------------------------------------------
-    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
         return self._attend(q, k, v, inputs, num_past_keys=0)
 
     def chunked(
@@ -122,7 +124,10 @@ class SoftmaxMixer(Mixer):
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         shape = (batch_size, self.shape.num_kv_heads, 0, self.shape.head_dim)
-        return {"k": torch.zeros(shape, device=device, dtype=dtype), "v": torch.zeros(shape, device=device, dtype=dtype)}
+        return {
+            "k": torch.zeros(shape, device=device, dtype=dtype),
+            "v": torch.zeros(shape, device=device, dtype=dtype),
+        }
 
     def state_size(self, context_length: int) -> int:
         return 2 * self.shape.num_kv_heads * self.shape.head_dim * context_length

@@ -232,7 +232,7 @@ class TaylorMixer(Mixer):
         """(numerator, denominator, key count, new state) before ``finish``; form: parallel|chunked|step."""
         if form == "parallel":
             return (*self._quadratic(q, k, v, inputs.token_mask), None)
-        self._require_causal(form)
+        self.require_causal(form)
         if not self.recurrent:  # KV cache: all-pairs over the cached keys plus the new ones
             keys, values = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             real = None if inputs.padding_mask is None else inputs.padding_mask[:, -keys.shape[2] :]
@@ -241,13 +241,6 @@ class TaylorMixer(Mixer):
         if form == "step":
             return taylor_step(qg, kf, v, state, int(self.order), inputs.token_mask)
         return taylor_chunked(qg, kf, v, state, int(self.order), self.chunk_size, inputs.token_mask)
-
-    def _require_causal(self, form: str) -> None:
-        if not self.causal:
-            raise ValueError(
-                f"layer {self.shape.layer_idx} ({self.name}): causal=False has no {form} form; "
-                "a bidirectional layer cannot be decoded token by token"
-            )
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(

@@ -73,7 +73,9 @@ class RecAttnAttention(nn.Module):
             padding_mask=padding_mask,
             past_length=layer.get_seq_length() if layer is not None else 0,
         )
-        out, state = self.mixer(q, k, v, inputs, state=layer.state if layer else None, use_cache=layer is not None)
+        out, state = self.mixer(
+            q, k, v, inputs, state=layer.state if layer else None, use_cache=layer is not None
+        )
         if layer is not None:
             layer.update(state, hidden_states.shape[1])
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
@@ -195,8 +197,9 @@ class RecAttnModel(RecAttnPreTrainedModel):
         self, past_key_values: Cache | None, use_cache: bool, batch_size: int
     ) -> RecAttnCache | None:
         """The cache to use: a new one, or the given RecAttnCache once known to fit this model and batch."""
-        if past_key_values is None or (not isinstance(past_key_values, RecAttnCache)
-                                       and past_key_values.get_seq_length() == 0):
+        if past_key_values is None or (
+            not isinstance(past_key_values, RecAttnCache) and past_key_values.get_seq_length() == 0
+        ):
             return self.new_cache() if use_cache else None
         if not isinstance(past_key_values, RecAttnCache):
             raise TypeError(
@@ -309,7 +312,9 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
             if cache.max_batch_size == input_ids.shape[0]:
                 cache.batch_repeat_interleave(expand_size)
         return super()._expand_inputs_for_generation(
-            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids,
+            expand_size=expand_size,
+            is_encoder_decoder=is_encoder_decoder,
+            input_ids=input_ids,
             **model_kwargs,
         )
 
@@ -360,7 +365,9 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

@@ -18,7 +18,9 @@ class OutputNorm(nn.Module):
     def __init__(self, kind: str, shape: MixerShape, dim: int, eps: float) -> None:
         super().__init__()
         if kind not in OUTPUT_NORMS:
-            raise ValueError(f"layer {shape.layer_idx}: unknown output norm {kind!r}; known: {list(OUTPUT_NORMS)}")
+            raise ValueError(
+                f"layer {shape.layer_idx}: unknown output norm {kind!r}; known: {list(OUTPUT_NORMS)}"
+            )
         self.kind = kind
         self.eps = eps
         self.groups = (shape.num_kv_heads, shape.groups)
