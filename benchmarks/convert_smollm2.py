@@ -66,6 +66,7 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
                train_texts: list[str], heldout: torch.Tensor, teacher_ppl: float, results: dict[str, Any],
                out: Path) -> None:
     recipe = load_recipe(name, args.budget, args.seed)
+    name = recipe.name  # a recipe given as a .yaml path is keyed (and its scratch folder named) by its stem
     s1 = dataclasses.replace(recipe.stage1, tokens=args.stage1_tokens if args.stage1_tokens is not None
                              else recipe.stage1.tokens)
     s2 = dataclasses.replace(recipe.stage2, tokens=args.stage2_tokens if args.stage2_tokens is not None

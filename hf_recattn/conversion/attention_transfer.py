@@ -3,7 +3,8 @@
 The teacher runs frozen with forward hooks on every ``self_attn``: they record what each attention layer
 received (the normed hidden states) and what it returned (its output after ``o_proj``). Each student layer
 then runs only its attention on the *teacher's* inputs, and the MSE to the teacher's output trains that
-layer's new mixer parameters, nothing else (the copied q/k/v/o projections stay frozen).
+layer's new mixer parameters, nothing else (the copied q/k/v/o projections stay frozen, unless
+``Stage1Settings.projections`` names some: for mixers without parameters of their own).
 
 All layers share one teacher forward per batch, but each layer is its own problem: its loss reaches only
 its own parameters, it has its own AdamW parameter group and its own gradient clipping, so the result equals

@@ -24,6 +24,12 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
@@ -34,6 +40,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -53,6 +60,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders
         if final.exists():  # os.replace cannot replace a non-empty folder: move the old one aside first
             old = final.parent / f".old-{final.name}-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)

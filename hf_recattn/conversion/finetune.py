@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,25 @@ def finetune(
     Returns the merged plain model and a summary. ``stop_after_step`` ends the run early at that step with a
     checkpoint (the merged model is still returned). ``pick_forms``: train each mixer in its faster form.
     """
+    with warnings.catch_warnings():
+        # transformers' own deprecation notice, raised inside its Trainer / peft calls, not by our arguments
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return _finetune(teacher, student, blocks, settings, output_dir, seed, progress, stop_after_step,
+                         pick_forms, callbacks)
+
+
+def _finetune(
+    teacher: nn.Module | None,
+    student: nn.Module,
+    blocks: torch.Tensor,
+    settings: Stage2Settings,
+    output_dir: str | Path,
+    seed: int,
+    progress: bool,
+    stop_after_step: int | None,
+    pick_forms: bool,
+    callbacks: list[TrainerCallback] | None,
+) -> tuple[nn.Module, FinetuneResult]:
     tokens_per_step = settings.batch_size * settings.grad_accum * blocks.shape[1]
     steps = max(1, settings.tokens // tokens_per_step)
     peft_model = apply_lora(student, settings)
