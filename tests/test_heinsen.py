@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mixer_steps import left_padded, run_steps
 from reference_recurrent_softmax import cache_mismatch, heinsen_attention, real_rows, rel_err
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
@@ -31,25 +32,6 @@ def data(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0, bound:
     return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
 
 
-def left_padded(seq_len: int) -> torch.Tensor:
-    mask = torch.ones(2, seq_len, dtype=torch.bool)
-    mask[1, :PAD] = False
-    return mask
-
-
-def run_steps(mixer, q, k, v, x, mask, state=None, start=0):
-    state = mixer.init_state(q.shape[0], q.device, q.dtype) if state is None else state
-    outs = []
-    for t in range(start, q.shape[2]):
-        o, state = mixer.step(
-            q[:, :, t : t + 1],
-            k[:, :, t : t + 1],
-            v[:, :, t : t + 1],
-            MixerInputs(x[:, t : t + 1], mask[:, : t + 1], t),
-            state,
-        )
-        outs.append(o)
-    return torch.cat(outs, dim=1), state
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from mixer_steps import left_padded, run_steps
 from reference_recurrent_softmax import (
     cache_mismatch,
     real_rows,
@@ -42,11 +43,6 @@ def data(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale:
     x = torch.randn(2, seq_len, C, generator=gen, dtype=torch.float64)
     return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
 
-
-def left_padded(seq_len: int) -> torch.Tensor:
-    mask = torch.ones(2, seq_len, dtype=torch.bool)
-    mask[1, :PAD] = False
-    return mask
 
 
 def reference(mixer, q, k, v, x, mask, causal=True):
@@ -134,20 +130,6 @@ def test_gradients_match_reference(case: dict) -> None:
 # ----- recurrent and chunked forms ----------------------------------------------------------------------
 RECURRENT = [CASES[0], CASES[1], CASES[2], CASES[6], CASES[7], CASES[11], CASES[8]]
 
-
-def run_steps(mixer, q, k, v, x, mask, state=None, start=0):
-    state = mixer.init_state(q.shape[0], q.device, q.dtype) if state is None else state
-    outs = []
-    for t in range(start, q.shape[2]):
-        o, state = mixer.step(
-            q[:, :, t : t + 1],
-            k[:, :, t : t + 1],
-            v[:, :, t : t + 1],
-            MixerInputs(x[:, t : t + 1], mask[:, : t + 1], t),
-            state,
-        )
-        outs.append(o)
-    return torch.cat(outs, dim=1), state
 
 
 @pytest.mark.parametrize("case", RECURRENT, ids=lambda c: "-".join(str(v) for v in c.values()))
