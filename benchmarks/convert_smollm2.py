@@ -37,7 +37,7 @@ from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.finetune import finetune
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.data.corpus import clean_text, load_texts, split_heldout, token_blocks
 from hf_recattn.evaluation import perplexity
 
 DEFAULT_RECIPES = ("hybrid-w64-hedgehog", "hybrid-w64-taylor2", "linear-hedgehog", "taylor2-norm", "heinsen")
@@ -62,8 +62,19 @@ class _PerplexityCallback(TrainerCallback):
         return control
 
 
+def ood_blocks(paths: list[str], tokenizer: Any, block_size: int, max_tokens: int) -> torch.Tensor:
+    """Held-out blocks from plain text files of another distribution (any suffix; one document per file)."""
+    texts = []
+    for path in paths:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"--ood: {file} is not a file")
+        texts.append(clean_text(file.read_text(encoding="utf-8", errors="replace")))
+    return token_blocks(tokenizer, texts, block_size, max_tokens=max_tokens, seed=0)
+
+
 def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, tokenizer: Any,
-               train_texts: list[str], heldout: torch.Tensor, teacher_ppl: float, results: dict[str, Any],
+               train_texts: list[str], evals: dict[str, tuple[torch.Tensor, float]], results: dict[str, Any],
                out: Path) -> None:
     recipe = load_recipe(name, args.budget, args.seed)
     name = recipe.name  # a recipe given as a .yaml path is keyed (and its scratch folder named) by its stem
@@ -81,16 +92,21 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
 
     def record(model: torch.nn.Module, stage: str, step: int, s1_tokens: int, s2_tokens: int) -> None:
         t0 = time.perf_counter()
-        with fastest_forms(model, heldout.shape[1]):
-            ppl = perplexity(model, heldout, batch_size=2)
+        measured = {}
+        for key, (blocks, teacher_ppl) in evals.items():
+            with fastest_forms(model, blocks.shape[1]):
+                measured[key] = perplexity(model, blocks, batch_size=2)
+            measured[f"{key}_ratio"] = measured[key] / teacher_ppl
         measuring["seconds"] += time.perf_counter() - t0
+        ppl = measured.pop("heldout")
         row = {"stage": stage, "step": step, "stage1_tokens": s1_tokens, "stage2_tokens": s2_tokens,
-               "total_tokens": s1_tokens + s2_tokens, "perplexity": ppl, "ratio": ppl / teacher_ppl,
-               "elapsed_s": round(time.perf_counter() - began, 1)}
+               "total_tokens": s1_tokens + s2_tokens, "perplexity": ppl, "ratio": measured.pop("heldout_ratio"),
+               **measured, "elapsed_s": round(time.perf_counter() - began, 1)}
         rows.append(row)
         atomic_write_json(out, results)
+        ood = f"  ood {row['ood']:8.2f} x{row['ood_ratio']:.3f}" if "ood" in row else ""
         print(f"  {name}: {stage:6s} step {step:5d}  tokens {row['total_tokens']:8d}  ppl {ppl:10.2f}  "
-              f"x{row['ratio']:.3f}  ({row['elapsed_s']:.0f} s)", flush=True)
+              f"x{row['ratio']:.3f}{ood}  ({row['elapsed_s']:.0f} s)", flush=True)
 
     set_seed(recipe.seed)
     student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
@@ -121,7 +137,7 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
             marks, lambda model, step: record(model, "stage2", step, s1_done, step * s2_per_step))
         work = out.parent / f".trainer-{name}"
         t0, m0 = time.perf_counter(), measuring["seconds"]
-        _, result = finetune(teacher, student, blocks, s2, work, seed=recipe.seed, progress=not args.no_progress,
+        student, result = finetune(teacher, student, blocks, s2, work, seed=recipe.seed, progress=not args.no_progress,
                              callbacks=[callback])
         train_s = result.seconds - (measuring["seconds"] - m0)
         entry["stage2_tokens_per_second"] = result.tokens / max(train_s, 1e-9)
@@ -131,17 +147,26 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
         shutil.rmtree(work, ignore_errors=True)
     entry["seconds"] = time.perf_counter() - began
     atomic_write_json(out, results)
+    if args.save:
+        student.save_pretrained(Path(args.save) / name)
+        tokenizer.save_pretrained(Path(args.save) / name)
 
 
 def table(results: dict[str, Any]) -> str:
+    has_ood = "ood_teacher_perplexity" in results
     lines = [f"teacher perplexity {results['teacher_perplexity']:.2f} on {results['heldout_tokens']} held-out "
-             f"tokens (blocks of {results['block_size']})", "",
-             "| recipe | stage | training tokens (stage 1 + stage 2) | perplexity | x teacher |",
-             "|---|---|---:|---:|---:|"]
+             f"tokens (blocks of {results['block_size']})"]
+    if has_ood:
+        lines.append(f"teacher perplexity {results['ood_teacher_perplexity']:.2f} on {results['ood_tokens']} "
+                     f"out-of-distribution tokens ({', '.join(results['ood_files'])})")
+    ood_head = (" ood perplexity | ood x teacher |", "---:|---:|") if has_ood else ("", "")
+    lines += ["", "| recipe | stage | training tokens (stage 1 + stage 2) | perplexity | x teacher |" + ood_head[0],
+              "|---|---|---:|---:|---:|" + ood_head[1]]
     for name, entry in results["recipes"].items():
         for row in entry["rows"]:
+            ood = f" {row['ood']:.2f} | {row['ood_ratio']:.3f} |" if "ood" in row else ""
             lines.append(f"| {name} | {row['stage']} | {row['stage1_tokens']:,} + {row['stage2_tokens']:,} | "
-                         f"{row['perplexity']:.2f} | {row['ratio']:.3f} |")
+                         f"{row['perplexity']:.2f} | {row['ratio']:.3f} |{ood}")
     return "\n".join(lines)
 
 
@@ -159,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher", default="embedded")
     parser.add_argument("--out", default="benchmarks/results/convert_smollm2.json")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--ood", nargs="+", default=None, metavar="FILE",
+                        help="also measure perplexity on these text files (another distribution than the corpus)")
+    parser.add_argument("--ood-tokens", type=int, default=4096)
+    parser.add_argument("--save", default=None, metavar="DIR", help="save each final student to DIR/<recipe>")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -178,8 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         "teacher_eval_seconds": time.perf_counter() - t0, "recipes": {},
     }
     print(f"teacher perplexity {teacher_ppl:.2f} on {heldout.numel()} held-out tokens", flush=True)
+    evals = {"heldout": (heldout, teacher_ppl)}
+    if args.ood:
+        ood = ood_blocks(args.ood, tokenizer, args.block_size, args.ood_tokens)
+        ood_ppl = perplexity(teacher, ood, batch_size=2)
+        evals["ood"] = (ood, ood_ppl)
+        results.update(ood_teacher_perplexity=ood_ppl, ood_tokens=int(ood.numel()), ood_files=args.ood)
+        print(f"teacher perplexity {ood_ppl:.2f} on {ood.numel()} out-of-distribution tokens", flush=True)
     for name in args.recipes:
-        run_recipe(name, args, teacher, tokenizer, train_texts, heldout, teacher_ppl, results, out)
+        run_recipe(name, args, teacher, tokenizer, train_texts, evals, results, out)
     print(table(results))
     print(f"results: {out}")
     return 0

@@ -237,10 +237,12 @@ def kernel_attention(
     normalize: str = "denominator",
     eps: float = 1e-6,
     gain: Tensor | None = None,
+    forget: Tensor | None = None,
 ) -> Tensor:
     """o_t = norm(sum_s kappa(q_t, k_s) v_s, sum_s kappa(q_t, k_s)) over real keys s (s <= t when causal).
 
-    ``gain`` is [H, E] (per query head) for the vector norms.
+    ``gain`` is [H, E] (per query head) for the vector norms. ``forget`` [B, Hkv, T] are per-token forget
+    factors g: key s then reaches query t with the weight kappa * g_{s+1} * ... * g_t.
     """
     q, k, v = q.double(), k.double(), v.double()
     gain = None if gain is None else gain.double()
@@ -260,6 +262,9 @@ def kernel_attention(
                     if not visible(t, s, seq_len, causal, None) or not is_real(padding_mask, b, s):
                         continue
                     weight = kernel(q[b, h, t], k[b, hk, s], h, hk)
+                    if forget is not None:
+                        for r in range(s + 1, t + 1):
+                            weight = weight * forget[b, hk, r]
                     num = num + weight * v[b, hk, s]
                     den = den + weight
                 rows.append(
@@ -279,8 +284,26 @@ def linear_attention(
     normalize: str = "denominator",
     eps: float = 1e-6,
     gain: Tensor | None = None,
+    forget: Tensor | None = None,
 ) -> Tensor:
     """Linear attention with a named feature map (see :func:`feature_map_kernel` for ``params``)."""
     return kernel_attention(
-        q, k, v, feature_map_kernel(feature_map, params), padding_mask, causal, normalize, eps, gain
+        q, k, v, feature_map_kernel(feature_map, params), padding_mask, causal, normalize, eps, gain, forget
     )
+
+
+def forget_factors(x: Tensor, bias: Tensor, weight: Tensor | None = None) -> Tensor:
+    """[B, Hkv, T] factors g = 1 / (1 + exp(-(w_h . x_t / sqrt(C) + b_h))), one token and head at a time, in
+    float64 (C: channels of x)."""
+    x, bias = x.double(), bias.double()
+    bsz, seq_len, _ = x.shape
+    out = torch.zeros(bsz, bias.shape[0], seq_len, dtype=torch.float64)
+    for b in range(bsz):
+        for h in range(bias.shape[0]):
+            for t in range(seq_len):
+                if weight is None:
+                    logit = bias[h]
+                else:
+                    logit = torch.dot(weight[h].double(), x[b, t]) / math.sqrt(x.shape[-1]) + bias[h]
+                out[b, h, t] = 1.0 / (1.0 + torch.exp(-logit))
+    return out

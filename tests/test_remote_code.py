@@ -28,7 +28,7 @@ LAYERS = [
     {"mixer": "softmax"},
     {"mixer": "sliding_window", "window": 4},
     {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms", "chunk_size": 4},
-    {"mixer": "linear", "feature_map": "taylor2"},
+    {"mixer": "linear", "feature_map": "taylor2", "decay": "gated"},
 ]
 #: files the runtime needs for these mixers (others may be copied too: every mixer registered in mixers.py)
 RUNTIME_CORE = {
@@ -40,6 +40,7 @@ RUNTIME_CORE = {
     "mixer_softmax.py",
     "mixer_linear.py",
     "feature_maps.py",
+    "decay.py",
     "output_norms.py",
     "ops_linear.py",
     "options.py",

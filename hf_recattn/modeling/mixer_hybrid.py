@@ -52,6 +52,8 @@ def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
         return f"must be a {' or '.join(FAR_MIXERS)} spec, got mixer {far['mixer']!r}"
     if not far["causal"]:
         return "the far mixer must be causal"
+    if far["mixer"] == "linear" and far["decay"] != "none":
+        return "a linear far mixer cannot decay (the window hands keys to the far state undecayed)"
     if far["mixer"] == "taylor" and (far["order"] == "exp" or far["cache"] == "kv"):
         return "a taylor far mixer needs a finite order and a recurrent state (not order='exp' or cache='kv')"
     if combine == "shared":
@@ -133,7 +135,7 @@ class HybridMixer(Mixer):
         far = self.far
         if isinstance(far, TaylorMixer):
             return far.terms(q, k, v, inputs, state, form)
-        qf, kf = far._features(q, k, inputs)
+        qf, kf = far.features(q, k, inputs)
         if form == "parallel":
             num, den = linear_parallel(qf, kf, v)
             return num, den, None, None
@@ -148,7 +150,7 @@ class HybridMixer(Mixer):
     ) -> torch.Tensor:
         if isinstance(self.far, TaylorMixer):
             return self.far.finish(num, den, cnt, inputs)
-        return self.far._finish(num, den)
+        return self.far.finish(num, den)
 
     # ----- one block of new tokens against the window buffer and the far state ------------------------------
     def _block(

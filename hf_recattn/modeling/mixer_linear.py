@@ -1,4 +1,7 @@
-"""Linear attention with a feature map: o_t = phi(q_t) S_t / phi(q_t) z_t, or a vector norm of the numerator."""
+"""Linear attention with a feature map: o_t = phi(q_t) S_t / phi(q_t) z_t, or a vector norm of the numerator.
+
+With ``decay`` the state forgets: S_t = g_t S_{t-1} + phi(k_t) v_t^T (see decay.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .decay import DECAYS, Decay
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
@@ -25,9 +29,23 @@ class LinearMixer(Mixer):
         "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
         "eps": Option((float,), 1e-6, "added to denominators / norms", minimum=0.0),
         "causal": Option((bool,), True, "causal (decoder) or bidirectional attention"),
+        "decay": Option((str,), "none", "forget factor of the state: none, learned (per key head) or gated "
+                        "(from the layer input)", choices=DECAYS),
+        "half_life_min": Option((float,), 8.0, "shortest initial decay half-life in tokens", minimum=1e-3),
+        "half_life_max": Option((float,), 1024.0, "longest initial decay half-life in tokens", minimum=1e-3),
     }
     state_kind = "recurrent"
     has_chunked = True
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        if spec["decay"] != "none" and not spec["causal"]:
+            raise ValueError(f"{where}: option 'decay' needs causal=True (a decayed state has a direction)")
+        if spec["half_life_min"] > spec["half_life_max"]:
+            raise ValueError(
+                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
+                f"({spec['half_life_max']})"
+            )
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
@@ -41,11 +59,17 @@ class LinearMixer(Mixer):
             if self.normalize == "denominator"
             else OutputNorm(self.normalize, shape, shape.head_dim, self.eps)
         )
+        self.decay = (
+            None
+            if spec["decay"] == "none"
+            else Decay(spec["decay"], shape, spec["half_life_min"], spec["half_life_max"])
+        )
 
     # ----- shared pieces ------------------------------------------------------------------------------------
-    def _features(
+    def features(
         self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi(q) grouped by key head [B, Hkv, G, T, F] and phi(k) [B, Hkv, T, F], zero on padded keys."""
         qf = self.feature_map(group_queries(q, self.shape.num_kv_heads), is_query=True)
         kf = self.feature_map(k, is_query=False)
         mask = inputs.token_mask
@@ -53,7 +77,16 @@ class LinearMixer(Mixer):
             kf = kf * mask[:, None, :, None].to(kf.dtype)
         return qf, kf
 
-    def _finish(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    def _log_decay(self, inputs: MixerInputs) -> torch.Tensor | None:
+        """[B, Hkv, T] log forget factors (0 on padding), or None without decay."""
+        if self.decay is None:
+            return None
+        log_g = self.decay(inputs.hidden_states)
+        mask = inputs.token_mask
+        return log_g if mask is None else log_g.masked_fill(~mask[:, None, :], 0.0)
+
+    def finish(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        """Normalized output [B, T, H, E] from the numerator [B, Hkv, G, T, E] and denominator [B, Hkv, G, T]."""
         if self.output_norm is None:
             out = num / (den[..., None] + self.eps)
         else:
@@ -64,26 +97,28 @@ class LinearMixer(Mixer):
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
-        qf, kf = self._features(q, k, inputs)
+        qf, kf = self.features(q, k, inputs)
         if not self.causal:
-            return self._finish(*noncausal_linear(qf, kf, v))
-        return self._finish(*linear_parallel(qf, kf, v))
+            return self.finish(*noncausal_linear(qf, kf, v))
+        return self.finish(*linear_parallel(qf, kf, v, log_g=self._log_decay(inputs)))
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("chunked")
-        qf, kf = self._features(q, k, inputs)
-        num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], self.chunk_size)
-        return self._finish(num, den), {"S": S, "z": z}
+        qf, kf = self.features(q, k, inputs)
+        num, den, S, z = linear_chunked(
+            qf, kf, v, state["S"], state["z"], self.chunk_size, self._log_decay(inputs)
+        )
+        return self.finish(num, den), {"S": S, "z": z}
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("step")
-        qf, kf = self._features(q, k, inputs)
-        num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"])
-        return self._finish(num, den), {"S": S, "z": z}
+        qf, kf = self.features(q, k, inputs)
+        num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"], self._log_decay(inputs))
+        return self.finish(num, den), {"S": S, "z": z}
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, f, e = self.shape.num_kv_heads, self.feature_map.out_dim, self.shape.head_dim

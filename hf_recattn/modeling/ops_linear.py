@@ -3,9 +3,14 @@
 Shapes: ``q`` is ``[B, Hkv, G, T, F]`` (G query heads share a key head), ``k`` is ``[B, Hkv, T, F]``, ``v`` is
 ``[B, Hkv, T, E]``. States: ``S`` is ``[B, Hkv, F, E]`` (sum of k v^T), ``z`` is ``[B, Hkv, F]`` (sum of k).
 Padding is the caller's business: zero the feature-mapped keys of padded tokens before calling.
+
+Decay: an optional ``log_g`` [B, Hkv, T] (<= 0) makes every form compute S_t = g_t S_{t-1} + k_t v_t^T (and
+z_t = g_t z_{t-1} + k_t), so key s reaches query t with the weight exp(sum_{s < r <= t} log g_r).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,12 +21,25 @@ def _causal(scores: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~keep, 0.0)
 
 
+def decay_weights(log_g: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, T] log factors -> [B, Hkv, 1, T, T] causal weights exp(L_t - L_s) (zero above the diagonal)."""
+    cum = log_g.cumsum(-1)
+    diff = cum[..., :, None] - cum[..., None, :]
+    t = log_g.shape[-1]
+    keep = torch.ones(t, t, dtype=torch.bool, device=log_g.device).tril()
+    return diff.masked_fill(~keep, -math.inf).exp().unsqueeze(2)
+
+
 def linear_parallel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, log_g: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quadratic form: returns (numerator [B,Hkv,G,T,E], denominator [B,Hkv,G,T])."""
     scores = torch.einsum("bhgtf,bhsf->bhgts", q, k)
-    if causal:
+    if log_g is not None:
+        if not causal:
+            raise ValueError("a decayed linear attention is causal only")
+        scores = scores * decay_weights(log_g)
+    elif causal:
         scores = _causal(scores)
     return torch.einsum("bhgts,bhse->bhgte", scores, v), scores.sum(-1)
 
@@ -33,6 +51,7 @@ def linear_chunked(
     S: torch.Tensor,
     z: torch.Tensor,
     chunk_size: int,
+    log_g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunkwise causal form, O(T * chunk): exact inside a chunk, state across chunks.
 
@@ -43,22 +62,41 @@ def linear_chunked(
         qc = q[:, :, :, start : start + chunk_size]
         kc = k[:, :, start : start + chunk_size]
         vc = v[:, :, start : start + chunk_size]
-        intra = _causal(torch.einsum("bhgtf,bhsf->bhgts", qc, kc))
-        nums.append(torch.einsum("bhgtf,bhfe->bhgte", qc, S) + torch.einsum("bhgts,bhse->bhgte", intra, vc))
-        dens.append(torch.einsum("bhgtf,bhf->bhgt", qc, z) + intra.sum(-1))
-        S = S + torch.einsum("bhsf,bhse->bhfe", kc, vc)
-        z = z + kc.sum(2)
+        scores = torch.einsum("bhgtf,bhsf->bhgts", qc, kc)
+        if log_g is None:
+            intra, q_state, k_state, carry = _causal(scores), qc, kc, None
+        else:
+            lc = log_g[..., start : start + chunk_size]
+            cum = lc.cumsum(-1)  # log decay from the state before the chunk to each token
+            intra = scores * decay_weights(lc)
+            q_state = qc * cum.exp()[:, :, None, :, None]
+            k_state = kc * (cum[..., -1:] - cum).exp()[..., None]  # each key's decay to the chunk's end
+            carry = cum[..., -1].exp()
+        nums.append(torch.einsum("bhgtf,bhfe->bhgte", q_state, S) + torch.einsum("bhgts,bhse->bhgte", intra, vc))
+        dens.append(torch.einsum("bhgtf,bhf->bhgt", q_state, z) + intra.sum(-1))
+        if carry is not None:
+            S, z = S * carry[..., None, None], z * carry[..., None]
+        S = S + torch.einsum("bhsf,bhse->bhfe", k_state, vc)
+        z = z + k_state.sum(2)
     return torch.cat(nums, dim=3), torch.cat(dens, dim=3), S, z
 
 
 def linear_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    S: torch.Tensor,
+    z: torch.Tensor,
+    log_g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token (T == 1): fold k v^T into the state, then read it with q.
 
     Written with addcmul / matmul rather than einsum: a decode step runs this once per layer per token, and
     einsum's reshapes cost more than the arithmetic at these sizes.
     """
+    if log_g is not None:
+        g = log_g[:, :, 0].exp()
+        S, z = S * g[..., None, None], z * g[..., None]
     S = torch.addcmul(S, k.transpose(-1, -2), v)
     z = z + k[:, :, 0]
     q1 = q[:, :, :, 0]  # [B, Hkv, G, F]

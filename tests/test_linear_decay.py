@@ -1,0 +1,179 @@
+"""Decayed and gated linear attention (``linear`` with ``decay``) against the float64 reference.
+
+The reference (tests/reference.py) weighs key s at query t by kappa(q_t, k_s) times the product of the forget
+factors g_{s+1} ... g_t, each computed one token at a time; no cumulative sums, no chunks, no state.
+Tolerances: fp32 mixer vs float64 reference ``REL_FP32``; float64 gradients (q, k, v, the layer input and
+every parameter) vs the reference's ``REL_GRAD``; fp32 chunked / steps / prefill vs fp32 parallel
+``REL_FORMS``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mixer_steps import left_padded, run_steps
+from reference import forget_factors, linear_attention, real_rows, rel_err
+
+from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
+from hf_recattn.modeling.mixers import build_mixer, validate_spec
+
+REL_FP32 = 1e-5
+REL_GRAD = 1e-8
+REL_FORMS = 1e-5
+BATCH, HIDDEN = 2, 12
+SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
+PAD = 3
+CASES = [("learned", "elu", "denominator"), ("gated", "hedgehog", "denominator"), ("gated", "elu", "l2"),
+         ("learned", "hedgehog", "rms")]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def make_mixer(decay: str, feature_map: str, normalize: str, dtype=torch.float32, **options):
+    """A decayed linear mixer with every parameter moved off its initial value; half-lives 1.5 and 6 tokens,
+    so the decay is strong enough to matter within a dozen tokens."""
+    spec = validate_spec({"mixer": "linear", "decay": decay, "feature_map": feature_map, "normalize": normalize,
+                          "half_life_min": 1.5, "half_life_max": 6.0, **options}, "test")
+    mixer = build_mixer(spec, SHAPE)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in mixer.named_parameters():
+            scale = 0.3 if name != "decay.bias" else 0.1
+            param.add_(scale * torch.randn(param.shape, generator=gen))
+    return mixer.to(dtype)
+
+
+def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, SHAPE.num_heads, seq_len, SHAPE.head_dim, generator=gen)
+    k = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
+    v = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
+    x = torch.randn(BATCH, seq_len, HIDDEN, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
+
+
+def reference(mixer, q, k, v, x, mask) -> torch.Tensor:
+    fm = mixer.feature_map
+    params = {name: getattr(fm, name) for name in ("q_weight", "k_weight") if hasattr(fm, name)}
+    gain = mixer.output_norm.weight if mixer.output_norm is not None else None
+    forget = forget_factors(x, mixer.decay.bias, getattr(mixer.decay, "weight", None))
+    return linear_attention(q, k, v, mixer.spec["feature_map"], params, mask, True, mixer.spec["normalize"],
+                            mixer.spec["eps"], gain, forget)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+@pytest.mark.parametrize("decay,feature_map,normalize", CASES)
+def test_parallel_matches_reference(decay: str, feature_map: str, normalize: str, padded: bool) -> None:
+    seq_len = 10
+    mixer = make_mixer(decay, feature_map, normalize)
+    q, k, v, x = make_inputs(seq_len)
+    mask = left_padded(seq_len, PAD) if padded else None
+    out = mixer.parallel(q, k, v, MixerInputs(x, mask))
+    with torch.no_grad():
+        expected = reference(mixer, q, k, v, x, mask)
+    assert rel_err(real_rows(out, mask), expected) <= REL_FP32
+    # the decay matters: the same weights without it give another function
+    plain = build_mixer(validate_spec({**mixer.spec, "decay": "none"}, "test"), SHAPE)
+    plain.load_state_dict({n: p for n, p in mixer.state_dict().items() if not n.startswith("decay.")})
+    assert rel_err(real_rows(plain.parallel(q, k, v, MixerInputs(x, mask)), mask), expected) > 1e-2
+
+
+@pytest.mark.parametrize("decay,feature_map,normalize", CASES)
+def test_gradients_match_reference(decay: str, feature_map: str, normalize: str) -> None:
+    """float64: gradients of q, k, v, the layer input (gates) and every parameter, left-padded batch."""
+    seq_len = 7
+    mixer = make_mixer(decay, feature_map, normalize, torch.float64)
+    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
+    mask = left_padded(seq_len, PAD)
+    names, params = zip(*sorted(mixer.named_parameters()), strict=True)
+    tensors = [q, k, v, x, *params]
+    weights = torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(7))
+    real = real_rows(weights, mask)
+
+    def grads(out: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.autograd.grad((out * real).sum(), tensors, allow_unused=True))
+
+    got = grads(real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask))
+    want = grads(real_rows(reference(mixer, q, k, v, x, mask), mask))
+    for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
+        if name == "x" and decay == "learned":
+            assert g is None and w is None  # a learned decay does not read the layer input
+            continue
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, w) <= REL_GRAD, name
+    assert "decay.bias" in names and (decay == "learned" or "decay.weight" in names)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+@pytest.mark.parametrize("decay,feature_map,normalize", CASES)
+def test_chunked_steps_and_prefill_match_parallel(decay: str, feature_map: str, normalize: str,
+                                                  padded: bool) -> None:
+    seq_len = 11
+    mixer = make_mixer(decay, feature_map, normalize, chunk_size=4)
+    q, k, v, x = make_inputs(seq_len)
+    mask = left_padded(seq_len, 6 if padded else 0)
+    parallel = mixer.parallel(q, k, v, MixerInputs(x, mask))
+    chunked, chunk_state = mixer.chunked(q, k, v, MixerInputs(x, mask), mixer.init_state(BATCH, q.device, q.dtype))
+    assert rel_err(chunked, parallel) <= REL_FORMS
+    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
+    assert rel_err(stepped, parallel) <= REL_FORMS
+    for name in ("S", "z"):
+        assert rel_err(chunk_state[name], step_state[name]) <= REL_FORMS
+    # prefill 5 tokens (a ragged chunk, padding inside), then steps, through forward() with a cache
+    head, state = mixer(q[:, :, :5], k[:, :, :5], v[:, :, :5], MixerInputs(x[:, :5], mask[:, :5]), use_cache=True)
+    tail, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=5)
+    assert rel_err(torch.cat([head, tail], dim=1), parallel) <= REL_FORMS
+
+
+@pytest.mark.parametrize("decay", ["learned", "gated"])
+def test_left_padding_changes_nothing(decay: str) -> None:
+    """A left-padded row gives the outputs and state of the same tokens alone."""
+    seq_len = 9
+    mixer = make_mixer(decay, "elu", "denominator", chunk_size=4)
+    q, k, v, x = make_inputs(seq_len)
+    mask = left_padded(seq_len, PAD)
+    out, state = mixer.chunked(q, k, v, MixerInputs(x, mask), mixer.init_state(BATCH, q.device, q.dtype))
+    tail = slice(PAD, None)
+    alone, alone_state = mixer.chunked(q[1:, :, tail], k[1:, :, tail], v[1:, :, tail], MixerInputs(x[1:, tail]),
+                                       mixer.init_state(1, q.device, q.dtype))
+    assert rel_err(out[1:, tail], alone) <= REL_FORMS
+    for name in state:
+        assert rel_err(state[name][1:], alone_state[name]) <= REL_FORMS
+
+
+def test_initial_half_lives_and_gate() -> None:
+    """Fresh layers: g^h = 1/2 at half-lives spread log-uniformly from half_life_min to half_life_max, the
+    gate weights zero (a gated layer starts as a learned one); the state keeps its size."""
+    spec = validate_spec({"mixer": "linear", "decay": "gated", "half_life_min": 4, "half_life_max": 64}, "t")
+    shape = MixerShape(hidden_size=HIDDEN, num_heads=6, num_kv_heads=3, head_dim=8, layer_idx=0)
+    mixer = build_mixer(spec, shape)
+    g = torch.sigmoid(mixer.decay.bias.double())
+    lives = math.log(0.5) / torch.log(g)
+    assert torch.allclose(lives, torch.tensor([4.0, 16.0, 64.0], dtype=torch.float64), rtol=1e-5)
+    assert mixer.decay.weight.abs().max() == 0
+    plain = build_mixer(validate_spec({"mixer": "linear"}, "t"), shape)
+    assert mixer.state_size(10) == mixer.state_size(10_000) == plain.state_size(10)
+    # the model's weight init (transformers' _init_weights) leaves the same values
+    from transformers import initialization as init
+
+    mixer.decay.weight.data.normal_()
+    mixer.decay.init_parameters(init)
+    assert mixer.decay.weight.abs().max() == 0
+    assert torch.allclose(torch.sigmoid(mixer.decay.bias.double()), g)
+
+
+def test_bad_specs_name_the_option() -> None:
+    with pytest.raises(ValueError, match=r"layer 2.*'decay' needs causal=True"):
+        validate_spec({"mixer": "linear", "decay": "learned", "causal": False}, "layer 2")
+    with pytest.raises(ValueError, match=r"'half_life_min' \(9.0\) is above 'half_life_max' \(3.0\)"):
+        validate_spec({"mixer": "linear", "decay": "gated", "half_life_min": 9, "half_life_max": 3}, "layer 0")
+    with pytest.raises(ValueError, match=r"option 'decay' must be one of"):
+        validate_spec({"mixer": "linear", "decay": "exponential"}, "layer 0")
+    with pytest.raises(ValueError, match=r"option 'far' a linear far mixer cannot decay"):
+        validate_spec({"mixer": "hybrid", "far": {"mixer": "linear", "decay": "learned"}}, "layer 1")
