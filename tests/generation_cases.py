@@ -28,7 +28,7 @@ SPECS: list[dict[str, Any]] = [
     {"mixer": "linear", "feature_map": "taylor2"},
     {"mixer": "linear", "feature_map": "cosine", "normalize": "l2"},
     {"mixer": "linear", "decay": "learned"},
-    {"mixer": "linear", "feature_map": "hedgehog", "decay": "gated", "half_life_min": 2.0},
+    {"mixer": "linear", "feature_map": "hedgehog", "decay": "gated", "half_life_min": 2.0, "sink": True},
     {"mixer": "taylor", "order": 2},
     {"mixer": "taylor", "order": 3, "denominator": "l2"},
     {"mixer": "taylor", "order": 2, "denominator": "gate"},

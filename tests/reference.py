@@ -238,11 +238,13 @@ def kernel_attention(
     eps: float = 1e-6,
     gain: Tensor | None = None,
     forget: Tensor | None = None,
+    sink: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """o_t = norm(sum_s kappa(q_t, k_s) v_s, sum_s kappa(q_t, k_s)) over real keys s (s <= t when causal).
 
     ``gain`` is [H, E] (per query head) for the vector norms. ``forget`` [B, Hkv, T] are per-token forget
-    factors g: key s then reaches query t with the weight kappa * g_{s+1} * ... * g_t.
+    factors g: key s then reaches query t with the weight kappa * g_{s+1} * ... * g_t. ``sink`` is an extra
+    (key [Hkv, D], value [Hkv, E], log weight [Hkv]) that every query sees with weight e^w kappa(q, key).
     """
     q, k, v = q.double(), k.double(), v.double()
     gain = None if gain is None else gain.double()
@@ -258,6 +260,11 @@ def kernel_attention(
                     continue
                 num = torch.zeros(e, dtype=torch.float64)
                 den = torch.zeros((), dtype=torch.float64)
+                if sink is not None:
+                    sink_key, sink_value, sink_log_weight = (x.double() for x in sink)
+                    weight = torch.exp(sink_log_weight[hk]) * kernel(q[b, h, t], sink_key[hk], h, hk)
+                    num = num + weight * sink_value[hk]
+                    den = den + weight
                 for s in range(seq_len):
                     if not visible(t, s, seq_len, causal, None) or not is_real(padding_mask, b, s):
                         continue
@@ -285,10 +292,11 @@ def linear_attention(
     eps: float = 1e-6,
     gain: Tensor | None = None,
     forget: Tensor | None = None,
+    sink: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Linear attention with a named feature map (see :func:`feature_map_kernel` for ``params``)."""
     return kernel_attention(
-        q, k, v, feature_map_kernel(feature_map, params), padding_mask, causal, normalize, eps, gain, forget
+        q, k, v, feature_map_kernel(feature_map, params), padding_mask, causal, normalize, eps, gain, forget, sink
     )
 
 

@@ -28,7 +28,7 @@ LAYERS = [
     {"mixer": "softmax"},
     {"mixer": "sliding_window", "window": 4},
     {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms", "chunk_size": 4},
-    {"mixer": "linear", "feature_map": "taylor2", "decay": "gated"},
+    {"mixer": "linear", "feature_map": "taylor2", "decay": "gated", "sink": True},
 ]
 #: files the runtime needs for these mixers (others may be copied too: every mixer registered in mixers.py)
 RUNTIME_CORE = {
@@ -41,6 +41,7 @@ RUNTIME_CORE = {
     "mixer_linear.py",
     "feature_maps.py",
     "decay.py",
+    "sink.py",
     "output_norms.py",
     "ops_linear.py",
     "options.py",

@@ -54,6 +54,8 @@ def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
         return "the far mixer must be causal"
     if far["mixer"] == "linear" and far["decay"] != "none":
         return "a linear far mixer cannot decay (the window hands keys to the far state undecayed)"
+    if far["mixer"] == "linear" and far["sink"]:
+        return "a linear far mixer cannot have a sink (the hybrid combines the far state's sums itself)"
     if far["mixer"] == "taylor" and (far["order"] == "exp" or far["cache"] == "kv"):
         return "a taylor far mixer needs a finite order and a recurrent state (not order='exp' or cache='kv')"
     if combine == "shared":

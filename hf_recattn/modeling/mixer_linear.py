@@ -1,6 +1,7 @@
 """Linear attention with a feature map: o_t = phi(q_t) S_t / phi(q_t) z_t, or a vector norm of the numerator.
 
-With ``decay`` the state forgets: S_t = g_t S_{t-1} + phi(k_t) v_t^T (see decay.py).
+With ``decay`` the state forgets: S_t = g_t S_{t-1} + phi(k_t) v_t^T (see decay.py); with ``sink`` every query
+also sees one learned key/value pair outside the state (see sink.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, un
 from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
 from .options import Option
 from .output_norms import OUTPUT_NORMS, OutputNorm
+from .sink import AttentionSink
 
 NORMALIZATIONS = ("denominator", *OUTPUT_NORMS)
 
@@ -33,6 +35,7 @@ class LinearMixer(Mixer):
                         "(from the layer input)", choices=DECAYS),
         "half_life_min": Option((float,), 8.0, "shortest initial decay half-life in tokens", minimum=1e-3),
         "half_life_max": Option((float,), 1024.0, "longest initial decay half-life in tokens", minimum=1e-3),
+        "sink": Option((bool,), False, "a learned key/value pair every query sees, outside the state"),
     }
     state_kind = "recurrent"
     has_chunked = True
@@ -64,6 +67,7 @@ class LinearMixer(Mixer):
             if spec["decay"] == "none"
             else Decay(spec["decay"], shape, spec["half_life_min"], spec["half_life_max"])
         )
+        self.sink = AttentionSink(shape) if spec["sink"] else None
 
     # ----- shared pieces ------------------------------------------------------------------------------------
     def features(
@@ -85,6 +89,13 @@ class LinearMixer(Mixer):
         mask = inputs.token_mask
         return log_g if mask is None else log_g.masked_fill(~mask[:, None, :], 0.0)
 
+    def _with_sink(
+        self, qf: torch.Tensor, num: torch.Tensor, den: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sink is None:
+            return num, den
+        return self.sink(qf, lambda key: self.feature_map(key, is_query=False), num, den)
+
     def finish(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
         """Normalized output [B, T, H, E] from the numerator [B, Hkv, G, T, E] and denominator [B, Hkv, G, T]."""
         if self.output_norm is None:
@@ -99,8 +110,9 @@ class LinearMixer(Mixer):
     ) -> torch.Tensor:
         qf, kf = self.features(q, k, inputs)
         if not self.causal:
-            return self.finish(*noncausal_linear(qf, kf, v))
-        return self.finish(*linear_parallel(qf, kf, v, log_g=self._log_decay(inputs)))
+            return self.finish(*self._with_sink(qf, *noncausal_linear(qf, kf, v)))
+        num, den = linear_parallel(qf, kf, v, log_g=self._log_decay(inputs))
+        return self.finish(*self._with_sink(qf, num, den))
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
@@ -110,7 +122,7 @@ class LinearMixer(Mixer):
         num, den, S, z = linear_chunked(
             qf, kf, v, state["S"], state["z"], self.chunk_size, self._log_decay(inputs)
         )
-        return self.finish(num, den), {"S": S, "z": z}
+        return self.finish(*self._with_sink(qf, num, den)), {"S": S, "z": z}
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
@@ -118,7 +130,7 @@ class LinearMixer(Mixer):
         self.require_causal("step")
         qf, kf = self.features(q, k, inputs)
         num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"], self._log_decay(inputs))
-        return self.finish(num, den), {"S": S, "z": z}
+        return self.finish(*self._with_sink(qf, num, den)), {"S": S, "z": z}
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, f, e = self.shape.num_kv_heads, self.feature_map.out_dim, self.shape.head_dim

@@ -1,7 +1,9 @@
-"""Decayed and gated linear attention (``linear`` with ``decay``) against the float64 reference.
+"""Decayed / gated linear attention and the learned sink (``linear`` with ``decay``, ``sink``) against the
+float64 reference.
 
 The reference (tests/reference.py) weighs key s at query t by kappa(q_t, k_s) times the product of the forget
-factors g_{s+1} ... g_t, each computed one token at a time; no cumulative sums, no chunks, no state.
+factors g_{s+1} ... g_t, each computed one token at a time; no cumulative sums, no chunks, no state. The sink
+is one more key/value pair that every query sees, with weight e^w kappa(q_t, k*), never decayed.
 Tolerances: fp32 mixer vs float64 reference ``REL_FP32``; float64 gradients (q, k, v, the layer input and
 every parameter) vs the reference's ``REL_GRAD``; fp32 chunked / steps / prefill vs fp32 parallel
 ``REL_FORMS``.
@@ -25,8 +27,12 @@ REL_FORMS = 1e-5
 BATCH, HIDDEN = 2, 12
 SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
 PAD = 3
-CASES = [("learned", "elu", "denominator"), ("gated", "hedgehog", "denominator"), ("gated", "elu", "l2"),
-         ("learned", "hedgehog", "rms")]
+#: (decay, feature_map, normalize, sink)
+CASES = [("learned", "elu", "denominator", False), ("gated", "hedgehog", "denominator", False),
+         ("gated", "elu", "l2", False), ("learned", "hedgehog", "rms", False),
+         ("gated", "hedgehog", "denominator", True), ("none", "hedgehog", "denominator", True),
+         ("none", "elu", "layernorm", True)]
+CASE_IDS = [f"{d}-{f}-{n}{'-sink' if s else ''}" for d, f, n, s in CASES]
 
 
 @pytest.fixture(autouse=True)
@@ -34,11 +40,11 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def make_mixer(decay: str, feature_map: str, normalize: str, dtype=torch.float32, **options):
+def make_mixer(decay: str, feature_map: str, normalize: str, sink: bool = False, dtype=torch.float32, **options):
     """A decayed linear mixer with every parameter moved off its initial value; half-lives 1.5 and 6 tokens,
     so the decay is strong enough to matter within a dozen tokens."""
     spec = validate_spec({"mixer": "linear", "decay": decay, "feature_map": feature_map, "normalize": normalize,
-                          "half_life_min": 1.5, "half_life_max": 6.0, **options}, "test")
+                          "sink": sink, "half_life_min": 1.5, "half_life_max": 6.0, **options}, "test")
     mixer = build_mixer(spec, SHAPE)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -61,33 +67,34 @@ def reference(mixer, q, k, v, x, mask) -> torch.Tensor:
     fm = mixer.feature_map
     params = {name: getattr(fm, name) for name in ("q_weight", "k_weight") if hasattr(fm, name)}
     gain = mixer.output_norm.weight if mixer.output_norm is not None else None
-    forget = forget_factors(x, mixer.decay.bias, getattr(mixer.decay, "weight", None))
+    forget = None if mixer.decay is None else forget_factors(x, mixer.decay.bias, getattr(mixer.decay, "weight", None))
+    sink = None if mixer.sink is None else (mixer.sink.key, mixer.sink.value, mixer.sink.log_weight)
     return linear_attention(q, k, v, mixer.spec["feature_map"], params, mask, True, mixer.spec["normalize"],
-                            mixer.spec["eps"], gain, forget)
+                            mixer.spec["eps"], gain, forget, sink)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
-@pytest.mark.parametrize("decay,feature_map,normalize", CASES)
-def test_parallel_matches_reference(decay: str, feature_map: str, normalize: str, padded: bool) -> None:
+@pytest.mark.parametrize("decay,feature_map,normalize,sink", CASES, ids=CASE_IDS)
+def test_parallel_matches_reference(decay: str, feature_map: str, normalize: str, sink: bool, padded: bool) -> None:
     seq_len = 10
-    mixer = make_mixer(decay, feature_map, normalize)
+    mixer = make_mixer(decay, feature_map, normalize, sink)
     q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, PAD) if padded else None
     out = mixer.parallel(q, k, v, MixerInputs(x, mask))
     with torch.no_grad():
         expected = reference(mixer, q, k, v, x, mask)
     assert rel_err(real_rows(out, mask), expected) <= REL_FP32
-    # the decay matters: the same weights without it give another function
-    plain = build_mixer(validate_spec({**mixer.spec, "decay": "none"}, "test"), SHAPE)
-    plain.load_state_dict({n: p for n, p in mixer.state_dict().items() if not n.startswith("decay.")})
+    # the decay and the sink matter: the same weights without them give another function
+    plain = build_mixer(validate_spec({**mixer.spec, "decay": "none", "sink": False}, "test"), SHAPE)
+    plain.load_state_dict({n: p for n, p in mixer.state_dict().items() if not n.startswith(("decay.", "sink."))})
     assert rel_err(real_rows(plain.parallel(q, k, v, MixerInputs(x, mask)), mask), expected) > 1e-2
 
 
-@pytest.mark.parametrize("decay,feature_map,normalize", CASES)
-def test_gradients_match_reference(decay: str, feature_map: str, normalize: str) -> None:
+@pytest.mark.parametrize("decay,feature_map,normalize,sink", CASES, ids=CASE_IDS)
+def test_gradients_match_reference(decay: str, feature_map: str, normalize: str, sink: bool) -> None:
     """float64: gradients of q, k, v, the layer input (gates) and every parameter, left-padded batch."""
     seq_len = 7
-    mixer = make_mixer(decay, feature_map, normalize, torch.float64)
+    mixer = make_mixer(decay, feature_map, normalize, sink, torch.float64)
     q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
     mask = left_padded(seq_len, PAD)
     names, params = zip(*sorted(mixer.named_parameters()), strict=True)
@@ -102,20 +109,21 @@ def test_gradients_match_reference(decay: str, feature_map: str, normalize: str)
     got = grads(real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask))
     want = grads(real_rows(reference(mixer, q, k, v, x, mask), mask))
     for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
-        if name == "x" and decay == "learned":
-            assert g is None and w is None  # a learned decay does not read the layer input
+        if name == "x" and decay != "gated":
+            assert g is None and w is None  # only a gate reads the layer input
             continue
         assert torch.isfinite(g).all(), name
         assert rel_err(g, w) <= REL_GRAD, name
-    assert "decay.bias" in names and (decay == "learned" or "decay.weight" in names)
+    assert (decay == "none" or "decay.bias" in names) and (decay != "gated" or "decay.weight" in names)
+    assert not sink or {"sink.key", "sink.value", "sink.log_weight"} <= set(names)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
-@pytest.mark.parametrize("decay,feature_map,normalize", CASES)
-def test_chunked_steps_and_prefill_match_parallel(decay: str, feature_map: str, normalize: str,
+@pytest.mark.parametrize("decay,feature_map,normalize,sink", CASES, ids=CASE_IDS)
+def test_chunked_steps_and_prefill_match_parallel(decay: str, feature_map: str, normalize: str, sink: bool,
                                                   padded: bool) -> None:
     seq_len = 11
-    mixer = make_mixer(decay, feature_map, normalize, chunk_size=4)
+    mixer = make_mixer(decay, feature_map, normalize, sink, chunk_size=4)
     q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, 6 if padded else 0)
     parallel = mixer.parallel(q, k, v, MixerInputs(x, mask))
@@ -177,3 +185,17 @@ def test_bad_specs_name_the_option() -> None:
         validate_spec({"mixer": "linear", "decay": "exponential"}, "layer 0")
     with pytest.raises(ValueError, match=r"option 'far' a linear far mixer cannot decay"):
         validate_spec({"mixer": "hybrid", "far": {"mixer": "linear", "decay": "learned"}}, "layer 1")
+    with pytest.raises(ValueError, match=r"option 'far' a linear far mixer cannot have a sink"):
+        validate_spec({"mixer": "hybrid", "far": {"mixer": "linear", "sink": True}}, "layer 1")
+
+
+def test_fresh_sink_is_a_zero_value_key() -> None:
+    """At init the sink only adds weight to the denominator: with v* = 0 it pulls outputs toward zero."""
+    q, k, v, x = make_inputs(6)
+    spec = validate_spec({"mixer": "linear", "feature_map": "elu"}, "t")
+    plain = build_mixer(spec, SHAPE)
+    sunk = build_mixer({**spec, "sink": True}, SHAPE)
+    assert sunk.sink.value.abs().max() == 0 and sunk.sink.log_weight.abs().max() == 0
+    a, b = plain.parallel(q, k, v, MixerInputs(x)), sunk.parallel(q, k, v, MixerInputs(x))
+    ratio = b.norm(dim=-1) / a.norm(dim=-1)
+    assert (ratio < 1).all() and (ratio > 0.1).all()
