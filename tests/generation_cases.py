@@ -36,6 +36,8 @@ SPECS: list[dict[str, Any]] = [
     {"mixer": "heinsen"},
     {"mixer": "hybrid", "window": 3},
     {"mixer": "hybrid", "window": 3, "far": {"mixer": "taylor", "order": 2}},
+    {"mixer": "hybrid", "window": 3, "sink_tokens": 2},
+    {"mixer": "hybrid", "window": 2, "far": "none", "sink_tokens": 1},
 ]
 
 #: models whose layers use different mixers: (attention, overrides, layers)

@@ -261,11 +261,14 @@ def hybrid_attention(
     mask: Tensor | None = None,
     far_gain: Tensor | None = None,
     eps: float = 1e-6,
+    sinks: int = 0,
 ) -> Tensor:
     """Softmax over keys t-W < s <= t plus ``far_kernel`` over keys s <= t-W, with window share g_h.
 
     shared: (g sum_win e^x v + (1-g) sum_far kappa v) / (g sum_win e^x + (1-g) sum_far kappa);
     sum: g softmax_window + (1-g) finish(far numerator, far denominator) with the far mixer's own rule.
+    ``sinks``: the first N real tokens of each row join the softmax keys of every later query and leave the
+    far set. ``far_kernel`` None: softmax over the window and the sinks only.
     """
     q, k, v = q.double(), k.double(), v.double()
     bsz, heads, seq, d = q.shape
@@ -278,11 +281,16 @@ def hybrid_attention(
             for t in range(seq):
                 if not _real(mask, b, t):
                     continue
+                sink = [s for s in range(seq) if _real(mask, b, s)][:sinks]
                 near = [s for s in range(max(0, t - window + 1), t + 1) if _real(mask, b, s)]
-                far = [s for s in range(0, t - window + 1) if _real(mask, b, s)]
+                near += [s for s in sink if s <= t - window]
+                far = [s for s in range(0, t - window + 1) if _real(mask, b, s) and s not in sink]
                 e = [torch.exp(scale * q[b, h, t] @ k[b, hk, s]) for s in near]
                 near_num = sum(w * v[b, hk, s] for w, s in zip(e, near, strict=True))
                 near_den = sum(e)
+                if far_kernel is None:
+                    rows[(b, t, h)] = near_num / near_den
+                    continue
                 far_num = torch.zeros(v.shape[-1], dtype=torch.float64)
                 far_den = torch.zeros((), dtype=torch.float64)
                 for s in far:

@@ -43,11 +43,12 @@ CASES = [
 
 
 def make(far: str, combine: str, dtype: torch.dtype = torch.float32, **options: object):
-    spec = validate_spec({"mixer": "hybrid", "far": FARS[far], "combine": combine, **options}, "layer 2")
+    far_spec = "none" if far == "none" else FARS[far]
+    spec = validate_spec({"mixer": "hybrid", "far": far_spec, "combine": combine, **options}, "layer 2")
     mixer = build_mixer(spec, MixerShape(C, H, HKV, D, 2)).to(dtype)
     with torch.no_grad():  # a different window share per head, and non-trivial output-norm gains
         mixer.mix_logit.copy_(torch.tensor([-1.0, 0.0, 0.7, 2.0], dtype=dtype))
-        norm = getattr(mixer.far, "output_norm", None)
+        norm = getattr(mixer.far, "output_norm", None) if mixer.far is not None else None
         if norm is not None:
             norm.weight.add_(
                 0.3 * torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
@@ -57,6 +58,9 @@ def make(far: str, combine: str, dtype: torch.dtype = torch.float32, **options: 
 
 def reference(mixer, q, k, v, mask):
     far = mixer.far
+    if far is None:
+        share = torch.sigmoid(mixer.mix_logit.detach().double())
+        return hybrid_attention(q, k, v, mixer.window, None, share, mask=mask, sinks=mixer.sink_tokens)
     if far.name == "linear":
         kernel, finish = (
             linear_kernel(far.spec["feature_map"]),
@@ -77,6 +81,7 @@ def reference(mixer, q, k, v, mask):
         mask,
         gain,
         far.spec["eps"],
+        mixer.sink_tokens,
     )
 
 
@@ -304,3 +309,85 @@ def test_state_size_report_covers_the_new_mixers() -> None:
         math.ceil(heinsen / kv_per_token),
         math.ceil(hybrid / kv_per_token),
     ]
+
+
+# ----- attention sinks: the first N real tokens stay softmax keys, far="none" -------------------------------
+SINK_CASES = [
+    ("linear-hedgehog", "shared", 1),
+    ("linear-elu", "sum", 2),
+    ("taylor2-exact", "shared", 2),
+    ("none", "shared", 1),
+    ("none", "sum", 3),
+]
+
+
+@pytest.mark.parametrize("far, combine, sinks", SINK_CASES)
+@pytest.mark.parametrize("window", [1, 3])
+def test_sinks_parallel_matches_reference(far: str, combine: str, sinks: int, window: int) -> None:
+    mixer = make(far, combine, window=window, sink_tokens=sinks)
+    q, k, v, x = data(11, seed=5)
+    mask = left_padded(11)
+    out = mixer.parallel(q, k, v, MixerInputs(x, mask))
+    assert rel_err(real_rows(out, mask), reference(mixer, q, k, v, mask)) < 1e-5
+    # the sinks matter once they have left the window: without them, later queries differ
+    plain = make(far, combine, window=window)
+    late = slice(PAD + sinks + window, None)
+    assert rel_err(plain.parallel(q, k, v, MixerInputs(x, mask))[:, late], out[:, late]) > 1e-3
+
+
+@pytest.mark.parametrize("far, combine, sinks", SINK_CASES)
+def test_sinks_chunked_steps_and_prefill_match_parallel(far: str, combine: str, sinks: int) -> None:
+    """Chunks of 2 with 5 padding tokens: the sinks arrive in the third chunk, after all-padding chunks."""
+    seq_len = 12
+    mixer = make(far, combine, window=3, chunk_size=2, sink_tokens=sinks)
+    q, k, v, x = data(seq_len, seed=6)
+    mask = left_padded(seq_len, pad=5)
+    inputs = MixerInputs(x, mask)
+    parallel = real_rows(mixer.parallel(q, k, v, inputs), mask)
+    chunked, chunk_state = mixer.chunked(q, k, v, inputs, mixer.init_state(2, q.device, q.dtype))
+    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
+    assert rel_err(real_rows(chunked, mask), parallel) < 1e-5
+    assert rel_err(real_rows(stepped, mask), parallel) < 1e-5
+    for name in ("sk", "sv", "smask", "wk", "wv", "wmask"):
+        assert torch.equal(chunk_state[name], step_state[name]), name
+    assert chunk_state["smask"].sum(1).tolist() == [sinks, sinks]
+    # the kept sinks are the first real keys of each row, in order
+    assert torch.equal(chunk_state["sk"][0], k[0, :, :sinks])
+    assert torch.equal(chunk_state["sk"][1], k[1, :, 5 : 5 + sinks])
+    pre, state = mixer(q[:, :, :7], k[:, :, :7], v[:, :, :7], MixerInputs(x[:, :7], mask[:, :7]), use_cache=True)
+    rest, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=7)
+    assert rel_err(real_rows(torch.cat([pre, rest], dim=1), mask), parallel) < 1e-5
+
+
+@pytest.mark.parametrize("far, combine, sinks", [SINK_CASES[0], SINK_CASES[3]])
+def test_sinks_gradients_match_reference(far: str, combine: str, sinks: int) -> None:
+    mixer = make(far, combine, dtype=torch.float64, window=2, chunk_size=3, sink_tokens=sinks)
+    q, k, v, x = data(8, dtype=torch.float64, seed=7)
+    mask = left_padded(8)
+    probe = torch.randn(2, 8, H, D, dtype=torch.float64)
+    fns = [
+        lambda a, b, c: mixer.parallel(a, b, c, MixerInputs(x, mask)),
+        lambda a, b, c: mixer.chunked(a, b, c, MixerInputs(x, mask), mixer.init_state(2, a.device, a.dtype))[0],
+        lambda a, b, c: reference(mixer, a, b, c, mask),
+    ]
+    grads = []
+    for fn in fns:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        (real_rows(fn(*leaves), mask) * probe).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for form in grads[:2]:
+        for got, want in zip(form, grads[2], strict=True):
+            assert rel_err(got, want) < 1e-9
+
+
+def test_sinks_and_far_none_state_size() -> None:
+    shape = MixerShape(C, H, HKV, D, 0)
+    for spec, far_size in (({"far": "none"}, 0), ({}, None)):
+        plain = build_mixer(validate_spec({"mixer": "hybrid", "window": 5, **spec}, "t"), shape)
+        sunk = build_mixer(validate_spec({"mixer": "hybrid", "window": 5, "sink_tokens": 2, **spec}, "t"), shape)
+        assert sunk.state_size(100) - plain.state_size(100) == 2 * (2 * HKV * D + 1)
+        assert sunk.state_size(100) == sunk.state_size(10_000)
+        state = sunk.init_state(3, torch.device("cpu"), torch.float32)
+        assert sum(t.numel() for t in state.values()) == 3 * sunk.state_size(1)
+        if far_size == 0:
+            assert sunk.far is None and plain.state_size(7) == 2 * HKV * D * 5 + 5

@@ -72,7 +72,10 @@ def hybrid_parts(spec: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
     """``{"window-only": spec, "far-only": spec}`` for a hybrid spec, None for any other."""
     if spec.get("mixer") != HYBRID:
         return None
-    window = {"mixer": "sliding_window", "window": int(spec["window"])}
+    window: dict[str, Any] = {"mixer": "sliding_window", "window": int(spec["window"])}
+    if spec.get("sink_tokens"):  # the window part keeps its sinks: a hybrid without a far mixer
+        window = {"mixer": HYBRID, "window": int(spec["window"]), "far": "none",
+                  "sink_tokens": int(spec["sink_tokens"])}
     return {"window-only": window, "far-only": dict(spec["far"])}
 
 
@@ -102,6 +105,8 @@ def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
                 mapped[key] = value
             elif name == "far-only" and ".mixer.far." in key:
                 mapped[key.replace(".mixer.far.", ".mixer.")] = value
+            elif name == "window-only" and parts[_layer_of(key)] and ".mixer.far." not in key:
+                mapped[key] = value  # a window part with sinks is a hybrid without far mixer: same names
             elif not parts[_layer_of(key)]:
                 mapped[key] = value
         result = variant.load_state_dict(mapped, strict=False)

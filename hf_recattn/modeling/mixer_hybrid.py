@@ -19,9 +19,16 @@ mixer; a key enters the far state when it leaves the window. Per query head, a l
 * ``sum``: o_t = g softmax_window_t + (1-g) far_t, each part normalized on its own (any far mixer, e.g. a
   taylor far part with an l2 norm). The split between near and far is then a fixed per-head constant.
 
-The recurrent state holds the last W keys / values (with a mask of which are real tokens) and the far
-mixer's state (keys prefixed "far."). Both parts read the same rotary-embedded q and k (the hybrid spec's
-``rope`` decides; the nested far spec's ``rope`` is ignored), and the window logits use s = 1/sqrt(d).
+``sink_tokens`` N keeps the first N real tokens of each sequence visible to every later query as exact softmax
+keys beside the window (StreamingLLM's attention sinks: pretrained softmax models park attention on the first
+token, and a window without it loses much of their quality). Sink tokens never enter the far state. ``far``
+may be ``"none"``: softmax over the window and the sinks only (what the conversion report calls
+window-only).
+
+The recurrent state holds the last W keys / values (with a mask of which are real tokens), the N sink keys /
+values (with a mask of the filled slots) and the far mixer's state (keys prefixed "far."). Both parts read
+the same rotary-embedded q and k (the hybrid spec's ``rope`` decides; the nested far spec's ``rope`` is
+ignored), and the window logits use s = 1/sqrt(d).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ COMBINE = ("shared", "sum")
 #: linear feature maps whose features are never negative (so the linear denominator is >= 0)
 NONNEGATIVE_MAPS = ("elu", "relu", "exp", "hedgehog", "taylor2")
 FAR_PREFIX = "far."
+NO_FAR = "none"
 
 
 def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
@@ -82,7 +90,10 @@ class HybridMixer(Mixer):
         "far": Option(
             (dict, str),
             {"mixer": "linear", "feature_map": "hedgehog"},
-            "spec of the mixer over the tokens before the window: linear or taylor",
+            "spec of the mixer over the tokens before the window: linear or taylor, or 'none'",
+        ),
+        "sink_tokens": Option(
+            (int,), 0, "the first N real tokens stay visible to every query as softmax keys", minimum=0
         ),
         "combine": Option(
             (str,),
@@ -100,6 +111,10 @@ class HybridMixer(Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         from .mixers import validate_spec  # the registry imports this module
 
+        if spec["far"] == NO_FAR:
+            if not 0.0 < spec["mix_init"] < 1.0:
+                raise ValueError(f"{where}: option 'mix_init' must be in (0, 1), got {spec['mix_init']!r}")
+            return
         far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])
         far = validate_spec(far, f"{where}: option 'far'")
         problem = _far_spec_problem(far, spec["combine"])
@@ -116,12 +131,15 @@ class HybridMixer(Mixer):
         self.chunk_size = int(spec["chunk_size"])
         self.scale = shape.head_dim**-0.5
         self.mix_init = float(spec["mix_init"])
-        far = dict(spec["far"])
-        if far["mixer"] == "taylor":  # the far part must be recurrent: a budget overrun is an error here
-            far["cache"] = "recurrent"
-            self.far: Mixer = TaylorMixer(far, shape, config)
-        else:
-            self.far = LinearMixer(far, shape, config)
+        self.sink_tokens = int(spec["sink_tokens"])
+        self.far: Mixer | None = None
+        if spec["far"] != NO_FAR:
+            far = dict(spec["far"])
+            if far["mixer"] == "taylor":  # the far part must be recurrent: a budget overrun is an error here
+                far["cache"] = "recurrent"
+                self.far = TaylorMixer(far, shape, config)
+            else:
+                self.far = LinearMixer(far, shape, config)
         self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), self._logit_init()))
 
     def _logit_init(self) -> float:
@@ -154,37 +172,100 @@ class HybridMixer(Mixer):
             return self.far.finish(num, den, cnt, inputs)
         return self.far.finish(num, den)
 
-    # ----- one block of new tokens against the window buffer and the far state ------------------------------
+    # ----- one block of new tokens against the sinks, the window buffer and the far state --------------------
+    def _sinks(
+        self, k: torch.Tensor, v: torch.Tensor, new_real: torch.Tensor, state: State
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, State]:
+        """Sink candidates (the kept sinks, then this block's tokens), which of the new tokens are sinks,
+        the visibility [B, 1, 1, T, N + T] of the candidates, and the sink part of the next state."""
+        n, t = self.sink_tokens, k.shape[2]
+        kept = state["smask"]  # [B, N] filled slots
+        rank = kept.sum(1, keepdim=True) + new_real.long().cumsum(1) - 1  # rank among the real tokens so far
+        new_sink = new_real & (rank < n)
+        keys = torch.cat([state["sk"], k], dim=2)
+        values = torch.cat([state["sv"], v], dim=2)
+        causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
+        visible = torch.cat(
+            [kept[:, None, :].expand(-1, t, -1), new_sink[:, None, :] & causal[None]], dim=2
+        )[:, None, None]
+        candidates = torch.cat([kept, new_sink], dim=1)
+        order = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :n]  # filled slots first
+        gather = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        sink_state = {
+            "sk": keys.gather(2, gather),
+            "sv": values.gather(2, gather),
+            "smask": candidates.gather(1, order),
+        }
+        return keys, values, new_sink, visible, sink_state
+
     def _block(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
     ) -> tuple[torch.Tensor, State]:
         w, t = self.window, q.shape[2]
-        hk, g = self.shape.num_kv_heads, self.shape.groups
-        keys = torch.cat([state["wk"], k], dim=2)  # [B, Hkv, W+T, D]: the last W old keys, then the new ones
-        values = torch.cat([state["wv"], v], dim=2)
         new_real = inputs.token_mask
         if new_real is None:
             new_real = torch.ones(q.shape[0], t, dtype=torch.bool, device=q.device)
-        real = torch.cat([state["wmask"], new_real.bool()], dim=1)  # [B, W+T]
+        new_real = new_real.bool()
+        new_state: State = {}
+        qg = group_queries(q, self.shape.num_kv_heads)
+        if self.sink_tokens:
+            sink_keys, sink_values, new_sink, sink_visible, sink_state = self._sinks(k, v, new_real, state)
+            new_state.update(sink_state)
+            new_real = new_real & ~new_sink  # sinks take no part in the window or the far state
+        keys = torch.cat([state["wk"], k], dim=2)  # [B, Hkv, W+T, D]: the last W old keys, then the new ones
+        values = torch.cat([state["wv"], v], dim=2)
+        real = torch.cat([state["wmask"], new_real], dim=1)  # [B, W+T]
 
+        # window part: query j sees indices j+1 .. j+W (itself is j+W; a padded query sees itself so that no
+        # row is empty, a sink query sees itself as a sink)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
+        rel = torch.arange(w + t, device=q.device)[None, :] - torch.arange(t, device=q.device)[:, None]
+        visible = ((rel >= 1) & (rel <= w)) & real[:, None, None, None, :]
+        if self.sink_tokens:
+            visible = visible | ((rel == w) & ~new_sink[:, None, None, :, None])
+            sink_scores = torch.einsum("bhgtd,bhsd->bhgts", qg, sink_keys) * self.scale
+            scores = torch.cat([sink_scores.masked_fill(~sink_visible, float("-inf")), scores], dim=-1)
+            visible = torch.cat([sink_visible, visible], dim=-1)
+            values = torch.cat([sink_values, values], dim=2)
+        else:
+            visible = visible | (rel == w)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if self.far is None:
+            out = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values))
+        else:
+            out = self._with_far(q, keys, values, scores, real, inputs, state, new_state, form)
+        window_values = values[:, :, -(w + t) :]
+        new_state.update({"wk": keys[:, :, -w:], "wv": window_values[:, :, -w:], "wmask": real[:, -w:]})
+        return out, new_state
+
+    def _with_far(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        real: torch.Tensor,
+        inputs: MixerInputs,
+        state: State,
+        new_state: State,
+        form: str,
+    ) -> torch.Tensor:
+        """Combine the softmax part (``scores`` over ``values``: sinks, then window) with the far part; the far
+        state moves into ``new_state``."""
+        t = q.shape[2]
+        hk, g = self.shape.num_kv_heads, self.shape.groups
         # far part: query j reads keys W+T indices <= j, i.e. the far state plus the keys that left the window
         far_inputs = MixerInputs(
             hidden_states=inputs.hidden_states, padding_mask=real[:, :t], past_length=inputs.past_length
         )
         far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
+        window_values = values[:, :, -keys.shape[2] :]
         num_f, den_f, cnt_f, far_state = self._far_terms(
-            q, keys[:, :, :t], values[:, :, :t], far_inputs, far_state, form
+            q, keys[:, :, :t], window_values[:, :, :t], far_inputs, far_state, form
         )
-
-        # window part: query j sees indices j+1 .. j+W (itself is j+W, always visible so no row is empty)
-        qg = group_queries(q, hk)
-        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
-        rel = torch.arange(w + t, device=q.device)[None, :] - torch.arange(t, device=q.device)[:, None]
-        visible = (rel >= 1) & (rel <= w)
-        visible = (visible & real[:, None, None, None, :]) | (rel == w)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        if far_state is not None:
+            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
         mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
-
         if self.combine == "shared":
             has_far = den_f > 0
             log_den = torch.where(
@@ -198,17 +279,11 @@ class HybridMixer(Mixer):
             )
             p = torch.softmax(logits, dim=-1)
             out = torch.einsum("bhgts,bhse->bhgte", p[..., :-1], values) + p[..., -1:] * far_avg
-            out = ungroup_output(out)
-        else:
-            near = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values))
-            far_out = self._far_finish(num_f, den_f, cnt_f, far_inputs)
-            share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
-            out = share * near + (1.0 - share) * far_out
-
-        new_state = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
-        if far_state is not None:
-            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
-        return out, new_state
+            return ungroup_output(out)
+        near = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values))
+        far_out = self._far_finish(num_f, den_f, cnt_f, far_inputs)
+        share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
+        return share * near + (1.0 - share) * far_out
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
@@ -248,11 +323,18 @@ class HybridMixer(Mixer):
             "wv": torch.zeros(shape, device=device, dtype=dtype),
             "wmask": torch.zeros(batch_size, self.window, dtype=torch.bool, device=device),
         }
-        state.update(
-            {FAR_PREFIX + name: x for name, x in self.far.init_state(batch_size, device, dtype).items()}
-        )
+        if self.sink_tokens:
+            sinks = (batch_size, self.shape.num_kv_heads, self.sink_tokens, self.shape.head_dim)
+            state["sk"] = torch.zeros(sinks, device=device, dtype=dtype)
+            state["sv"] = torch.zeros(sinks, device=device, dtype=dtype)
+            state["smask"] = torch.zeros(batch_size, self.sink_tokens, dtype=torch.bool, device=device)
+        if self.far is not None:
+            state.update(
+                {FAR_PREFIX + name: x for name, x in self.far.init_state(batch_size, device, dtype).items()}
+            )
         return state
 
     def state_size(self, context_length: int) -> int:
-        window = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.window + self.window
-        return window + self.far.state_size(context_length)
+        kept = self.window + self.sink_tokens
+        buffers = 2 * self.shape.num_kv_heads * self.shape.head_dim * kept + kept
+        return buffers + (0 if self.far is None else self.far.state_size(context_length))

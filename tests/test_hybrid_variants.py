@@ -1,0 +1,50 @@
+"""The conversion report's hybrid parts: window-only and far-only models built from a trained hybrid."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.conversion.pipeline import variant_models
+
+
+def tiny(attention: dict) -> RecAttnForCausalLM:
+    torch.manual_seed(0)
+    config = RecAttnConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           attention=attention)
+    model = RecAttnForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mixer." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_window_only_is_the_hybrid_with_the_far_part_shut(sinks: int) -> None:
+    """Shutting the far part (window share g -> 1) leaves softmax over the window (and the sinks): the
+    window-only variant must compute exactly that, sinks included; far-only keeps the trained far mixer."""
+    model = tiny({"mixer": "hybrid", "window": 3, "sink_tokens": sinks,
+                  "far": {"mixer": "linear", "feature_map": "hedgehog"}})
+    variants = variant_models(model)
+    shut = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in shut.model.layers:
+            layer.self_attn.mixer.mix_logit.fill_(60.0)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = shut(input_ids=ids, attention_mask=mask).logits
+        got = variants["window-only"](input_ids=ids, attention_mask=mask).logits
+        hybrid = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (got - want)[real].abs().max() < 1e-5
+    assert (got - hybrid)[real].abs().max() > 1e-3  # the far part did matter in the hybrid
+    far = variants["far-only"].model.layers[0].self_attn.mixer
+    trained = model.model.layers[0].self_attn.mixer.far
+    assert torch.equal(far.feature_map.q_weight, trained.feature_map.q_weight)
