@@ -63,10 +63,12 @@ MIXER_SPECS: dict[str, dict] = {
     "sliding_window(64)": {"mixer": "sliding_window", "window": 64},
     "linear elu": {"mixer": "linear", "feature_map": "elu"},
     "linear hedgehog": {"mixer": "linear", "feature_map": "hedgehog"},
+    "linear hedgehog gated+sink": {"mixer": "linear", "feature_map": "hedgehog", "decay": "gated", "sink": True},
     "linear taylor2": {"mixer": "linear", "feature_map": "taylor2"},
     "taylor(2)": {"mixer": "taylor", "order": 2},
     "heinsen": {"mixer": "heinsen"},
     "hybrid(64)+hedgehog": {"mixer": "hybrid", "window": 64},
+    "hybrid(64,sink4)+hedgehog": {"mixer": "hybrid", "window": 64, "sink_tokens": 4},
 }
 BASELINE = "llama+DynamicCache"
 CONTEXTS = (512, 2048, 8192, 32768)
