@@ -58,5 +58,5 @@ class Decay(nn.Module):
             logits = self.bias[None, :, None].expand(x.shape[0], -1, x.shape[1])
         else:
             scale = x.shape[-1] ** -0.5
-            logits = torch.einsum("btc,hc->bht", x, self.weight.to(x.dtype)) * scale + self.bias[None, :, None]
+            logits = F.linear(x, self.weight.to(x.dtype) * scale, self.bias.to(x.dtype)).transpose(1, 2)
         return F.logsigmoid(logits.to(x.dtype))

@@ -46,7 +46,6 @@ class AttentionSink(nn.Module):
         """``q_features`` [B, Hkv, G, T, F]; ``key_map`` is the layer's key feature map on [1, Hkv, 1, D]."""
         dtype = q_features.dtype
         k_features = key_map(self.key.to(dtype)[None, :, None, :])[0, :, 0]  # [Hkv, F]
-        weight = torch.einsum("bhgtf,hf->bhgt", q_features, k_features) * self.log_weight.to(dtype).exp()[
-            None, :, None, None
-        ]
-        return num + weight[..., None] * self.value.to(dtype)[None, :, None, None, :], den + weight
+        scaled = k_features * self.log_weight.to(dtype).exp()[:, None]  # [Hkv, F]
+        weight = torch.matmul(q_features, scaled[None, :, None, :, None])  # [B, Hkv, G, T, 1]
+        return torch.addcmul(num, weight, self.value.to(dtype)[None, :, None, None, :]), den + weight[..., 0]
