@@ -16,7 +16,6 @@ layers are ``{mixer: hybrid, far: none, sink_tokens: N}`` (it must give the tran
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -25,24 +24,20 @@ import torch
 from hf_recattn import from_llama
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.evaluation import perplexity
 
 
-def masked_perplexity(model: torch.nn.Module, blocks: torch.Tensor, allowed: torch.Tensor | None) -> float:
-    """exp(mean next-token NLL) over ``blocks`` [N, T]; ``allowed`` [T, T] bool (query, key) or None."""
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, blocks.shape[0], 2):
-            ids = blocks[start : start + 2]
-            kwargs = {}
-            if allowed is not None:
-                bias = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-                kwargs["attention_mask"] = bias[None, None].expand(ids.shape[0], 1, -1, -1)
-            logits = model(input_ids=ids, **kwargs).logits[:, :-1]
-            nll += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
-            ).item()
-            count += ids[:, 1:].numel()
-    return math.exp(nll / count)
+class RestrictedAttention(torch.nn.Module):
+    """The teacher with a fixed [T, T] (query, key) visibility given to every forward as a 4D additive mask."""
+
+    def __init__(self, model: torch.nn.Module, allowed: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("bias", torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min))
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:
+        mask = self.bias[None, None].expand(input_ids.shape[0], 1, -1, -1)
+        return self.model(input_ids=input_ids, attention_mask=mask, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,16 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     query, key = torch.arange(t)[:, None], torch.arange(t)[None, :]
     causal = key <= query
     window = causal & (query - key < args.window)
-    rows = [("full causal attention (the teacher)", masked_perplexity(teacher, blocks, None))]
-    rows.append((f"window {args.window}", masked_perplexity(teacher, blocks, window)))
+    rows = [("full causal attention (the teacher)", perplexity(teacher, blocks, batch_size=2))]
+    rows.append((f"window {args.window}", perplexity(RestrictedAttention(teacher, window), blocks, batch_size=2)))
     for n in args.sinks:
-        rows.append((f"window {args.window} + first {n} tokens",
-                     masked_perplexity(teacher, blocks, window | (causal & (key < n)))))
+        sinks = RestrictedAttention(teacher, window | (causal & (key < n)))
+        rows.append((f"window {args.window} + first {n} tokens", perplexity(sinks, blocks, batch_size=2)))
         spec = {"mixer": "hybrid", "window": args.window, "far": "none", "sink_tokens": n}
         student = from_llama(teacher, spec).eval()
         began = time.perf_counter()
         rows.append((f"hf_recattn hybrid(far=none, window={args.window}, sink_tokens={n})",
-                     masked_perplexity(student, blocks, None)))
+                     perplexity(student, blocks, batch_size=2)))
         print(f"  (hybrid pass: {time.perf_counter() - began:.0f} s)", file=sys.stderr)
     full = rows[0][1]
     print(f"held-out tokens: {blocks.numel()} in blocks of {t}\n")

@@ -37,3 +37,10 @@ def run_steps(
         )
         outs.append(o)
     return torch.cat(outs, dim=1), state
+
+
+def run_chunked(
+    mixer: Mixer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, State]:
+    """Run `mixer.chunked` over the whole sequence from a fresh state; returns the outputs and the final state."""
+    return mixer.chunked(q, k, v, MixerInputs(x, mask), mixer.init_state(q.shape[0], q.device, q.dtype))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mixer_steps import left_padded, run_steps
+from mixer_steps import left_padded, run_chunked, run_steps
 from reference_recurrent_softmax import cache_mismatch, heinsen_attention, real_rows, rel_err
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
@@ -133,7 +133,7 @@ def test_chunked_and_steps_match_parallel(seq_len: int) -> None:
     mask = left_padded(seq_len)
     inputs = MixerInputs(x, mask)
     parallel = real_rows(mixer.parallel(q, k, v, inputs), mask)
-    chunked, chunk_state = mixer.chunked(q, k, v, inputs, mixer.init_state(2, q.device, q.dtype))
+    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
     stepped, step_state = run_steps(mixer, q, k, v, x, mask)
     assert rel_err(real_rows(chunked, mask), parallel) < 1e-5
     assert rel_err(real_rows(stepped, mask), parallel) < 1e-5

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from mixer_steps import left_padded, run_steps
+from mixer_steps import left_padded, run_chunked, run_steps
 from reference_recurrent_softmax import (
     cache_mismatch,
     hybrid_attention,
@@ -96,6 +96,24 @@ def data(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale:
 
 
 
+def assert_gradients_match_reference(mixer, q, k, v, x, mask) -> None:
+    """float64 gradients of q, k, v through the parallel and chunked forms equal the reference's (< 1e-9)."""
+    probe = torch.randn(2, q.shape[2], H, D, dtype=torch.float64)
+    fns = [
+        lambda a, b, c: mixer.parallel(a, b, c, MixerInputs(x, mask)),
+        lambda a, b, c: run_chunked(mixer, a, b, c, x, mask)[0],
+        lambda a, b, c: reference(mixer, a, b, c, mask),
+    ]
+    grads = []
+    for fn in fns:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        (real_rows(fn(*leaves), mask) * probe).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for form in grads[:2]:
+        for got, want in zip(form, grads[2], strict=True):
+            assert rel_err(got, want) < 1e-9
+
+
 @pytest.mark.parametrize("far, combine", CASES)
 @pytest.mark.parametrize("window", [1, 3, 20])
 def test_parallel_matches_reference(far: str, combine: str, window: int) -> None:
@@ -112,22 +130,7 @@ def test_gradients_match_reference(far: str, combine: str) -> None:
     mixer = make(far, combine, dtype=torch.float64, window=2, chunk_size=3)
     q, k, v, x = data(7, dtype=torch.float64)
     mask = left_padded(7)
-    probe = torch.randn(2, 7, H, D, dtype=torch.float64)
-    fns = [
-        lambda a, b, c: mixer.parallel(a, b, c, MixerInputs(x, mask)),
-        lambda a, b, c: mixer.chunked(a, b, c, MixerInputs(x, mask), mixer.init_state(2, a.device, a.dtype))[
-            0
-        ],
-        lambda a, b, c: reference(mixer, a, b, c, mask),
-    ]
-    grads = []
-    for fn in fns:
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        (real_rows(fn(*leaves), mask) * probe).sum().backward()
-        grads.append([t.grad for t in leaves])
-    for form in grads[:2]:
-        for got, want in zip(form, grads[2], strict=True):
-            assert rel_err(got, want) < 1e-9
+    assert_gradients_match_reference(mixer, q, k, v, x, mask)
 
 
 @pytest.mark.parametrize("far, combine", CASES)
@@ -344,7 +347,7 @@ def test_sinks_chunked_steps_and_prefill_match_parallel(far: str, combine: str, 
     mask = left_padded(seq_len, pad=5)
     inputs = MixerInputs(x, mask)
     parallel = real_rows(mixer.parallel(q, k, v, inputs), mask)
-    chunked, chunk_state = mixer.chunked(q, k, v, inputs, mixer.init_state(2, q.device, q.dtype))
+    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
     stepped, step_state = run_steps(mixer, q, k, v, x, mask)
     assert rel_err(real_rows(chunked, mask), parallel) < 1e-5
     assert rel_err(real_rows(stepped, mask), parallel) < 1e-5
@@ -364,20 +367,7 @@ def test_sinks_gradients_match_reference(far: str, combine: str, sinks: int) -> 
     mixer = make(far, combine, dtype=torch.float64, window=2, chunk_size=3, sink_tokens=sinks)
     q, k, v, x = data(8, dtype=torch.float64, seed=7)
     mask = left_padded(8)
-    probe = torch.randn(2, 8, H, D, dtype=torch.float64)
-    fns = [
-        lambda a, b, c: mixer.parallel(a, b, c, MixerInputs(x, mask)),
-        lambda a, b, c: mixer.chunked(a, b, c, MixerInputs(x, mask), mixer.init_state(2, a.device, a.dtype))[0],
-        lambda a, b, c: reference(mixer, a, b, c, mask),
-    ]
-    grads = []
-    for fn in fns:
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        (real_rows(fn(*leaves), mask) * probe).sum().backward()
-        grads.append([t.grad for t in leaves])
-    for form in grads[:2]:
-        for got, want in zip(form, grads[2], strict=True):
-            assert rel_err(got, want) < 1e-9
+    assert_gradients_match_reference(mixer, q, k, v, x, mask)
 
 
 def test_sinks_and_far_none_state_size() -> None:

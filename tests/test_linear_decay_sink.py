@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from mixer_steps import left_padded, run_steps
+from mixer_steps import left_padded, run_chunked, run_steps
 from reference import forget_factors, linear_attention, real_rows, rel_err
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
@@ -33,11 +33,6 @@ CASES = [("learned", "elu", "denominator", False), ("gated", "hedgehog", "denomi
          ("gated", "hedgehog", "denominator", True), ("none", "hedgehog", "denominator", True),
          ("none", "elu", "layernorm", True)]
 CASE_IDS = [f"{d}-{f}-{n}{'-sink' if s else ''}" for d, f, n, s in CASES]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 def make_mixer(decay: str, feature_map: str, normalize: str, sink: bool = False, dtype=torch.float32, **options):
@@ -127,7 +122,7 @@ def test_chunked_steps_and_prefill_match_parallel(decay: str, feature_map: str, 
     q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, 6 if padded else 0)
     parallel = mixer.parallel(q, k, v, MixerInputs(x, mask))
-    chunked, chunk_state = mixer.chunked(q, k, v, MixerInputs(x, mask), mixer.init_state(BATCH, q.device, q.dtype))
+    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
     assert rel_err(chunked, parallel) <= REL_FORMS
     stepped, step_state = run_steps(mixer, q, k, v, x, mask)
     assert rel_err(stepped, parallel) <= REL_FORMS

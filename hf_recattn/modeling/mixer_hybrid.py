@@ -111,9 +111,9 @@ class HybridMixer(Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         from .mixers import validate_spec  # the registry imports this module
 
+        if not 0.0 < spec["mix_init"] < 1.0:
+            raise ValueError(f"{where}: option 'mix_init' must be in (0, 1), got {spec['mix_init']!r}")
         if spec["far"] == NO_FAR:
-            if not 0.0 < spec["mix_init"] < 1.0:
-                raise ValueError(f"{where}: option 'mix_init' must be in (0, 1), got {spec['mix_init']!r}")
             return
         far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])
         far = validate_spec(far, f"{where}: option 'far'")
@@ -121,8 +121,6 @@ class HybridMixer(Mixer):
         if problem is not None:
             raise ValueError(f"{where}: option 'far' {problem}")
         spec["far"] = far
-        if not 0.0 < spec["mix_init"] < 1.0:
-            raise ValueError(f"{where}: option 'mix_init' must be in (0, 1), got {spec['mix_init']!r}")
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
@@ -216,26 +214,26 @@ class HybridMixer(Mixer):
         values = torch.cat([state["wv"], v], dim=2)
         real = torch.cat([state["wmask"], new_real], dim=1)  # [B, W+T]
 
-        # window part: query j sees indices j+1 .. j+W (itself is j+W; a padded query sees itself so that no
-        # row is empty, a sink query sees itself as a sink)
+        # softmax part: query j sees window indices j+1 .. j+W (itself is j+W; a padded query sees itself so
+        # that no row is empty, a sink query sees itself as a sink), then the sinks before the window keys
         scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
         rel = torch.arange(w + t, device=q.device)[None, :] - torch.arange(t, device=q.device)[:, None]
-        visible = ((rel >= 1) & (rel <= w)) & real[:, None, None, None, :]
+        itself = rel == w
         if self.sink_tokens:
-            visible = visible | ((rel == w) & ~new_sink[:, None, None, :, None])
+            itself = itself & ~new_sink[:, None, None, :, None]
+        visible = (((rel >= 1) & (rel <= w)) & real[:, None, None, None, :]) | itself
+        soft_values = values
+        if self.sink_tokens:
             sink_scores = torch.einsum("bhgtd,bhsd->bhgts", qg, sink_keys) * self.scale
-            scores = torch.cat([sink_scores.masked_fill(~sink_visible, float("-inf")), scores], dim=-1)
+            scores = torch.cat([sink_scores, scores], dim=-1)
             visible = torch.cat([sink_visible, visible], dim=-1)
-            values = torch.cat([sink_values, values], dim=2)
-        else:
-            visible = visible | (rel == w)
+            soft_values = torch.cat([sink_values, values], dim=2)
         scores = scores.masked_fill(~visible, float("-inf"))
         if self.far is None:
-            out = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values))
+            out = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), soft_values))
         else:
-            out = self._with_far(q, keys, values, scores, real, inputs, state, new_state, form)
-        window_values = values[:, :, -(w + t) :]
-        new_state.update({"wk": keys[:, :, -w:], "wv": window_values[:, :, -w:], "wmask": real[:, -w:]})
+            out = self._with_far(q, keys, values, scores, soft_values, real, inputs, state, new_state, form)
+        new_state.update({"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]})
         return out, new_state
 
     def _with_far(
@@ -244,14 +242,15 @@ class HybridMixer(Mixer):
         keys: torch.Tensor,
         values: torch.Tensor,
         scores: torch.Tensor,
+        soft_values: torch.Tensor,
         real: torch.Tensor,
         inputs: MixerInputs,
         state: State,
         new_state: State,
         form: str,
     ) -> torch.Tensor:
-        """Combine the softmax part (``scores`` over ``values``: sinks, then window) with the far part; the far
-        state moves into ``new_state``."""
+        """Combine the softmax part (``scores`` over ``soft_values``: sinks, then window) with the far part, which
+        reads the window's ``keys`` / ``values`` that leave it; the far state moves into ``new_state``."""
         t = q.shape[2]
         hk, g = self.shape.num_kv_heads, self.shape.groups
         # far part: query j reads keys W+T indices <= j, i.e. the far state plus the keys that left the window
@@ -259,9 +258,8 @@ class HybridMixer(Mixer):
             hidden_states=inputs.hidden_states, padding_mask=real[:, :t], past_length=inputs.past_length
         )
         far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
-        window_values = values[:, :, -keys.shape[2] :]
         num_f, den_f, cnt_f, far_state = self._far_terms(
-            q, keys[:, :, :t], window_values[:, :, :t], far_inputs, far_state, form
+            q, keys[:, :, :t], values[:, :, :t], far_inputs, far_state, form
         )
         if far_state is not None:
             new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
@@ -278,9 +276,9 @@ class HybridMixer(Mixer):
                 [scores + F.logsigmoid(mix)[..., None], (F.logsigmoid(-mix) + log_den)[..., None]], dim=-1
             )
             p = torch.softmax(logits, dim=-1)
-            out = torch.einsum("bhgts,bhse->bhgte", p[..., :-1], values) + p[..., -1:] * far_avg
+            out = torch.einsum("bhgts,bhse->bhgte", p[..., :-1], soft_values) + p[..., -1:] * far_avg
             return ungroup_output(out)
-        near = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values))
+        near = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), soft_values))
         far_out = self._far_finish(num_f, den_f, cnt_f, far_inputs)
         share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
         return share * near + (1.0 - share) * far_out
