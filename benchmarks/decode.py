@@ -42,6 +42,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_recattn import RecAttnCache, RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.modeling.mixers import MIXERS
+from hf_recattn.modeling.presets import PRESETS
 
 SHAPE = dict(
     vocab_size=49152,
@@ -57,7 +58,7 @@ SHAPE = dict(
     eos_token_id=0,
 )
 
-#: label -> spec; a spec whose mixer is not registered (yet) is skipped with a note
+#: label -> spec (its mixer a family or a preset); a spec whose mixer is not registered (yet) is skipped with a note
 MIXER_SPECS: dict[str, dict] = {
     "softmax": {"mixer": "softmax"},
     "sliding_window(64)": {"mixer": "sliding_window", "window": 64},
@@ -69,6 +70,10 @@ MIXER_SPECS: dict[str, dict] = {
     "heinsen": {"mixer": "heinsen"},
     "hybrid(64)+hedgehog": {"mixer": "hybrid", "window": 64},
     "hybrid(64,sink4)+hedgehog": {"mixer": "hybrid", "window": 64, "sink_tokens": 4},
+    "deltanet": {"mixer": "deltanet"},  # presets (hf_recattn/modeling/presets.py)
+    "gdn": {"mixer": "gdn"},
+    "comba": {"mixer": "comba"},
+    "deltaproduct": {"mixer": "deltaproduct"},
 }
 BASELINE = "llama+DynamicCache"
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         for label in labels:
             spec = MIXER_SPECS[label]
-            if spec["mixer"] not in MIXERS:
+            if spec["mixer"] not in MIXERS and spec["mixer"] not in PRESETS:
                 notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
                 continue
             model = recattn_model(spec, max_positions, weights)

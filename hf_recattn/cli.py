@@ -49,6 +49,20 @@ def add_state_size(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def add_mixers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("mixers", help="every mixer family with its options, and every preset with its spec")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    def run(args: argparse.Namespace) -> int:
+        from .mixer_catalog import catalog, format_catalog
+
+        data = catalog()
+        print(json.dumps(data, indent=2) if args.json else format_catalog(data))
+        return 0
+
+    p.set_defaults(handler=run)
+
+
 def add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="build a tiny random model per mixer and generate from it through the cache")
     p.add_argument("--tokens", type=int, default=16)
@@ -173,7 +187,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_state_size, add_demo, add_eval, add_generate
+    add_state_size, add_mixers, add_demo, add_eval, add_generate
 ]
 SUBCOMMANDS.append(add_convert)
 

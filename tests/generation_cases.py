@@ -38,6 +38,10 @@ SPECS: list[dict[str, Any]] = [
     {"mixer": "hybrid", "window": 3, "far": {"mixer": "taylor", "order": 2}},
     {"mixer": "hybrid", "window": 3, "sink_tokens": 2},
     {"mixer": "hybrid", "window": 2, "far": "none", "sink_tokens": 1},
+    {"mixer": "delta"},
+    {"mixer": "delta", "rule": "delta", "conv_size": 0, "output_gate": False, "output_norm": False},
+    {"mixer": "delta", "rule": "comba", "householder_steps": 2, "negative_eigenvalues": True},
+    {"mixer": "delta", "init": "convert", "householder_steps": 3, "conv_size": 2},
 ]
 
 #: models whose layers use different mixers: (attention, overrides, layers)
@@ -51,6 +55,11 @@ HYBRID_MODELS: dict[str, tuple[Any, dict | None, int]] = {
         [{"mixer": "linear", "feature_map": "hedgehog"}, {"mixer": "heinsen"},
          {"mixer": "hybrid", "window": 4}],
         None,
+        3,
+    ),
+    "layers:delta+window+softmax": (
+        {"mixer": "delta", "rule": "gated"},
+        {"0": {"mixer": "sliding_window", "window": 3}, "-1": {"mixer": "softmax"}},
         3,
     ),
 }

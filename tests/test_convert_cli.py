@@ -15,6 +15,10 @@ from hf_recattn.conversion import attention_transfer as at
 from hf_recattn.conversion import finetune as ft
 
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
+#: window + sinks + a gated delta far part (the hybrid-w64-sink4-gdn recipe in miniature)
+HYBRID_DELTA = {"mixer": "hybrid", "window": 8, "sink_tokens": 2, "combine": "sum", "mix_init": 0.9,
+                "far": {"mixer": "delta", "init": "convert", "conv_size": 2, "output_norm": False,
+                        "output_gate": False}}
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +34,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "teacher": tiny_teacher_folder(root / "teacher"),
         "corpus": tiny_corpus_file(root / "corpus.jsonl"),
         "hybrid": write_recipe(root / "tiny-hybrid.yaml", tiny_recipe_dict(HYBRID)),
+        "hybrid_delta": write_recipe(root / "tiny-hybrid-delta.yaml", tiny_recipe_dict(HYBRID_DELTA)),
         "linear": write_recipe(root / "tiny-linear.yaml", tiny_recipe_dict()),
     }
 
@@ -50,11 +55,13 @@ def _args(assets: dict[str, Path], out: Path, recipe: str = "linear", *extra: st
     ]
 
 
+@pytest.mark.parametrize("recipe", ["hybrid", "hybrid_delta"])
 def test_convert_end_to_end_hybrid(
-    assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    recipe: str, assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "run"
-    assert main(_args(assets, out, "hybrid")) == 0
+    recipe_name = assets[recipe].stem
+    assert main(_args(assets, out, recipe)) == 0
     printed = capsys.readouterr().out
     assert "| teacher |" in printed and "| window-only |" in printed and "| far-only |" in printed
     assert "through the window cache" in printed  # the sample went through the recurrent cache
@@ -62,12 +69,12 @@ def test_convert_end_to_end_hybrid(
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "report.json"):
         assert (model_dir / name).is_file(), name
     report = json.loads((out / "report.json").read_text())
-    assert set(report["comparison"]) == {"teacher", "window-only", "far-only", "tiny-hybrid"}
+    assert set(report["comparison"]) == {"teacher", "window-only", "far-only", recipe_name}
     for row in report["comparison"].values():
         assert row["perplexity"] > 1 and row["eval_tokens"] == report["comparison"]["teacher"]["eval_tokens"]
     assert report["stage1"]["steps"] == 6 and report["stage2"]["steps"] == 4
     card = (model_dir / "README.md").read_text()
-    assert card.startswith("---") and "| window-only |" in card and "tiny-hybrid" in card
+    assert card.startswith("---") and "| window-only |" in card and recipe_name in card
     # the folder is a plain checkpoint: it loads with the Auto classes and generates through its cache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,7 +16,8 @@ from hf_recattn.conversion.recipe import (
     recipe_from_dict,
 )
 
-REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen"}
+REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
+            "hybrid-w64-sink4-gdn"}
 
 
 def smollm2_config() -> LlamaConfig:

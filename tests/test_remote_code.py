@@ -29,6 +29,7 @@ LAYERS = [
     {"mixer": "sliding_window", "window": 4},
     {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms", "chunk_size": 4},
     {"mixer": "linear", "feature_map": "taylor2", "decay": "gated", "sink": True},
+    {"mixer": "delta", "rule": "comba", "householder_steps": 2, "feature_map": "hedgehog", "chunk_size": 4},
 ]
 #: files the runtime needs for these mixers (others may be copied too: every mixer registered in mixers.py)
 RUNTIME_CORE = {
@@ -45,6 +46,10 @@ RUNTIME_CORE = {
     "output_norms.py",
     "ops_linear.py",
     "options.py",
+    "mixer_delta.py",
+    "ops_delta.py",
+    "delta_gates.py",
+    "short_conv.py",
 }
 
 AUTO_MAP = {
@@ -111,7 +116,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RecAttnForCau
         vocab_size=100,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=len(LAYERS),
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -176,7 +181,7 @@ def test_loads_without_the_package(saved: tuple[Path, RecAttnForCausalLM], tmp_p
     assert report["model_class"].endswith(".modeling.RecAttnForCausalLM")
     assert report["base_class"].endswith(".modeling.RecAttnModel")
     assert report["config_class"].endswith(".configuration.RecAttnConfig")
-    assert report["mixers"] == ["SoftmaxMixer", "SlidingWindowMixer", "LinearMixer", "LinearMixer"]
+    assert report["mixers"] == ["SoftmaxMixer", "SlidingWindowMixer", "LinearMixer", "LinearMixer", "DeltaMixer"]
     resaved = tmp_path / "resaved"
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == AUTO_MAP
     assert RUNTIME_CORE <= {p.name for p in resaved.glob("*.py")}

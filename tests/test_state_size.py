@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from hf_recattn import RecAttnConfig, state_size_report
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, state_size_report
 from hf_recattn.cli import main
 from hf_recattn.state_size import format_report
 
@@ -75,6 +76,42 @@ def test_recurrent_state_does_not_grow() -> None:
     for i in (2, 3, 4):
         assert a[i].state_elements == b[i].state_elements
         assert b[i].kv_cache_elements == 1_000_000 * KV_PER_TOKEN
+
+
+DELTA_LAYERS = [  # (spec, conv taps W, Householder steps n)
+    ("gdn", 4, 1),
+    ({"mixer": "gdn", "conv_size": 0}, 0, 1),
+    ("comba", 4, 1),
+    ({"mixer": "deltanet", "conv_size": 2}, 2, 1),
+    ("deltaproduct", 4, 2),
+    ({"mixer": "deltaproduct", "conv_size": 0}, 0, 2),
+]
+
+
+def delta_elements(taps: int, steps: int, heads: int = 4) -> int:
+    """S (d x d per KV head) plus the last W - 1 convolution inputs of q (H d), k and v (n Hkv d each)."""
+    conv = max(taps - 1, 0) * (heads * D + 2 * steps * HKV * D)
+    return HKV * D * D + conv
+
+
+def test_delta_layers_hold_the_matrix_state_and_the_conv_inputs() -> None:
+    cfg = RecAttnConfig(
+        vocab_size=100, hidden_size=4 * D, intermediate_size=64, num_hidden_layers=len(DELTA_LAYERS),
+        num_attention_heads=4, num_key_value_heads=HKV, attention=[spec for spec, _, _ in DELTA_LAYERS],
+    )
+    want = [delta_elements(taps, steps) for _, taps, steps in DELTA_LAYERS]
+    assert want[:2] == [8192 + 3 * (256 + 256), 8192] and want[4] == 8192 + 3 * (256 + 512)
+    for context in (1, 4096, 1_000_000):
+        rows = state_size_report(cfg, context)
+        assert [r.state_elements for r in rows] == want
+        assert {(r.mixer, r.kind) for r in rows} == {("delta", "recurrent")}
+    assert [r.break_even_context for r in rows] == [math.ceil(n / KV_PER_TOKEN) for n in want]
+    # the cache a real prefill leaves holds exactly that many elements per layer
+    model = RecAttnForCausalLM(cfg).eval()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 5)), past_key_values=cache, use_cache=True)
+    assert [sum(t.numel() for t in layer.state.values()) for layer in cache.layers] == want
 
 
 def test_bad_context_is_a_value_error() -> None:

@@ -61,7 +61,8 @@ class RecAttnConfig(LlamaConfig):
 
     Args:
         attention: one spec for every layer (``{"mixer": "linear", "feature_map": "hedgehog"}``), a mixer
-            name, or a list with one spec per layer.
+            or preset name (``"gdn"``; ``{"mixer": "gdn", **options}`` overrides the preset's options, see
+            presets.py), or a list with one spec per layer.
         attention_overrides: per-layer replacements keyed by layer index (``"0"``, ``"-1"``) or by a
             period (``"every:4"`` picks layers 3, 7, 11, ...; ``"every:4:0"`` picks 0, 4, 8, ...).
         o_proj_bias: whether the output projection has a bias; ``None`` follows ``attention_bias`` (Llama).

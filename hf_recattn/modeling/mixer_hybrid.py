@@ -19,6 +19,10 @@ mixer; a key enters the far state when it leaves the window. Per query head, a l
 * ``sum``: o_t = g softmax_window_t + (1-g) far_t, each part normalized on its own (any far mixer, e.g. a
   taylor far part with an l2 norm). The split between near and far is then a fixed per-head constant.
 
+A ``delta`` far part (DeltaNet, Gated DeltaNet, Comba, DeltaProduct, or one of their preset names) needs
+``combine='sum'`` and reads every token as it arrives, the window's and the sinks' included: its gates and short
+convolution belong to the token's own layer input, so it cannot take keys late, when they leave the window.
+
 ``sink_tokens`` N keeps the first N real tokens of each sequence visible to every later query as exact softmax
 keys beside the window (StreamingLLM's attention sinks: pretrained softmax models park attention on the first
 token, and a window without it loses much of their quality). Sink tokens never enter the far state. ``far``
@@ -41,12 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_delta import DeltaMixer
 from .mixer_linear import LinearMixer
 from .mixer_taylor import TaylorMixer
 from .ops_linear import linear_chunked, linear_parallel, linear_step
 from .options import Option
 
-FAR_MIXERS = ("linear", "taylor")
+FAR_MIXERS = ("linear", "taylor", "delta")
 COMBINE = ("shared", "sum")
 #: linear feature maps whose features are never negative (so the linear denominator is >= 0)
 NONNEGATIVE_MAPS = ("elu", "relu", "exp", "hedgehog", "taylor2")
@@ -64,6 +69,8 @@ def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
         return "a linear far mixer cannot decay (the window hands keys to the far state undecayed)"
     if far["mixer"] == "linear" and far["sink"]:
         return "a linear far mixer cannot have a sink (the hybrid combines the far state's sums itself)"
+    if far["mixer"] == "delta" and combine != "sum":
+        return "a delta far mixer needs combine='sum' (its output is normalized on its own)"
     if far["mixer"] == "taylor" and (far["order"] == "exp" or far["cache"] == "kv"):
         return "a taylor far mixer needs a finite order and a recurrent state (not order='exp' or cache='kv')"
     if combine == "shared":
@@ -90,7 +97,7 @@ class HybridMixer(Mixer):
         "far": Option(
             (dict, str),
             {"mixer": "linear", "feature_map": "hedgehog"},
-            "spec of the mixer over the tokens before the window: linear or taylor, or 'none'",
+            "spec of the far mixer: linear or taylor (tokens before the window), delta (every token), or 'none'",
         ),
         "sink_tokens": Option(
             (int,), 0, "the first N real tokens stay visible to every query as softmax keys", minimum=0
@@ -136,6 +143,8 @@ class HybridMixer(Mixer):
             if far["mixer"] == "taylor":  # the far part must be recurrent: a budget overrun is an error here
                 far["cache"] = "recurrent"
                 self.far = TaylorMixer(far, shape, config)
+            elif far["mixer"] == "delta":
+                self.far = DeltaMixer(far, shape, config)
             else:
                 self.far = LinearMixer(far, shape, config)
         self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), self._logit_init()))
@@ -258,6 +267,9 @@ class HybridMixer(Mixer):
             hidden_states=inputs.hidden_states, padding_mask=real[:, :t], past_length=inputs.past_length
         )
         far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
+        if isinstance(self.far, DeltaMixer):  # every new token, as it arrives
+            return self._with_delta_far(q, keys[:, :, -t:], values[:, :, -t:], scores, soft_values, inputs,
+                                        far_state, new_state, form)
         num_f, den_f, cnt_f, far_state = self._far_terms(
             q, keys[:, :, :t], values[:, :, :t], far_inputs, far_state, form
         )
@@ -278,10 +290,33 @@ class HybridMixer(Mixer):
             p = torch.softmax(logits, dim=-1)
             out = torch.einsum("bhgts,bhse->bhgte", p[..., :-1], soft_values) + p[..., -1:] * far_avg
             return ungroup_output(out)
+        return self._sum(scores, soft_values, self._far_finish(num_f, den_f, cnt_f, far_inputs))
+
+    def _sum(self, scores: torch.Tensor, soft_values: torch.Tensor, far_out: torch.Tensor) -> torch.Tensor:
+        """combine='sum': g softmax(scores) soft_values + (1 - g) far_out, g per query head."""
         near = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), soft_values))
-        far_out = self._far_finish(num_f, den_f, cnt_f, far_inputs)
         share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
         return share * near + (1.0 - share) * far_out
+
+    def _with_delta_far(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scores: torch.Tensor,
+        soft_values: torch.Tensor,
+        inputs: MixerInputs,
+        far_state: State,
+        new_state: State,
+        form: str,
+    ) -> torch.Tensor:
+        far = self.far
+        if form == "parallel":
+            far_out = far.parallel(q, k, v, inputs)
+        else:
+            far_out, far_state = (far.step if form == "step" else far.chunked)(q, k, v, inputs, far_state)
+            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        return self._sum(scores, soft_values, far_out)
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(

@@ -58,15 +58,15 @@ def linear_chunked(
     Returns (numerator, denominator, final S, final z).
     """
     nums, dens = [], []
-    for start in range(0, q.shape[3], chunk_size):
-        qc = q[:, :, :, start : start + chunk_size]
-        kc = k[:, :, start : start + chunk_size]
-        vc = v[:, :, start : start + chunk_size]
+    # split() rather than slicing: its backward joins the chunks' gradients once (slicing would allocate a
+    # full-size gradient per chunk, quadratic in the length)
+    qs, ks, vs = q.split(chunk_size, dim=3), k.split(chunk_size, dim=2), v.split(chunk_size, dim=2)
+    gs = [None] * len(qs) if log_g is None else log_g.split(chunk_size, dim=-1)
+    for qc, kc, vc, lc in zip(qs, ks, vs, gs, strict=True):
         scores = torch.einsum("bhgtf,bhsf->bhgts", qc, kc)
-        if log_g is None:
+        if lc is None:
             intra, q_state, k_state, carry = _causal(scores), qc, kc, None
         else:
-            lc = log_g[..., start : start + chunk_size]
             cum = lc.cumsum(-1)  # log decay from the state before the chunk to each token
             intra = scores * decay_weights(lc)
             q_state = qc * cum.exp()[:, :, None, :, None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .mixer_base import MixerShape
@@ -34,7 +35,7 @@ class OutputNorm(nn.Module):
         if self.kind == "l2":
             o = o / (o.norm(dim=-1, keepdim=True) + self.eps)
         elif self.kind == "rms":
-            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+            o = F.rms_norm(o, (o.shape[-1],), eps=self.eps)
         else:
             o = o - o.mean(-1, keepdim=True)
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)

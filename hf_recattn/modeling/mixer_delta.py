@@ -1,0 +1,264 @@
+"""The delta-rule family (seed 002): DeltaNet, Gated DeltaNet, Comba and DeltaProduct in one mixer.
+
+Per key head, a state S [D, E] is updated by ``rule`` (see ops_delta.py / delta_gates.py):
+
+* ``delta``  (DeltaNet):        S_t = S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T
+* ``gated``  (Gated DeltaNet):  S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T
+* ``comba``  (Comba, eq. 18):   S_t = a_t S_{t-1} + b_t (v_t - S_{t-1} k_t) k_t^T
+
+(written values x keys as in the seed), and the query reads o_t = S_t q_t. Around the update: an optional short
+causal convolution on q, k and v (its inputs cached in the state), an optional SiLU, an optional feature map on q
+and k (those of linear attention, e.g. Hedgehog: the state then has the map's width), L2-normalized q and k, and
+an optional output RMSNorm per head times a SiLU gate from the layer input. ``householder_steps`` n > 1 gives
+DeltaProduct: n keys, values and b per token applied as n successive updates (the extra n - 1 keys and values are
+projected from the layer input by the mixer; the first ones are the layer's k and v).
+
+Query heads of a group read their key head's state (GQA). Padded tokens leave the state untouched (b = 0, no
+decay, zeroed conv inputs). ``causal=False`` (rule ``delta`` only) lets every query read the final state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .delta_gates import INITS, RULES, DeltaGates
+from .feature_maps import FEATURE_MAPS, FeatureMap
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .ops_delta import delta_chunked, delta_parallel, delta_step
+from .options import Option
+from .output_norms import OutputNorm
+from .short_conv import ShortConvolution, conv_step
+
+ACTIVATIONS = ("none", "silu")
+QK_NORMS = ("l2", "none")
+CONV_STATES = ("conv_q", "conv_k", "conv_v")
+
+
+class DeltaMixer(Mixer):
+    """Delta-rule state S per key head, updated by `rule`, read by the queries."""
+
+    name = "delta"
+    options = {
+        "rule": Option((str,), "gated", "state update: delta (DeltaNet), gated (Gated DeltaNet) or comba",
+                       choices=RULES),
+        "householder_steps": Option((int,), 1, "delta updates per token (> 1: DeltaProduct)", minimum=1),
+        "conv_size": Option((int,), 4, "taps of the short causal convolution on q, k and v (0: none)", minimum=0),
+        "activation": Option((str,), "silu", "applied to q, k and v after the convolution", choices=ACTIVATIONS),
+        "feature_map": Option((str,), "identity", "phi applied to q and k before their norm (as in linear)",
+                              choices=FEATURE_MAPS),
+        "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
+        "negative_eigenvalues": Option((bool,), False, "b in (0, 2) instead of (0, 1)"),
+        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
+        "output_gate": Option((bool,), True, "multiply the output by silu(W_g x) from the layer input"),
+        "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
+        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
+                       "convert (identity convolution, input-independent gates)", choices=INITS),
+        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial decay half-life in tokens",
+                                minimum=1e-3),
+        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial decay half-life in tokens",
+                                minimum=1e-3),
+        "beta_init": Option((float,), 0.5, "init=convert: initial write strength b, in (0, 1)"),
+        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
+        "eps": Option((float,), 1e-6, "added inside the q/k and output norms", minimum=0.0),
+        "causal": Option((bool,), True, "causal (decoder) or bidirectional (rule delta only)"),
+    }
+    state_kind = "recurrent"
+    has_chunked = True
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        if not spec["causal"] and spec["rule"] != "delta":
+            raise ValueError(
+                f"{where}: option 'causal' must be True with rule {spec['rule']!r} (a decay gate has a direction)"
+            )
+        if not 0.0 < spec["beta_init"] < 1.0:
+            raise ValueError(f"{where}: option 'beta_init' must be in (0, 1), got {spec['beta_init']!r}")
+        if spec["half_life_min"] > spec["half_life_max"]:
+            raise ValueError(
+                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
+                f"({spec['half_life_max']})"
+            )
+        if spec["output_gate"] and not spec["output_norm"]:
+            raise ValueError(f"{where}: option 'output_gate' needs output_norm=True (the gate follows the norm)")
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+        self.steps = int(spec["householder_steps"])
+        self.chunk_size = int(spec["chunk_size"])
+        self.eps = float(spec["eps"])
+        self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
+        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+        self.convert_init = spec["init"] == "convert"
+        self.gates = DeltaGates(spec, shape, self.initializer_range)
+        self.feature_map = FeatureMap(spec["feature_map"], shape)
+        if self.steps > 1:  # the extra keys and values of DeltaProduct, read from the layer input
+            self.extra_kv_weight = nn.Parameter(torch.zeros(2 * (self.steps - 1) * hk * d, c))
+        size = int(spec["conv_size"])
+        channels = {"conv_q": h * d, "conv_k": self.steps * hk * d, "conv_v": self.steps * hk * d}
+        self.convs = nn.ModuleDict(
+            {name: ShortConvolution(n, size, self.convert_init) for name, n in channels.items()} if size else {}
+        )
+        self.output_norm = OutputNorm("rms", shape, d, self.eps) if spec["output_norm"] else None
+        if spec["output_gate"]:
+            self.gate_weight = nn.Parameter(torch.zeros(h * d, c))
+
+    def init_parameters(self, init: Any) -> None:
+        """Extra DeltaProduct keys / values and the output gate: N(0, initializer_range); with init=convert the
+        extra keys / values start at zero (their updates are then no-ops)."""
+        if self.steps > 1:
+            if self.convert_init:
+                init.zeros_(self.extra_kv_weight)
+            else:
+                init.normal_(self.extra_kv_weight, 0.0, self.initializer_range)
+        if hasattr(self, "gate_weight"):
+            init.normal_(self.gate_weight, 0.0, self.initializer_range)
+
+    # ----- shared pieces ------------------------------------------------------------------------------------
+    def _prepare(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, State]:
+        """Convolved, activated, feature-mapped, normalized q [B, Hk, G, T, F], k [B, Hk, T*n, F], v [B, Hk, T*n, E],
+        and the new convolution states."""
+        b, h, t, d = q.shape
+        hk, n = self.shape.num_kv_heads, self.steps
+        x = inputs.hidden_states
+        streams = {
+            "conv_q": q.transpose(1, 2).reshape(b, t, h * d),
+            "conv_k": k.transpose(1, 2).reshape(b, t, hk * d),
+            "conv_v": v.transpose(1, 2).reshape(b, t, hk * d),
+        }
+        if n > 1:
+            extra_k, extra_v = F.linear(x, self.extra_kv_weight.to(x.dtype)).chunk(2, dim=-1)
+            streams["conv_k"] = torch.cat([streams["conv_k"], extra_k], dim=-1)
+            streams["conv_v"] = torch.cat([streams["conv_v"], extra_v], dim=-1)
+        mask = inputs.token_mask
+        new_state: State = {}
+        for name, stream in streams.items():
+            if mask is not None:  # padded tokens enter the convolution as zeros
+                stream = stream * mask[..., None].to(stream.dtype)
+            if name in self.convs:
+                old = None if state is None else state[name]
+                stream, new_state[name] = self.convs[name](stream, old)
+                if mask is not None and old is not None and t == 1:  # a padded step leaves the inputs kept
+                    new_state[name] = torch.where(mask[:, :, None], new_state[name], old)
+            if self.spec["activation"] == "silu":
+                stream = F.silu(stream)
+            streams[name] = stream
+        q = group_queries(streams["conv_q"].view(b, t, h, d).transpose(1, 2), hk)
+        k = streams["conv_k"].view(b, t, n, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t * n, d)
+        v = streams["conv_v"].view(b, t, n, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t * n, d)
+        q, k = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+        return self._qk_norm(q) * self.scale, self._qk_norm(k), v, new_state
+
+    def _prepare_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, State]:
+        """``_prepare`` for one token (T == 1): the three streams as one [B, channels] row, so that masking, the
+        convolution, the activation and the q/k norm run once over all of them (the same arithmetic per element,
+        about half the small ops per decode step)."""
+        b, h, _, d = q.shape
+        hk, n = self.shape.num_kv_heads, self.steps
+        parts = [q.reshape(b, h * d), k.reshape(b, hk * d)]
+        if n > 1:
+            x = inputs.hidden_states
+            extra_k, extra_v = F.linear(x, self.extra_kv_weight.to(x.dtype)).reshape(b, -1).chunk(2, dim=-1)
+            parts += [extra_k, v.reshape(b, hk * d), extra_v]
+        else:
+            parts.append(v.reshape(b, hk * d))
+        row = torch.cat(parts, dim=1)  # [B, (H + 2 n Hk) D]: q | n keys | n values
+        mask = inputs.token_mask
+        if mask is not None:  # padded tokens enter the convolution as zeros
+            row = row * mask.to(row.dtype)
+        new_state: State = {}
+        if self.convs:  # the three convolutions as one over the stacked channels
+            convs = [self.convs[name] for name in CONV_STATES]
+            old = torch.cat([state[name] for name in CONV_STATES], dim=1)
+            row, kept = conv_step(row, old, torch.cat([conv.weight for conv in convs]))
+            if mask is not None:  # a padded step leaves the inputs kept
+                kept = torch.where(mask[:, :, None], kept, old)
+            start = 0
+            for name, conv in zip(CONV_STATES, convs, strict=True):
+                new_state[name] = kept[:, start : start + conv.channels]
+                start += conv.channels
+        if self.spec["activation"] == "silu":
+            row = F.silu(row)
+        split = (h + n * hk) * d
+        v = row[:, split:].view(b, n, hk, d).transpose(1, 2).reshape(b, hk, n, d)
+        if self.feature_map.kind != "identity":  # feature widths differ: q and k each on their own
+            qg = self.feature_map(row[:, : h * d].view(b, hk, h // hk, 1, d), is_query=True)
+            k = self.feature_map(row[:, h * d : split].view(b, n, hk, d).transpose(1, 2), is_query=False)
+            return self._qk_norm(qg) * self.scale, self._qk_norm(k), v, new_state
+        qk = self._qk_norm(row[:, :split].view(b, h + n * hk, d))
+        qg = (qk[:, :h] * self.scale).view(b, hk, h // hk, 1, d)
+        k = qk[:, h:].view(b, n, hk, d).transpose(1, 2).reshape(b, hk, n, d)
+        return qg, k, v, new_state
+
+    def _qk_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """x / sqrt(|x|^2 + eps) over the last dim (qk_norm='l2'), written as one rms_norm."""
+        if self.spec["qk_norm"] != "l2":
+            return x
+        f = x.shape[-1]
+        return F.rms_norm(x, (f,), eps=self.eps / f) * f**-0.5
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
+        if self.output_norm is not None:
+            o = self.output_norm(o)
+        o = ungroup_output(o)
+        if hasattr(self, "gate_weight"):
+            gate = F.silu(F.linear(x, self.gate_weight.to(x.dtype)))
+            o = o * gate.view(*o.shape)
+        return o
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None, form: str
+    ) -> tuple[torch.Tensor, State]:
+        if form == "step":
+            qg, kd, vd, new_state = self._prepare_step(q, k, v, inputs, state)
+        else:
+            qg, kd, vd, new_state = self._prepare(q, k, v, inputs, state)
+        log_alpha, beta, erase = self.gates(inputs.hidden_states, inputs.token_mask)
+        start = None if state is None else state["S"]
+        if form == "parallel":
+            o, final = delta_parallel(qg, kd, vd, log_alpha, beta, erase, start, self.steps)
+            if not self.is_causal_mixer:  # every query reads the state of the whole sequence
+                o = qg @ final.unsqueeze(2)
+        elif form == "chunked":
+            o, final = delta_chunked(qg, kd, vd, log_alpha, beta, erase, start, self.chunk_size, self.steps)
+        else:
+            o, final = delta_step(qg, kd, vd, log_alpha, beta, erase, start)
+        new_state["S"] = final
+        return self._finish(o, inputs.hidden_states), new_state
+
+    # ----- forms ------------------------------------------------------------------------------------------
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
+        return self._run(q, k, v, inputs, None, "parallel")[0]
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        self.require_causal("chunked")
+        return self._run(q, k, v, inputs, state, "chunked")
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        self.require_causal("step")
+        return self._run(q, k, v, inputs, state, "step")
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        hk, d = self.shape.num_kv_heads, self.shape.head_dim
+        state = {"S": torch.zeros(batch_size, hk, self.feature_map.out_dim, d, device=device, dtype=dtype)}
+        state.update({name: conv.init_state(batch_size, device, dtype) for name, conv in self.convs.items()})
+        return state
+
+    def state_size(self, context_length: int) -> int:
+        hk, d = self.shape.num_kv_heads, self.shape.head_dim
+        return hk * self.feature_map.out_dim * d + sum(conv.channels * (conv.size - 1) for conv in self.convs.values())
