@@ -74,6 +74,13 @@ MIXER_SPECS: dict[str, dict] = {
     "gdn": {"mixer": "gdn"},
     "comba": {"mixer": "comba"},
     "deltaproduct": {"mixer": "deltaproduct"},
+    "alibi": {"mixer": "alibi"},
+    "fox": {"mixer": "fox"},
+    "mesanet": {"mixer": "mesanet"},
+    "deltaformer": {"mixer": "deltaformer"},
+    "path": {"mixer": "path"},
+    "gla": {"mixer": "gla"},
+    "retnet": {"mixer": "retnet"},
 }
 BASELINE = "llama+DynamicCache"
 CONTEXTS = (512, 2048, 8192, 32768)

@@ -162,9 +162,17 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--threads", default="auto", help="torch CPU threads, or auto: torch's default unless the "
                    "machine is already busy (load average >= cores - 0.5), then 1, which is faster there")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="publish the converted model (see "
+                   "`hf-recattn push`) when the conversion is done")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
     def run(args: argparse.Namespace) -> int:
         import torch
+
+        if args.push_to_hub:
+            from .hub import check_repo_id
+
+            check_repo_id(args.push_to_hub)  # before hours of training, not after
 
         from .conversion.attention_transfer import NonFiniteLossError
         from .conversion.pipeline import convert
@@ -181,6 +189,56 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
             print(f"hf-recattn convert: interrupted; rerun the same command to resume from {args.output}",
                   file=sys.stderr)
             return 130
+        if args.push_to_hub:
+            return _push(f"{args.output}/model", args.push_to_hub, private=args.private)
+        return 0
+
+    p.set_defaults(handler=run)
+
+
+def _push(folder: str, repo_id: str, **kwargs: object) -> int:
+    from .hub import PushError, push_checkpoint
+
+    try:
+        url = push_checkpoint(folder, repo_id, **kwargs)
+    except PushError as err:
+        print(f"hf-recattn push: error: {err}", file=sys.stderr)
+        return 1
+    print(f"pushed {folder} to {repo_id}: {url}")
+    return 0
+
+
+def add_push(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "push",
+        help="publish a checkpoint folder to the Hub with a generated model card",
+        description="Publish an hf_recattn checkpoint (weights, config, runtime files, tokenizer, generation "
+        "config, report.json) with a model card rendered for REPO_ID, in one commit. HF_ENDPOINT and HF_TOKEN "
+        "are honoured as by every huggingface_hub client.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder (e.g. a conversion's OUTPUT/model)")
+    p.add_argument("repo_id", help="namespace/name (or name: the token's namespace)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", default=None, help="a branch to push to (created from main when missing)")
+    p.add_argument("--commit-message", default=None)
+    p.add_argument("--token", default=None, help="a Hub token (default: HF_TOKEN or the stored login)")
+
+    def run(args: argparse.Namespace) -> int:
+        return _push(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
+                     commit_message=args.commit_message, token=args.token)
+
+    p.set_defaults(handler=run)
+
+
+def add_zoo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("zoo", help="the zoo: each shipped recipe converted from the embedded teacher, measured")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    def run(args: argparse.Namespace) -> int:
+        from .zoo import format_zoo, zoo_entries
+
+        entries = zoo_entries()
+        print(json.dumps(entries, indent=2) if args.json else format_zoo(entries))
         return 0
 
     p.set_defaults(handler=run)
@@ -189,7 +247,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_state_size, add_mixers, add_demo, add_eval, add_generate
 ]
-SUBCOMMANDS.append(add_convert)
+SUBCOMMANDS += [add_convert, add_push, add_zoo]
 
 
 def build_parser() -> argparse.ArgumentParser:

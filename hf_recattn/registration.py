@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .modeling import modeling as _modeling
 from .modeling.configuration import RecAttnConfig
 from .modeling.modeling import RecAttnForCausalLM, RecAttnModel, runtime_auto_map
 
@@ -21,3 +22,11 @@ def register_auto_classes() -> None:
     RecAttnConfig.register_for_auto_class("AutoConfig")
     RecAttnModel.register_for_auto_class("AutoModel")
     RecAttnForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    # model.push_to_hub writes the project's model card instead of transformers' generic one
+    _modeling.MODEL_CARD_WRITER = _write_card
+
+
+def _write_card(folder: str, repo_id: str, tags: list[str] | None) -> None:
+    from .hub import write_card_for_push
+
+    write_card_for_push(folder, repo_id, tags)

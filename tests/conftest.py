@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
+from hub_server import LocalHub
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,3 +23,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _seed_and_threads() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny tensors: a second thread only adds contention
+
+
+@pytest.fixture
+def local_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
+    """A Hub-compatible test server (tests/hub_server.py) on 127.0.0.1; ``.endpoint`` goes in HF_ENDPOINT."""
+    hub = LocalHub(tmp_path_factory.mktemp("hub"))
+    hub.start()
+    try:
+        yield hub
+    finally:
+        hub.stop()

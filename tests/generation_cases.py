@@ -23,6 +23,9 @@ PAD = 0
 SPECS: list[dict[str, Any]] = [
     {"mixer": "softmax"},
     {"mixer": "sliding_window", "window": 3},
+    {"mixer": "softmax", "forget": "fox", "fox_bias_init": 2.0},  # f = 0.88 at init: the gate really forgets
+    {"mixer": "softmax", "forget": "alibi", "rope": False},
+    {"mixer": "sliding_window", "window": 3, "forget": "fox", "fox_bias_init": 1.0},
     {"mixer": "linear", "feature_map": "elu"},
     {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms"},
     {"mixer": "linear", "feature_map": "taylor2"},
@@ -42,6 +45,17 @@ SPECS: list[dict[str, Any]] = [
     {"mixer": "delta", "rule": "delta", "conv_size": 0, "output_gate": False, "output_norm": False},
     {"mixer": "delta", "rule": "comba", "householder_steps": 2, "negative_eigenvalues": True},
     {"mixer": "delta", "init": "convert", "householder_steps": 3, "conv_size": 2},
+    {"mixer": "mesa"},  # 30 CG steps in every form (prefill and decode solve alike)
+    {"mixer": "mesa", "solver": "exact", "conv_size": 0, "output_gate": True, "init": "convert"},
+    {"mixer": "softmax_delta"},
+    {"mixer": "softmax_delta", "write_strength": "sigmoid"},
+    {"mixer": "softmax_householder"},
+    {"mixer": "softmax_householder", "rope": False},
+    {"mixer": "gated_linear"},
+    {"mixer": "gated_linear", "init": "convert", "output_gate": False, "output_norm": False, "rope": False},
+    {"mixer": "linear", "decay": "retnet"},
+    {"mixer": "linear", "feature_map": "identity", "normalize": "layernorm", "decay": "retnet", "gamma_min": 0.5,
+     "gamma_max": 0.9},  # the retnet preset with strong decays
 ]
 
 #: models whose layers use different mixers: (attention, overrides, layers)

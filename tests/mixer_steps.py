@@ -23,8 +23,10 @@ def run_steps(
     mask: torch.Tensor,
     state: State | None = None,
     start: int = 0,
+    past: int = 0,
 ) -> tuple[torch.Tensor, State]:
-    """Run `mixer.step` from token `start` to the end; returns the outputs [B, T, H, E] and the final state."""
+    """Run `mixer.step` from token `start` to the end, after `past` tokens already in `state` (the mask spans them
+    too); returns the outputs [B, T, H, E] and the final state."""
     state = mixer.init_state(q.shape[0], q.device, q.dtype) if state is None else state
     outs = []
     for t in range(start, q.shape[2]):
@@ -32,7 +34,7 @@ def run_steps(
             q[:, :, t : t + 1],
             k[:, :, t : t + 1],
             v[:, :, t : t + 1],
-            MixerInputs(x[:, t : t + 1], mask[:, : t + 1], t),
+            MixerInputs(x[:, t : t + 1], mask[:, : past + t + 1], past + t),
             state,
         )
         outs.append(o)

@@ -36,6 +36,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hybrid": write_recipe(root / "tiny-hybrid.yaml", tiny_recipe_dict(HYBRID)),
         "hybrid_delta": write_recipe(root / "tiny-hybrid-delta.yaml", tiny_recipe_dict(HYBRID_DELTA)),
         "linear": write_recipe(root / "tiny-linear.yaml", tiny_recipe_dict()),
+        "fox": write_recipe(  # the fox recipe in miniature: lossless start, no stage 1, gates train in stage 2
+            root / "tiny-fox.yaml",
+            tiny_recipe_dict({"mixer": "softmax", "forget": "fox"}, stage1={"tokens": 0},
+                             stage2={"train_mixer": True, "mixer_lr": 0.1, "mixer_eps": 1.0e-16}),
+        ),
     }
 
 
@@ -75,6 +80,8 @@ def test_convert_end_to_end_hybrid(
     assert report["stage1"]["steps"] == 6 and report["stage2"]["steps"] == 4
     card = (model_dir / "README.md").read_text()
     assert card.startswith("---") and "| window-only |" in card and recipe_name in card
+    # the tokenizer knows the model's positions (not transformers' "unbounded" 1e30)
+    assert json.loads((model_dir / "tokenizer_config.json").read_text())["model_max_length"] == 2048
     # the folder is a plain checkpoint: it loads with the Auto classes and generates through its cache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,6 +92,24 @@ def test_convert_end_to_end_hybrid(
     assert generated.shape[1] == ids.shape[1] + 4
     # stage checkpoints are cleaned up once the model exists
     assert not (out / "stage1" / "progress").exists() and not (out / "stage2" / "trainer").exists()
+
+
+def test_convert_end_to_end_fox(assets: dict[str, Path], tmp_path: Path) -> None:
+    """Stage 1 is skipped, stage 2 trains the FoX gates, the checkpoint keeps them and generates."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    assert main(_args(assets, out, "fox")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["stage2"]["steps"] == 4
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    biases = torch.stack([layer.self_attn.mixer.fox_bias for layer in model.model.layers])
+    moved = (biases - 18.0).abs()
+    # trained (not re-initialized on load) at the gates' own rate: the first Adam step alone moves every bias by
+    # mixer_lr = 0.1, while in the LoRA group (lr 1e-3, eps 1e-8) 4 steps could move it by at most 4e-3
+    assert moved.max() > 0.09 and moved.max() <= 4 * 0.1 + 1e-4
+    ids = torch.tensor([[5, 6, 7]])
+    assert model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0).shape[1] == 7
 
 
 def test_resume_after_interrupt_skips_finished_stage(

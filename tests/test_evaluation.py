@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
+import torch.nn.functional as F
 from tiny_lm import save_tiny_teacher, tiny_dims, tiny_tokenizer
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama
@@ -25,7 +25,6 @@ from hf_recattn.evaluation import (
     passkey_probe,
     passkey_prompt,
     perplexity,
-    write_model_card,
     write_report,
 )
 
@@ -182,17 +181,6 @@ def test_evaluate_quick_report_and_card(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["perplexity"] == report["perplexity"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left
 
-    teacher = dict(report, perplexity=10.0)
-    report["comparison"] = {"teacher": teacher, "hybrid": dict(report, perplexity=11.5)}
-    card = write_model_card(tmp_path / "out", report, "org/teacher", {"attention": {"mixer": "linear"}})
-    text = card.read_text()
-    front = yaml.safe_load(text.split("---")[1])
-    assert front["license"] == "apache-2.0" and front["base_model"] == "org/teacher"
-    assert front["library_name"] == "transformers" and "hf_recattn" in front["tags"]
-    assert "mixer-linear" in front["tags"]
-    assert "| hybrid | 11.50 | 1.150 |" in text and "trust_remote_code=True" in text
-    assert "import hf_recattn" in text and "mixer: linear" in text
-
 
 def test_comparison_table() -> None:
     rows = {
@@ -248,3 +236,35 @@ def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     tok.save_pretrained(other)  # a different vocabulary
     assert main(["eval", str(tmp_path / "student"), "--tokens", "32", "--teacher", str(other), *common]) == 2
     assert "tokenizer differs" in capsys.readouterr().err
+
+
+# ----- the same metrics as evaluate modules ------------------------------------------------------
+def test_evaluate_modules_agree_with_the_builtin_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    evaluate = pytest.importorskip("evaluate")
+    from hf_recattn.metrics import path
+
+    model = BigramLM(17)
+    blocks = torch.randint(0, 17, (5, 9), generator=torch.Generator().manual_seed(0))
+    logits = model(blocks).logits.detach()
+    nll = [float(F.cross_entropy(logits[i, :-1], blocks[i, 1:], reduction="sum")) for i in range(5)]
+    result = evaluate.load(path("heldout_perplexity")).compute(negative_log_likelihood=nll, num_tokens=[8] * 5)
+    assert result["perplexity"] == pytest.approx(perplexity(model, blocks), rel=1e-6) and result["num_tokens"] == 40
+
+    tok = tiny_tokenizer()
+    calls = iter(range(100))
+
+    def every_other(model, tokenizer, ids, max_new_tokens, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        key = re.search(r"\d{5}", tokenizer.decode(ids[0])).group(0)
+        text = f" {key[:2]} {key[2:]}." if next(calls) % 2 == 0 else " 00000"
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    monkeypatch.setattr(ev, "_generate", every_other)
+    probe = passkey_probe(_tiny_model(tok), tok, context_lengths=(200, 400), trials=3, seed=2)
+    trials = [(a["answer"], a["key"], int(n)) for n, rows in probe["answers"].items() for a in rows]
+    answers, keys, lengths = map(list, zip(*trials, strict=True))
+    metric = evaluate.load(path("passkey_accuracy")).compute(predictions=answers, references=keys,
+                                                             context_lengths=lengths)
+    assert metric["accuracy"] == probe["accuracy"] == {"200": 2 / 3, "400": 1 / 3}
+    assert metric["mean_accuracy"] == pytest.approx(probe["mean_accuracy"])
+    with pytest.raises(ValueError, match="unknown metric"):
+        path("bleu")

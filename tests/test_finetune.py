@@ -271,3 +271,102 @@ def test_train_mixer_also_trains_the_mixer_parameters(setup, tmp_path: Path) -> 
     assert set(state) == set(before)  # merged back into the plain layout
     changed = {k for k, v in state.items() if not torch.equal(v, before[k])}
     assert any(".mixer.feature_map." in k for k in changed) and any("q_proj" in k for k in changed)
+
+
+# ----- the mixer's own optimizer group (mixer_lr, mixer_eps) ------------------------------------------------
+FOX = {"mixer": "softmax", "forget": "fox"}
+
+
+def _fox_settings(**kw: object) -> Stage2Settings:
+    return _settings(**{"train_mixer": True, "lr": 1e-4, "tokens": 2 * 32, **kw})
+
+
+def test_mixer_group_has_its_own_lr_and_eps(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20)
+    peft_model = apply_lora(from_llama(teacher, FOX), settings)
+    trainer = DistillTrainer(
+        model=peft_model,
+        args=training_arguments(settings, tmp_path, 0, 1, False),
+        train_dataset=BlockDataset(blocks),
+        data_collator=default_data_collator,
+        teacher=teacher,
+        loss="ce+kl",
+        mixer_lr=0.25,
+        mixer_eps=1e-20,
+    )
+    groups = trainer.create_optimizer().param_groups
+    names = {id(p): n for n, p in peft_model.named_parameters()}
+    mixer, others = groups[-1], groups[:-1]
+    got = sorted(names[id(p)].rsplit(".", 1)[-1] for p in mixer["params"])
+    assert got == ["fox_bias"] * 2 + ["fox_weight"] * 2  # both layers' gates, nothing else
+    assert (mixer["lr"], mixer["eps"], mixer["weight_decay"]) == (0.25, 1e-20, 0.0)
+    rest = [names[id(p)] for g in others for p in g["params"]]
+    assert rest and all("lora_" in n for n in rest)
+    assert all(g["lr"] == 1e-4 and g["eps"] == 1e-8 for g in others)  # LoRA keeps lr and Trainer's eps
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert sum(p.numel() for g in groups for p in g["params"]) == trainable  # every parameter exactly once
+
+
+def _gate_biases(model: torch.nn.Module) -> torch.Tensor:
+    return torch.stack([layer.self_attn.mixer.fox_bias.detach() for layer in model.model.layers])
+
+
+def test_mixer_lr_sets_the_gate_step(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """One Adam step moves each FoX gate bias by mixer_lr (eps << |g| ~ 1e-9), LoRA B by at most lr; with the
+    defaults the same gates barely move (their gradients are below Adam's eps)."""
+    teacher, blocks = setup
+    merged, result = finetune(
+        teacher, from_llama(teacher, FOX), blocks, _fox_settings(mixer_lr=0.25, mixer_eps=1e-20), tmp_path / "a",
+        progress=False,
+    )
+    assert result.steps == 1
+    step = _gate_biases(merged) - 18.0
+    torch.testing.assert_close(step.abs(), torch.full_like(step, 0.25), rtol=1e-3, atol=0)
+    default, _ = finetune(teacher, from_llama(teacher, FOX), blocks, _fox_settings(), tmp_path / "b",
+                          progress=False)
+    assert (_gate_biases(default) - 18.0).abs().max() <= 1e-4 * 1.001  # at most lr: the stuck gates
+
+
+def test_lora_follows_lr_beside_the_mixer_group(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    teacher, blocks = setup
+    settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20)
+    peft_model = apply_lora(from_llama(teacher, FOX), settings)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    trainer = DistillTrainer(
+        model=peft_model,
+        args=training_arguments(settings, tmp_path, 0, 1, False, save_strategy="no"),
+        train_dataset=BlockDataset(blocks),
+        data_collator=default_data_collator,
+        teacher=teacher,
+        loss="ce+kl",
+        mixer_lr=0.25,
+        mixer_eps=1e-20,
+    )
+    trainer.train()
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in peft_model.named_parameters()
+             if p.requires_grad}
+    lora_b = [v for n, v in moved.items() if "lora_B" in n]
+    assert lora_b and max(lora_b) == pytest.approx(1e-4, rel=1e-2)  # Adam's first step: lr per element
+    gates = [v for n, v in moved.items() if n.endswith("fox_bias")]
+    assert len(gates) == 2 and all(v == pytest.approx(0.25, rel=1e-3) for v in gates)
+
+
+def test_resume_with_a_mixer_group(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """The checkpointed optimizer holds the third group (lr, eps) and a resumed run ends where one piece does."""
+    teacher, blocks = setup
+    settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20, tokens=4 * 2 * 32)
+    torch.manual_seed(0)
+    reference, _ = finetune(teacher, from_llama(teacher, FOX), blocks, settings, tmp_path / "a", progress=False)
+    torch.manual_seed(0)
+    finetune(teacher, from_llama(teacher, FOX), blocks, settings, tmp_path / "b", progress=False,
+             stop_after_step=2)
+    saved = torch.load(next((tmp_path / "b").glob("checkpoint-2")) / "optimizer.pt", weights_only=False)
+    assert saved["param_groups"][-1]["eps"] == 1e-20 and len(saved["param_groups"]) == 3
+    torch.manual_seed(0)
+    resumed, result = finetune(teacher, from_llama(teacher, FOX), blocks, settings, tmp_path / "b",
+                               progress=False)
+    assert result.resumed_from == 2 and result.steps == 4
+    assert (_gate_biases(reference) - 18.0).abs().max() > 0.5  # four steps of up to 0.25 (cosine-decayed)
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -3,7 +3,8 @@ float64 reference.
 
 The reference (tests/reference.py) weighs key s at query t by kappa(q_t, k_s) times the product of the forget
 factors g_{s+1} ... g_t, each computed one token at a time; no cumulative sums, no chunks, no state. The sink
-is one more key/value pair that every query sees, with weight e^w kappa(q_t, k*), never decayed.
+is one more key/value pair that every query sees, with weight e^w kappa(q_t, k*), never decayed. RetNet's fixed
+factors (``decay: retnet``) come from tests/reference_gla.py's ``retnet_gammas``, written from the formula.
 Tolerances: fp32 mixer vs float64 reference ``REL_FP32``; float64 gradients (q, k, v, the layer input and
 every parameter) vs the reference's ``REL_GRAD``; fp32 chunked / steps / prefill vs fp32 parallel
 ``REL_FORMS``.
@@ -17,6 +18,7 @@ import pytest
 import torch
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import forget_factors, linear_attention, real_rows, rel_err
+from reference_gla import retnet_forget, retnet_gammas
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
@@ -31,13 +33,18 @@ PAD = 3
 CASES = [("learned", "elu", "denominator", False), ("gated", "hedgehog", "denominator", False),
          ("gated", "elu", "l2", False), ("learned", "hedgehog", "rms", False),
          ("gated", "hedgehog", "denominator", True), ("none", "hedgehog", "denominator", True),
-         ("none", "elu", "layernorm", True)]
+         ("none", "elu", "layernorm", True), ("retnet", "identity", "layernorm", False),
+         ("retnet", "elu", "denominator", True)]
+#: strong RetNet factors for the tests (the defaults, 1 - 2^-5 and 1 - 2^-6, barely decay within a dozen tokens)
+RETNET_TEST_GAMMAS = {"gamma_min": 0.5, "gamma_max": 0.9}
 CASE_IDS = [f"{d}-{f}-{n}{'-sink' if s else ''}" for d, f, n, s in CASES]
 
 
 def make_mixer(decay: str, feature_map: str, normalize: str, sink: bool = False, dtype=torch.float32, **options):
-    """A decayed linear mixer with every parameter moved off its initial value; half-lives 1.5 and 6 tokens,
-    so the decay is strong enough to matter within a dozen tokens."""
+    """A decayed linear mixer with every parameter moved off its initial value; half-lives 1.5 and 6 tokens
+    (RetNet: factors 0.5 and 0.9), so the decay is strong enough to matter within a dozen tokens."""
+    if decay == "retnet":
+        options = {**RETNET_TEST_GAMMAS, **options}
     spec = validate_spec({"mixer": "linear", "decay": decay, "feature_map": feature_map, "normalize": normalize,
                           "sink": sink, "half_life_min": 1.5, "half_life_max": 6.0, **options}, "test")
     mixer = build_mixer(spec, SHAPE)
@@ -46,7 +53,12 @@ def make_mixer(decay: str, feature_map: str, normalize: str, sink: bool = False,
         for name, param in mixer.named_parameters():
             scale = 0.3 if name != "decay.bias" else 0.1
             param.add_(scale * torch.randn(param.shape, generator=gen))
-    return mixer.to(dtype)
+    mixer = mixer.to(dtype)
+    if decay == "retnet":  # the buffer was computed in the default dtype: recompute it in this one
+        from transformers import initialization as init
+
+        mixer.decay.init_parameters(init)
+    return mixer
 
 
 def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0):
@@ -62,7 +74,13 @@ def reference(mixer, q, k, v, x, mask) -> torch.Tensor:
     fm = mixer.feature_map
     params = {name: getattr(fm, name) for name in ("q_weight", "k_weight") if hasattr(fm, name)}
     gain = mixer.output_norm.weight if mixer.output_norm is not None else None
-    forget = None if mixer.decay is None else forget_factors(x, mixer.decay.bias, getattr(mixer.decay, "weight", None))
+    if mixer.decay is None:
+        forget = None
+    elif mixer.spec["decay"] == "retnet":
+        gammas = retnet_gammas(mixer.shape.num_kv_heads, mixer.spec["gamma_min"], mixer.spec["gamma_max"])
+        forget = retnet_forget(x.shape[0], x.shape[1], gammas)
+    else:
+        forget = forget_factors(x, mixer.decay.bias, getattr(mixer.decay, "weight", None))
     sink = None if mixer.sink is None else (mixer.sink.key, mixer.sink.value, mixer.sink.log_weight)
     return linear_attention(q, k, v, mixer.spec["feature_map"], params, mask, True, mixer.spec["normalize"],
                             mixer.spec["eps"], gain, forget, sink)
@@ -109,7 +127,8 @@ def test_gradients_match_reference(decay: str, feature_map: str, normalize: str,
             continue
         assert torch.isfinite(g).all(), name
         assert rel_err(g, w) <= REL_GRAD, name
-    assert (decay == "none" or "decay.bias" in names) and (decay != "gated" or "decay.weight" in names)
+    assert (decay in ("none", "retnet") or "decay.bias" in names) and (decay != "gated" or "decay.weight" in names)
+    assert decay != "retnet" or not any(name.startswith("decay.") for name in names)  # no parameters
     assert not sink or {"sink.key", "sink.value", "sink.log_weight"} <= set(names)
 
 
@@ -134,7 +153,7 @@ def test_chunked_steps_and_prefill_match_parallel(decay: str, feature_map: str, 
     assert rel_err(torch.cat([head, tail], dim=1), parallel) <= REL_FORMS
 
 
-@pytest.mark.parametrize("decay", ["learned", "gated"])
+@pytest.mark.parametrize("decay", ["learned", "gated", "retnet"])
 def test_left_padding_changes_nothing(decay: str) -> None:
     """A left-padded row gives the outputs and state of the same tokens alone."""
     seq_len = 9
@@ -171,7 +190,34 @@ def test_initial_half_lives_and_gate() -> None:
     assert torch.allclose(torch.sigmoid(mixer.decay.bias.double()), g)
 
 
+def test_retnet_schedule() -> None:
+    """Defaults: RetNet's gamma_h = 1 - 2^(-5 - h) over the key heads; gamma_min / gamma_max spread 1 - gamma
+    geometrically; one key head takes gamma_min. A non-persistent buffer: not in the state dict, not a parameter,
+    refilled by the model's weight init (from_pretrained leaves such buffers unset)."""
+    from transformers import initialization as init
+
+    def gammas(kv_heads: int, **options) -> list[float]:
+        shape = MixerShape(hidden_size=HIDDEN, num_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=8, layer_idx=0)
+        mixer = build_mixer(validate_spec({"mixer": "linear", "decay": "retnet", **options}, "t"), shape).double()
+        assert not list(mixer.decay.parameters()) and "decay.log_gamma" not in mixer.state_dict()
+        mixer.decay.log_gamma.zero_()
+        mixer.decay.init_parameters(init)
+        return mixer.decay.log_gamma.exp().tolist()
+
+    assert gammas(4) == pytest.approx([1 - 2**-5, 1 - 2**-6, 1 - 2**-7, 1 - 2**-8], rel=1e-14)
+    assert gammas(4) == pytest.approx(retnet_gammas(4), rel=1e-14)
+    assert gammas(3, gamma_min=0.5, gamma_max=0.875) == pytest.approx([0.5, 0.75, 0.875], rel=1e-14)
+    assert gammas(1, gamma_min=0.9, gamma_max=0.99) == pytest.approx([0.9], rel=1e-14)
+
+
 def test_bad_specs_name_the_option() -> None:
+    for name, value in (("gamma_min", 1.0), ("gamma_min", 0.0), ("gamma_max", 1.5), ("gamma_max", -0.1)):
+        with pytest.raises(ValueError, match=rf"layer 3: option '{name}' must be in \(0, 1\)"):
+            validate_spec({"mixer": "linear", "decay": "retnet", name: value}, "layer 3")
+    with pytest.raises(ValueError, match=r"layer 3: option 'gamma_min' \(0.99\) is above 'gamma_max' \(0.9\)"):
+        validate_spec({"mixer": "linear", "decay": "retnet", "gamma_min": 0.99, "gamma_max": 0.9}, "layer 3")
+    with pytest.raises(ValueError, match=r"layer 2.*'decay' needs causal=True"):
+        validate_spec({"mixer": "linear", "decay": "retnet", "causal": False}, "layer 2")
     with pytest.raises(ValueError, match=r"layer 2.*'decay' needs causal=True"):
         validate_spec({"mixer": "linear", "decay": "learned", "causal": False}, "layer 2")
     with pytest.raises(ValueError, match=r"'half_life_min' \(9.0\) is above 'half_life_max' \(3.0\)"):

@@ -17,7 +17,7 @@ from hf_recattn.conversion.recipe import (
 )
 
 REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
-            "hybrid-w64-sink4-gdn"}
+            "hybrid-w64-sink4-gdn", "fox"}
 
 
 def smollm2_config() -> LlamaConfig:
@@ -134,6 +134,31 @@ def test_fingerprint_ignores_description_only() -> None:
     b = recipe_from_dict(tiny_recipe_dict(description="other words"))
     c = recipe_from_dict(tiny_recipe_dict(seed=1))
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+#: fingerprints taken before stage2.mixer_lr / mixer_eps existed: output folders resume by them
+OLD_FINGERPRINTS = {("hybrid-w64-sink4-hedgehog", "quick"): "73ca136c94fe2dc9",
+                    ("hybrid-w64-sink4-hedgehog", "full"): "e535648cefb2a21b",
+                    ("gdn", "quick"): "507c310bb6b2bec6", ("gdn", "full"): "2913adf1de87c218"}
+
+
+@pytest.mark.parametrize(("name", "budget"), sorted(OLD_FINGERPRINTS))
+def test_settings_added_later_keep_old_fingerprints(name: str, budget: str) -> None:
+    assert load_recipe(name, budget).fingerprint() == OLD_FINGERPRINTS[name, budget]
+
+
+def test_mixer_group_settings(tmp_path: Path) -> None:
+    base = recipe_from_dict(tiny_recipe_dict(stage2={"train_mixer": True}))
+    assert (base.stage2.mixer_lr, base.stage2.mixer_eps) == (None, None)
+    set_ = recipe_from_dict(tiny_recipe_dict(stage2={"train_mixer": True, "mixer_lr": 1, "mixer_eps": "1e-16"}))
+    assert (set_.stage2.mixer_lr, set_.stage2.mixer_eps) == (1.0, 1e-16)  # ints and YAML's 1e-16 strings read
+    assert set_.fingerprint() != base.fingerprint()
+    for key, value, says in (("mixer_lr", 0, "> 0"), ("mixer_eps", -1e-8, "> 0"), ("mixer_lr", "fast", "float"),
+                             ("mixer_lr", True, "float"), ("mixer_eps", float("inf"), "finite")):
+        message = _error(tmp_path, tiny_recipe_dict(stage2={"train_mixer": True, key: value}))
+        assert f"stage2.{key}" in message and says in message, message
+    message = _error(tmp_path, tiny_recipe_dict(stage2={"mixer_lr": 0.1}))
+    assert "stage2.mixer_lr needs stage2.train_mixer" in message
 
 
 def test_teacher_mismatches() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from isolated import HIDE_HF_RECATTN
 from safetensors.torch import load_file, save_file
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
@@ -58,30 +59,9 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling.RecAttnForCausalLM",
 }
 
-CHILD = textwrap.dedent(
+CHILD = HIDE_HF_RECATTN + textwrap.dedent(
     r"""
-    import importlib.machinery, importlib.util, json, sys
-
-    def _finds(finder):
-        try:
-            return finder.find_spec("hf_recattn", None) is not None
-        except Exception:
-            return False
-
-    # 1. hide hf_recattn: meta-path finders that find it (editable installs), then path entries that hold it
-    sys.meta_path[:] = [f for f in sys.meta_path if f is importlib.machinery.PathFinder or not _finds(f)]
-    sys.path[:] = [p for p in sys.path if importlib.machinery.PathFinder.find_spec("hf_recattn", [p]) is None]
-    importlib.invalidate_caches()
-    assert importlib.util.find_spec("hf_recattn") is None, "hf_recattn is still importable"
-
-    class _Blocker:
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_recattn" or name.startswith("hf_recattn."):
-                raise ModuleNotFoundError(f"blocked in this test: {name}")
-            return None
-
-    sys.meta_path.insert(0, _Blocker())
-
+    # 1. hf_recattn is hidden by the preamble (tests/isolated.py)
     # 2. load with remote code and run a left-padded batch through the cached forward
     import torch
     from safetensors.torch import load_file, save_file

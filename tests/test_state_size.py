@@ -71,6 +71,15 @@ def test_window_is_bounded() -> None:
     assert sizes[3].break_even_context == 127
 
 
+def test_forget_factors_add_one_float_per_cached_key_and_query_head() -> None:
+    """ALiBi / FoX: the KV cache plus c (cumulative log-forget) per cached key and query head (4 heads)."""
+    specs = [{"mixer": "softmax", "forget": "fox"}, {"mixer": "sliding_window", "window": 128, "forget": "alibi"}]
+    rows = state_size_report(config(specs + LAYERS[2:]), 1000)
+    assert [r.kind for r in rows[:2]] == ["kv", "window"]
+    assert rows[0].state_elements == 1000 * (KV_PER_TOKEN + 4) and rows[0].break_even_context is None
+    assert rows[1].state_elements == 127 * (KV_PER_TOKEN + 4)
+
+
 def test_recurrent_state_does_not_grow() -> None:
     a, b = state_size_report(config(), 1), state_size_report(config(), 1_000_000)
     for i in (2, 3, 4):
@@ -107,6 +116,65 @@ def test_delta_layers_hold_the_matrix_state_and_the_conv_inputs() -> None:
         assert {(r.mixer, r.kind) for r in rows} == {("delta", "recurrent")}
     assert [r.break_even_context for r in rows] == [math.ceil(n / KV_PER_TOKEN) for n in want]
     # the cache a real prefill leaves holds exactly that many elements per layer
+    model = RecAttnForCausalLM(cfg).eval()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 5)), past_key_values=cache, use_cache=True)
+    assert [sum(t.numel() for t in layer.state.values()) for layer in cache.layers] == want
+
+
+def test_feedback_softmax_layers_are_kv_caches() -> None:
+    """DeltaFormer keeps every key and its u (a KV cache); PaTH every carried key, value and a 1-element stamp."""
+    cfg = RecAttnConfig(
+        vocab_size=100, hidden_size=4 * D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=HKV, attention=["deltaformer", "path"],
+    )
+    for context in (1, 4096):
+        rows = state_size_report(cfg, context)
+        assert [(r.mixer, r.kind) for r in rows] == [("softmax_delta", "kv"), ("softmax_householder", "kv")]
+        assert [r.state_elements for r in rows] == [KV_PER_TOKEN * context, (KV_PER_TOKEN + 1) * context]
+        assert rows[0].break_even_context is None
+    model = RecAttnForCausalLM(cfg).eval()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 5)), past_key_values=cache, use_cache=True)
+    assert [sum(t.numel() for t in layer.state.values()) for layer in cache.layers] == [
+        5 * KV_PER_TOKEN, 5 * (KV_PER_TOKEN + 1)
+    ]
+
+
+def test_mesa_layers_hold_G_H_and_the_conv_inputs() -> None:
+    """MesaNet: G (d x d) and H (d x d) per KV head plus the last W - 1 convolution inputs of q (H d) and k (Hkv d)."""
+    specs = ["mesanet", {"mixer": "mesanet", "conv_size": 0}]
+    cfg = RecAttnConfig(
+        vocab_size=100, hidden_size=4 * D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=HKV, attention=specs,
+    )
+    want = [2 * HKV * D * D + 3 * (4 * D + HKV * D), 2 * HKV * D * D]
+    assert want == [16384 + 3 * 384, 16384]
+    for context in (1, 1_000_000):
+        rows = state_size_report(cfg, context)
+        assert [r.state_elements for r in rows] == want
+        assert {(r.mixer, r.kind) for r in rows} == {("mesa", "recurrent")}
+    model = RecAttnForCausalLM(cfg).eval()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 5)), past_key_values=cache, use_cache=True)
+    assert [sum(t.numel() for t in layer.state.values()) for layer in cache.layers] == want
+
+
+def test_gla_and_retnet_layers_hold_one_matrix_per_kv_head() -> None:
+    """GLA: S (d x d) per KV head; RetNet (linear, identity map): S (d x d) and z (d) per KV head."""
+    cfg = RecAttnConfig(
+        vocab_size=100, hidden_size=4 * D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=HKV, attention=["gla", "retnet"],
+    )
+    want = [HKV * D * D, HKV * D * (D + 1)]
+    for context in (1, 1_000_000):
+        rows = state_size_report(cfg, context)
+        assert [r.state_elements for r in rows] == want
+        assert [(r.mixer, r.kind) for r in rows] == [("gated_linear", "recurrent"), ("linear", "recurrent")]
+    assert [r.break_even_context for r in rows] == [32, 33]
     model = RecAttnForCausalLM(cfg).eval()
     cache = model.new_cache()
     with torch.no_grad():

@@ -101,9 +101,13 @@ class DistillTrainer(Trainer):
         loss: str = "ce",
         temperature: float = 1.0,
         kl_weight: float = 1.0,
+        mixer_lr: float | None = None,
+        mixer_eps: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.mixer_lr = mixer_lr
+        self.mixer_eps = mixer_eps
         if loss != "ce" and teacher is None:
             raise ValueError(f"stage 2: loss {loss!r} needs a teacher model")
         self.teacher = teacher
@@ -115,6 +119,18 @@ class DistillTrainer(Trainer):
         self.temperature = temperature
         self.kl_weight = kl_weight
         self.model_accepts_loss_kwargs = True  # so that Trainer counts num_items_in_batch for us
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer; with ``mixer_lr`` or ``mixer_eps`` set, the mixer parameters in a group of their own."""
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if fresh and (self.mixer_lr is not None or self.mixer_eps is not None):
+            lr = self.args.learning_rate if self.mixer_lr is None else self.mixer_lr
+            group: dict[str, Any] = {"lr": lr, "weight_decay": 0.0}
+            if self.mixer_eps is not None:
+                group["eps"] = self.mixer_eps
+            separate_mixer_group(optimizer, self.model if model is None else model, group)
+        return optimizer
 
     def compute_loss(
         self,
@@ -148,6 +164,24 @@ class DistillTrainer(Trainer):
                 f" (last good checkpoint: {last or 'none yet'}); lower stage2.lr or check stage 1"
             )
         return (value, outputs) if return_outputs else value
+
+
+def is_mixer_parameter(name: str) -> bool:
+    """A mixer's own parameter (a feature map, a gate), not a LoRA factor: its name passes through ``mixer``."""
+    return ".mixer." in f".{name}." and "lora_" not in name
+
+
+def separate_mixer_group(optimizer: torch.optim.Optimizer, model: nn.Module, group: dict[str, Any]) -> int:
+    """Move the trainable mixer parameters out of ``optimizer``'s groups into a new group with the settings
+    ``group`` (others from the optimizer's defaults), before any step. Returns how many tensors moved."""
+    mixer = [p for n, p in model.named_parameters() if p.requires_grad and is_mixer_parameter(n)]
+    if not mixer:
+        return 0
+    moving = {id(p) for p in mixer}
+    for existing in optimizer.param_groups:
+        existing["params"] = [p for p in existing["params"] if id(p) not in moving]
+    optimizer.add_param_group({**group, "params": mixer})
+    return len(mixer)
 
 
 # ----- LoRA -------------------------------------------------------------------------------------------------
@@ -288,6 +322,8 @@ def _finetune(
         loss=settings.loss,
         temperature=settings.temperature,
         kl_weight=settings.kl_weight,
+        mixer_lr=settings.mixer_lr if settings.train_mixer else None,
+        mixer_eps=settings.mixer_eps if settings.train_mixer else None,
         callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
     )
     last = latest_trainer_checkpoint(output_dir)

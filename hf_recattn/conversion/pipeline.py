@@ -144,7 +144,7 @@ def convert(
     from ..data.corpus import load_texts, split_heldout, token_blocks
     from .finetune import finetune
     from .from_llama import from_llama
-    from .teacher import load_teacher, teacher_name
+    from .teacher import load_teacher, teacher_license, teacher_name
 
     began = time.perf_counter()
     recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
@@ -216,12 +216,15 @@ def convert(
             log("[4/5] stage 2: skipped (stage2.tokens is 0)")
         with atomic_dir(model_dir) as tmp:
             student.save_pretrained(tmp)
+            tokenizer.model_max_length = student.config.max_position_embeddings  # not the "unbounded" 1e30
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
         log(f"saved the converted model to {model_dir}")
 
     report: dict[str, Any] = {
         "teacher": teacher_name(teacher),
+        "teacher_license": teacher_license(teacher),
+        "data": _teacher_identity(data) if data else "embedded",
         "recipe": recipe.as_dict(),
         "stage1": stage1_summary,
         "stage2": stage2_summary,
@@ -232,13 +235,6 @@ def convert(
             _evaluate_all(recipe, teacher_model, student, tokenizer, heldout_texts, log, token_blocks)
         )
         timings["evaluate"] = time.perf_counter() - t0
-        from ..evaluation import write_model_card
-
-        card_report = dict(report["student"])
-        card_report["comparison"] = report["comparison"]
-        write_model_card(
-            model_dir, card_report, teacher_name(teacher), recipe.as_dict(), repo_id=output.resolve().name
-        )
     report["sample"] = sample_through_cache(
         student, tokenizer, recipe.eval.sample_prompt, recipe.eval.sample_tokens, log
     )
@@ -248,6 +244,9 @@ def convert(
 
     write_report(output, report)
     write_report(model_dir, report)
+    from ..model_card import write_model_card
+
+    write_model_card(model_dir, output.resolve().name, report=report)
     log(
         f"report: {output / 'report.json'}; model card: {model_dir / 'README.md'}; "
         f"total {timings['total']:.0f} s"

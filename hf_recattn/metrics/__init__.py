@@ -1,0 +1,22 @@
+"""The project's metrics as local ``evaluate`` modules: ``evaluate.load(hf_recattn.metrics.path(NAME))``.
+
+* ``heldout_perplexity``: exp(total negative log-likelihood / predicted tokens), token-weighted over blocks;
+* ``passkey_accuracy``: a passkey answer is correct when the key's digits appear in it (whitespace ignored),
+  with the accuracy per context length and their mean.
+
+They compute exactly what ``hf_recattn.evaluation.perplexity`` and ``passkey_probe`` report, so that results
+written into a model card's ``model-index`` can be recomputed with the standard ``evaluate`` interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NAMES = ("heldout_perplexity", "passkey_accuracy")
+
+
+def path(name: str) -> str:
+    """The folder of a metric module, for ``evaluate.load``."""
+    if name not in NAMES:
+        raise ValueError(f"unknown metric {name!r}; known: {list(NAMES)}")
+    return str(Path(__file__).parent / name)

@@ -1,0 +1,37 @@
+"""Held-out perplexity from per-block summed negative log-likelihoods and predicted-token counts."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import evaluate
+
+_DESCRIPTION = "exp(sum of negative log-likelihoods / number of predicted tokens), token-weighted over blocks."
+_KWARGS = """
+Args:
+    negative_log_likelihood: per block, the summed next-token NLL in nats.
+    num_tokens: per block, how many tokens were predicted (block length - 1 for an unpadded block).
+Returns:
+    perplexity: exp(total NLL / total tokens); inf when the NLL is not finite.
+    num_tokens: total predicted tokens.
+"""
+
+
+@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
+class HeldoutPerplexity(evaluate.Metric):
+    def _info(self) -> evaluate.MetricInfo:
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation="",
+            inputs_description=_KWARGS,
+            features=datasets.Features(
+                {"negative_log_likelihood": datasets.Value("float64"), "num_tokens": datasets.Value("int64")}
+            ),
+        )
+
+    def _compute(self, negative_log_likelihood: list[float], num_tokens: list[int]) -> dict[str, float]:
+        total, count = float(sum(negative_log_likelihood)), int(sum(num_tokens))
+        if count < 1:
+            raise ValueError("heldout_perplexity: no predicted tokens (num_tokens sums to 0)")
+        return {"perplexity": math.exp(total / count) if math.isfinite(total) else math.inf, "num_tokens": count}

@@ -1,0 +1,258 @@
+"""Model cards for hf_recattn checkpoints, rendered from ``model_cards/templates/model_card.md``.
+
+The front matter follows the Hub's conventions (``huggingface_hub.ModelCardData``): ``library_name``,
+``pipeline_tag``, ``base_model`` (the teacher), ``license`` (the teacher's), tags, and a ``model-index`` with the
+held-out perplexity and passkey accuracy of a conversion report. The body is built from the checkpoint's config
+(attention per layer, state size against the teacher's KV cache) and, when there is one, its ``report.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .evaluation import comparison_table
+from .modeling.configuration import RecAttnConfig
+from .state_size import state_size_report
+
+TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
+STATE_CONTEXTS = (1024, 8192, 32768)
+BYTES_PER_ELEMENT = 2
+_HUB_MODEL_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+#: licenses of teachers we know without reading their cards
+KNOWN_LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0"}
+
+_GENERATE = """messages = [{"role": "user", "content": "What is the capital of France?"}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=40)  # decodes through the recurrent cache
+print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+_GENERATE_PLAIN = """inputs = tokenizer("The capital of France is", return_tensors="pt")
+out = model.generate(**inputs, max_new_tokens=40)  # decodes through the recurrent cache
+print(tokenizer.decode(out[0], skip_special_tokens=True))"""
+
+
+def read_config(folder: str | Path) -> RecAttnConfig:
+    """The RecAttnConfig of a checkpoint folder; ValueError naming the file when it is not one."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: not a checkpoint folder (no config.json)")
+    values = json.loads(path.read_text())
+    if values.get("model_type") != RecAttnConfig.model_type:
+        raise ValueError(
+            f"{path}: model_type is {values.get('model_type')!r}, not {RecAttnConfig.model_type!r}: "
+            "not an hf_recattn checkpoint"
+        )
+    values.pop("model_type")
+    return RecAttnConfig(**values)
+
+
+def compact_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The options of a validated spec that differ from its family's defaults (nested specs too)."""
+    from .modeling.mixers import validate_spec
+
+    defaults = validate_spec({"mixer": spec["mixer"]}, "model card")
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        if key == "mixer" or defaults.get(key) == value:
+            continue
+        out[key] = {"mixer": value["mixer"], **compact_spec(value)} if isinstance(value, dict) else value
+    return out
+
+
+def _spec_text(spec: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in compact_spec(spec).items())
+
+
+def human_bytes(n: float) -> str:
+    """MiB with two decimals from 1 MiB up, KiB below."""
+    return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def attention_table(config: RecAttnConfig) -> str:
+    """One row per run of consecutive layers with the same spec."""
+    runs: list[tuple[int, int, dict[str, Any]]] = []
+    for i, spec in enumerate(config.layer_specs()):
+        if runs and runs[-1][2] == spec:
+            runs[-1] = (runs[-1][0], i, spec)
+        else:
+            runs.append((i, i, spec))
+    lines = ["| layers | mixer | options (beyond the family's defaults) |", "|---|---|---|"]
+    for first, last, spec in runs:
+        layers = str(first) if first == last else f"{first}-{last}"
+        lines.append(f"| {layers} | `{spec['mixer']}` | {_spec_text(spec) or '-'} |")
+    return "\n".join(lines)
+
+
+def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS) -> str:
+    """Decode state against the KV cache of the same model with softmax everywhere, per context length."""
+    lines = ["| context | this model | teacher's KV cache | ratio |", "|---:|---:|---:|---:|"]
+    for context in contexts:
+        rows = state_size_report(config, context)
+        state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
+        kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
+        lines.append(f"| {context:,} | {human_bytes(state)} | {human_bytes(kv)} | {state / kv:.4f} |")
+    return "\n".join(lines)
+
+
+def _eval_results(report: dict[str, Any], model_name: str) -> list[Any]:
+    from huggingface_hub import EvalResult
+
+    student = report.get("student") or {}
+    dataset = dict(dataset_type="hf_recattn/heldout", dataset_name=_corpus_name(report), dataset_split="heldout")
+    results = []
+    if student.get("perplexity") is not None:
+        results.append(EvalResult(task_type="text-generation", metric_type="perplexity",
+                                  metric_name="held-out perplexity", metric_value=round(student["perplexity"], 4),
+                                  **dataset))
+    teacher = (report.get("comparison") or {}).get("teacher") or {}
+    if student.get("perplexity") and teacher.get("perplexity"):
+        results.append(EvalResult(task_type="text-generation", metric_type="perplexity_ratio",
+                                  metric_name="perplexity / teacher's",
+                                  metric_value=round(student["perplexity"] / teacher["perplexity"], 4), **dataset))
+    passkey = (student.get("passkey") or {})
+    if passkey.get("mean_accuracy") is not None:
+        lengths = ", ".join(sorted(passkey.get("accuracy", {}), key=int))
+        results.append(EvalResult(task_type="text-generation", metric_type="passkey_accuracy",
+                                  metric_name=f"passkey accuracy ({lengths} tokens)",
+                                  metric_value=round(passkey["mean_accuracy"], 4),
+                                  dataset_type="hf_recattn/passkey", dataset_name="passkey retrieval"))
+    return results
+
+
+def _corpus_name(report: dict[str, Any]) -> str:
+    data = (report.get("identity") or {}).get("data") or report.get("data") or "embedded"
+    return "embedded corpus (Python documentation)" if data == "embedded" else str(data)
+
+
+def _evaluation(report: dict[str, Any] | None) -> str:
+    if not report or not report.get("comparison"):
+        return "No evaluation report ships with this checkpoint."
+    rows = report["comparison"]
+    student = report.get("student") or {}
+    passkey = student.get("passkey") or {}
+    per_length = ", ".join(f"{k} tokens: {v:.0%}" for k, v in sorted(passkey.get("accuracy", {}).items(),
+                                                                      key=lambda kv: int(kv[0])))
+    parts = [
+        f"Held-out perplexity on {student.get('eval_tokens', '?')} tokens of the {_corpus_name(report)} in blocks "
+        f"of {student.get('block_size', '?')} (the same tokens for every row); passkey retrieval accuracy; greedy "
+        "decode cost through the cache. For hybrids, window-only and far-only are this model with one part removed.",
+        comparison_table(rows),
+    ]
+    if per_length:
+        parts.append(f"Passkey accuracy of this model by context: {per_length}.")
+    return "\n\n".join(parts)
+
+
+def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
+    if not report:
+        base = f"Made from `{teacher}`. " if teacher else ""
+        return base + "No conversion report ships with this checkpoint (it was saved or pushed from Python)."
+    recipe = report.get("recipe") or {}
+    s1, s2 = recipe.get("stage1") or {}, recipe.get("stage2") or {}
+    lines = [
+        f"Converted from `{report.get('teacher', teacher)}` by `hf-recattn convert` with recipe "
+        f"`{recipe.get('name', '?')}` (budget `{recipe.get('budget', '?')}`, seed {recipe.get('seed', '?')}) on the "
+        f"{_corpus_name(report)}:",
+        f"- stage 1, attention transfer: {s1.get('tokens', 0):,} tokens (each layer's new attention learns to match "
+        "the teacher's attention output);",
+        f"- stage 2, finetuning with transformers' Trainer (LoRA, loss `{s2.get('loss', '?')}` against the data "
+        f"and the teacher): {s2.get('tokens', 0):,} tokens.",
+    ]
+    if recipe.get("description"):
+        lines += ["", str(recipe["description"]).strip()]
+    import yaml
+
+    shown = {k: v for k, v in recipe.items() if k != "source"}  # where the YAML lay on the converting machine
+    recipe_yaml = yaml.safe_dump(shown, sort_keys=False, allow_unicode=True).rstrip()
+    lines += ["", "<details><summary>The whole recipe</summary>", "", f"```yaml\n{recipe_yaml}\n```", "",
+              "</details>"]
+    return "\n".join(lines)
+
+
+def _limitations(config: RecAttnConfig, report: dict[str, Any] | None) -> str:
+    kinds = {row.kind for row in state_size_report(config, 1)}
+    lines = []
+    if "kv" in kinds:
+        lines.append("- Some layers keep a KV cache, which grows with the context.")
+    if kinds & {"recurrent", "window"}:
+        lines.append("- Recurrent and window layers keep a fixed-size state: what falls out of a window or does "
+                     "not fit in a state is forgotten, so exact recall of long contexts is weaker than the teacher's.")
+    student = (report or {}).get("student") or {}
+    teacher = ((report or {}).get("comparison") or {}).get("teacher") or {}
+    if student.get("perplexity") and teacher.get("perplexity"):
+        ratio = student["perplexity"] / teacher["perplexity"]
+        lines.append(f"- Held-out perplexity is {ratio:.2f}x the teacher's, measured on one corpus; other text "
+                     "may fare differently.")
+    passkey = (student.get("passkey") or {}).get("mean_accuracy")
+    if passkey is not None and passkey < 0.9:
+        lines.append(f"- Passkey retrieval succeeds in {passkey:.0%} of trials: do not rely on this model to "
+                     "retrieve one fact from a long prompt.")
+    if (report or {}).get("recipe", {}).get("budget") == "quick" or (student.get("quick")):
+        lines.append("- This is a quick-budget conversion: few training tokens and small evaluation probes.")
+    lines.append("- Inherits the teacher's biases and limitations.")
+    return "\n".join(lines)
+
+
+def build_model_card(
+    folder: str | Path,
+    repo_id: str,
+    report: dict[str, Any] | None = None,
+    teacher: str | None = None,
+    license: str | None = None,
+) -> Any:
+    """A ``huggingface_hub.ModelCard`` for the checkpoint in ``folder`` (its ``report.json`` is read if
+    ``report`` is None). ``teacher`` / ``license`` override what the report says."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    folder = Path(folder)
+    config = read_config(folder)
+    if report is None and (folder / "report.json").is_file():
+        report = json.loads((folder / "report.json").read_text())
+    teacher = teacher or (report or {}).get("teacher")
+    license = license or (report or {}).get("teacher_license") or KNOWN_LICENSES.get(teacher or "")
+    mixers = sorted({spec["mixer"] for spec in config.layer_specs()})
+    data = ModelCardData(
+        model_name=repo_id,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        base_model=teacher if teacher and _HUB_MODEL_ID.match(teacher) else None,
+        tags=["hf_recattn", "recurrent-attention", *(f"mixer-{m}" for m in mixers)]
+        + (["distillation"] if report else []),
+        eval_results=_eval_results(report, repo_id) if report and report.get("student") else None,
+    )
+    chat = (folder / "chat_template.jinja").is_file() or "chat_template" in _tokenizer_config(folder)
+    summary = (
+        f"A causal language model whose attention is recurrent where its mixers are ({', '.join(mixers)}): "
+        "it generates with a fixed-size state per recurrent layer instead of a growing KV cache. Built with "
+        "hf_recattn" + (f" from `{teacher}`." if teacher else ".")
+    )
+    return ModelCard.from_template(
+        data,
+        template_path=str(TEMPLATE),
+        repo_id=repo_id,
+        summary=summary,
+        attention_table=attention_table(config),
+        state_table=state_table(config),
+        provenance=_provenance(report, teacher),
+        evaluation=_evaluation(report),
+        generate_snippet=_GENERATE if chat else _GENERATE_PLAIN,
+        limitations=_limitations(config, report),
+    )
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    path = folder / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_model_card(folder: str | Path, repo_id: str | None = None, **kwargs: Any) -> Path:
+    """Render the card for ``folder`` and write it to ``folder/README.md`` (atomically); returns the path."""
+    from .evaluation import _atomic_write
+
+    folder = Path(folder)
+    card = build_model_card(folder, repo_id or folder.resolve().name, **kwargs)
+    return _atomic_write(folder / "README.md", str(card))

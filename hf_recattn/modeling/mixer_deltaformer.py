@@ -1,0 +1,124 @@
+"""DeltaFormer (seed 002, "Feeding Back in Progress", eq. 23): DeltaNet's inverse with softmax kernels.
+
+    u_i = v_i - b_i * sum_{j < i} softmax_j(k_i . k_j * key_scale) u_j      (real keys j < i only)
+    o_i = sum_{j <= i} softmax_j(q_i . k_j * scale) u_j                       (real keys j <= i)
+
+i.e. ``O = A (I + B)^{-1} V`` with A the causal softmax of Q K^T (diagonal included) and B the softmax of K K^T
+over the strictly earlier keys, row by row. ``write_strength='none'`` is the seed's equation (b = 1);
+``'sigmoid'`` adds DeltaFormer's beta, b_i = sigmoid(w_b . x_i + c) per key head from the layer input. u depends
+only on keys and values, so it lives per key head (GQA / MQA share it). The cache holds every key and its u.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .ops_deltaformer import deltaformer_attention
+from .options import Option
+
+WRITE_STRENGTHS = ("none", "sigmoid")
+INITS = ("scratch", "convert")
+
+
+def require_causal_spec(spec: dict[str, Any], where: str, family: str) -> None:
+    """The feedback families are decoders only: refuse causal=False at validation time."""
+    if not spec["causal"]:
+        raise ValueError(f"{where}: option 'causal' must be True ({family} has no bidirectional form)")
+
+
+class DeltaFormerMixer(Mixer):
+    """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax."""
+
+    name = "softmax_delta"
+    options = {
+        "write_strength": Option((str,), "none", "b_i scaling the feedback of token i: none (b = 1, the seed's "
+                                 "eq. 23) or sigmoid (b = sigmoid(w_b . x + c) per key head)",
+                                 choices=WRITE_STRENGTHS),
+        "scale": Option((float,), None, "query-key scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
+        "key_scale": Option((float,), None, "key-key scale inside B; None: head_dim ** -0.5", nullable=True,
+                            minimum=0.0),
+        "init": Option((str,), "scratch", "write_strength=sigmoid: scratch (w_b ~ N(0, initializer_range), "
+                       "c = 0) or convert (w_b = 0, b = beta_init: near plain softmax)", choices=INITS),
+        "beta_init": Option((float,), 0.01, "init=convert: initial write strength b, in (0, 1)"),
+        "causal": Option((bool,), True, "must be True (decoder only)"),
+    }
+    state_kind = "kv"
+    has_chunked = False
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        require_causal_spec(spec, where, cls.name)
+        if not 0.0 < spec["beta_init"] < 1.0:
+            raise ValueError(f"{where}: option 'beta_init' must be in (0, 1), got {spec['beta_init']!r}")
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        d = shape.head_dim
+        self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
+        self.key_scale = d**-0.5 if spec["key_scale"] is None else float(spec["key_scale"])
+        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+        if spec["write_strength"] == "sigmoid":
+            self.beta_weight = nn.Parameter(torch.zeros(shape.num_kv_heads, shape.hidden_size))
+            self.beta_bias = nn.Parameter(torch.zeros(shape.num_kv_heads))
+
+    def init_parameters(self, init: Any) -> None:
+        """The write-strength gate (if any): N(0, initializer_range) and zero bias (b ~ 0.5), or with
+        init=convert zero weight and b = beta_init for every token (the layer starts close to softmax)."""
+        if not hasattr(self, "beta_weight"):
+            return
+        if self.spec["init"] == "convert":
+            beta = self.spec["beta_init"]
+            init.zeros_(self.beta_weight)
+            init.constant_(self.beta_bias, math.log(beta / (1.0 - beta)))
+        else:
+            init.normal_(self.beta_weight, 0.0, self.initializer_range)
+            init.zeros_(self.beta_bias)
+
+    # ----- forms ------------------------------------------------------------------------------------------
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
+    ) -> tuple[torch.Tensor, State]:
+        write = None
+        if hasattr(self, "beta_weight"):
+            x = inputs.hidden_states
+            write = torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))
+            write = write.transpose(1, 2)  # [B, Hk, T]
+        if state is None:
+            state = self.init_state(q.shape[0], q.device, q.dtype)
+        mask = inputs.padding_mask
+        key_real = None if mask is None else mask[:, -(state["k"].shape[2] + k.shape[2]) :]
+        o, keys, u = deltaformer_attention(
+            group_queries(q, self.shape.num_kv_heads), k, v, write, state["k"], state["u"], key_real,
+            self.scale, self.key_scale,
+        )
+        return ungroup_output(o), {"k": keys, "u": u}
+
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
+        return self._run(q, k, v, inputs, None)[0]
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """A prefill after the cached tokens (the parallel form continued from the cache)."""
+        return self._run(q, k, v, inputs, state)
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._run(q, k, v, inputs, state)
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        shape = (batch_size, self.shape.num_kv_heads, 0, self.shape.head_dim)
+        return {name: torch.zeros(shape, device=device, dtype=dtype) for name in ("k", "u")}
+
+    def state_size(self, context_length: int) -> int:
+        """Every key and its u: 2 Hk D per token (the size of a softmax KV cache)."""
+        return 2 * self.shape.num_kv_heads * self.shape.head_dim * context_length

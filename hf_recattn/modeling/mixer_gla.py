@@ -1,0 +1,175 @@
+"""Gated linear attention (GLA, Yang et al. 2024): linear attention with a data-dependent forget gate per key dim.
+
+Per key head, a state S [D, E]:
+
+    alpha_t = sigmoid(W2 W1 x_t + b) ** (1 / tau)      (log alpha_t = logsigmoid(W2 W1 x_t + b) / tau)
+    S_t = diag(alpha_t) S_{t-1} + k_t v_t^T,           o_t = q_t S_t   (q scaled by ``scale``)
+
+x is the layer input, W1 [r, C] and W2 [Hkv D, r] a low-rank map (rank r = ``gate_rank``, 16 in the paper), b
+[Hkv D] a bias, tau = ``gate_temperature`` (16 in the paper: gates stay close to 1). There is no feature map
+and no denominator; each head's output goes through an RMSNorm (``output_norm``, a gain per query head) times a
+swish gate silu(W_g x) (``output_gate``), as GLA does. GLA has no positional encoding; ``rope`` keeps the
+project's default (True, what a converted Llama's q and k expect); the preset ``gla`` turns it off. Query
+heads of a group read their key head's state (GQA). A padded token leaves the state untouched (alpha = 1, no
+write). ``causal=False`` has no form (a gated state has a direction) and is refused.
+
+Initializations (``init``): ``scratch``, the published one (fla's GLA layer): W1, W2 and W_g xavier-uniform with
+gain 2^-2.5, b = 0 (alpha near 0.5^(1/16) = 0.96); ``convert``, for distilling a softmax teacher: W2 = 0 (gates
+start input-independent, so the layer starts as decayed linear attention), W1 and W_g ~ N(0, initializer_range), b
+such that each head's D key dimensions have half-lives spread log-uniformly from ``half_life_min`` to
+``half_life_max`` tokens (alpha^life = 1/2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .ops_gla import gla_chunked, gla_parallel, gla_step
+from .options import Option
+from .output_norms import OutputNorm
+
+INITS = ("scratch", "convert")
+
+
+def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest: float) -> torch.Tensor:
+    """b with sigmoid(b)^(1/tau) = 2^(-1/life), lives log-uniform over ``dims`` key dimensions."""
+    if dims == 1:
+        lives = torch.tensor([math.sqrt(shortest * longest)], dtype=torch.float64)
+    else:
+        lives = torch.logspace(math.log10(shortest), math.log10(longest), dims, dtype=torch.float64)
+    log_p = -temperature * math.log(2.0) / lives  # log sigmoid(b)
+    return (log_p - torch.log(-torch.expm1(log_p))).float()  # logit of p = exp(log_p)
+
+
+class GLAMixer(Mixer):
+    """Gated linear attention: a state per key head decayed per key dimension by a low-rank gate of the input."""
+
+    name = "gated_linear"
+    options = {
+        "gate_rank": Option((int,), 16, "rank of the gate's low-rank map W2 W1 from the layer input", minimum=1),
+        "gate_temperature": Option((float,), 16.0, "tau: log alpha = logsigmoid(W2 W1 x + b) / tau"),
+        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
+        "output_gate": Option((bool,), True, "multiply the output by silu(W_g x) from the layer input"),
+        "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
+        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
+                       "convert (input-independent gates at the given half-lives)", choices=INITS),
+        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial gate half-life in tokens",
+                                minimum=1e-3),
+        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial gate half-life in tokens",
+                                minimum=1e-3),
+        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
+        "eps": Option((float,), 1e-6, "added inside the output RMSNorm", minimum=0.0),
+        "causal": Option((bool,), True, "must be True: GLA has no bidirectional form"),
+    }
+    state_kind = "recurrent"
+    has_chunked = True
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        if not spec["causal"]:
+            raise ValueError(f"{where}: option 'causal' must be True for gla (a gated state has a direction; "
+                             "there is no bidirectional form)")
+        if not spec["gate_temperature"] > 0.0:
+            raise ValueError(f"{where}: option 'gate_temperature' must be > 0, got {spec['gate_temperature']!r}")
+        if spec["half_life_min"] > spec["half_life_max"]:
+            raise ValueError(
+                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
+                f"({spec['half_life_max']})"
+            )
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+        rank = int(spec["gate_rank"])
+        self.chunk_size = int(spec["chunk_size"])
+        self.temperature = float(spec["gate_temperature"])
+        self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
+        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+        # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
+        self.gate_down = nn.Parameter(torch.zeros(rank, c))
+        self.gate_up = nn.Parameter(torch.zeros(hk * d, rank))
+        convert = spec["init"] == "convert"
+        self.gate_bias = nn.Parameter(self._convert_bias() if convert else torch.zeros(hk * d))
+        self.output_norm = OutputNorm("rms", shape, d, float(spec["eps"])) if spec["output_norm"] else None
+        if spec["output_gate"]:
+            self.gate_weight = nn.Parameter(torch.zeros(h * d, c))
+
+    def _convert_bias(self) -> torch.Tensor:
+        d = self.shape.head_dim
+        lives = (float(self.spec["half_life_min"]), float(self.spec["half_life_max"]))
+        return half_life_gate_bias(d, self.temperature, *lives).repeat(self.shape.num_kv_heads)
+
+    def init_parameters(self, init: Any) -> None:
+        """See the module docstring (``init`` skips loaded parameters)."""
+        gated = [self.gate_down, self.gate_up] + ([self.gate_weight] if hasattr(self, "gate_weight") else [])
+        if self.spec["init"] == "scratch":
+            for param in gated:
+                init.xavier_uniform_(param, gain=2**-2.5)
+            init.zeros_(self.gate_bias)
+            return
+        for param in gated:
+            if param is self.gate_up:
+                init.zeros_(param)
+            else:
+                init.normal_(param, 0.0, self.initializer_range)
+        init.copy_(self.gate_bias, self._convert_bias().to(self.gate_bias))
+
+    # ----- shared pieces ------------------------------------------------------------------------------------
+    def _prepare(
+        self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scaled grouped queries [B, Hkv, G, T, D], keys [B, Hkv, T, D] and log gates [B, Hkv, T, D], the keys
+        and log gates zero on padded tokens."""
+        x = inputs.hidden_states
+        b, t, _ = x.shape
+        logits = F.linear(F.linear(x, self.gate_down.to(x.dtype)), self.gate_up.to(x.dtype), self.gate_bias.to(x.dtype))
+        log_a = (F.logsigmoid(logits) / self.temperature).view(b, t, self.shape.num_kv_heads, -1).transpose(1, 2)
+        mask = inputs.token_mask
+        if mask is not None:
+            keep = mask[:, None, :, None]
+            log_a = log_a.masked_fill(~keep, 0.0)
+            k = k * keep.to(k.dtype)
+        return group_queries(q, self.shape.num_kv_heads) * self.scale, k, log_a
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, Hkv, G, T, E] -> [B, T, H, E], through the output norm and gate."""
+        if self.output_norm is not None:
+            o = self.output_norm(o)
+        o = ungroup_output(o)
+        if hasattr(self, "gate_weight"):
+            o = o * F.silu(F.linear(x, self.gate_weight.to(x.dtype))).view(*o.shape)
+        return o
+
+    # ----- forms ------------------------------------------------------------------------------------------
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
+        qg, k, log_a = self._prepare(q, k, inputs)
+        return self._finish(gla_parallel(qg, k, v, log_a), inputs.hidden_states)
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        qg, k, log_a = self._prepare(q, k, inputs)
+        o, S = gla_chunked(qg, k, v, log_a, state["S"], self.chunk_size)
+        return self._finish(o, inputs.hidden_states), {"S": S}
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        qg, k, log_a = self._prepare(q, k, inputs)
+        o, S = gla_step(qg, k, v, log_a, state["S"])
+        return self._finish(o, inputs.hidden_states), {"S": S}
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        hk, d = self.shape.num_kv_heads, self.shape.head_dim
+        return {"S": torch.zeros(batch_size, hk, d, d, device=device, dtype=dtype)}
+
+    def state_size(self, context_length: int) -> int:
+        return self.shape.num_kv_heads * self.shape.head_dim * self.shape.head_dim

@@ -1,0 +1,255 @@
+"""MesaNet (seed 002, eq. 35; von Oswald et al. 2025): the closed-form least-squares read of a gated linear state.
+
+Per key head, two states with a forget gate gamma_t and an input gate beta_t read from the layer input x_t:
+
+    G_t = gamma_t G_{t-1} + beta_t v_t k_t^T,      H_t = gamma_t H_{t-1} + beta_t k_t k_t^T,
+    o_t = G_t (H_t + Lambda)^-1 q_t
+
+(ops_mesanet.py stores G as keys x values). Choices, following the MesaNet paper and fla's MesaNet layer:
+
+* gates: gamma_t = sigmoid(W_f x_t / sqrt(C) + c_f), beta_t = sigmoid(W_b x_t / sqrt(C) + c_b), one of each per
+  key head (the gates read x / sqrt(C) as the delta family's do; ``scratch`` scales W up by sqrt(C), so the logits
+  start as N(0, initializer_range) logits of x with zero biases, as fla's plain nn.Linear gates);
+* Lambda = softplus(lambda_param) + ``lambda_min`` per query head and key dimension, lambda_param initialized so
+  that Lambda = ``lambda_init`` (fla: lower bound 0.25, initial value 1). Lambda is read-side only, so each query
+  head of a GQA group solves its own system against the shared H of its key head;
+* a short causal convolution (``conv_size`` taps) on q and k only, then SiLU, then L2-normalized q and k (no query
+  scale); v passes unchanged; an RMSNorm per head on the output, optionally times silu(W_g x) (``output_gate``);
+* ``solver``: ``cg`` runs ``cg_steps`` Jacobi-preconditioned conjugate-gradient steps (the paper's training
+  solver, 30 steps in fla), ``exact`` a Cholesky solve. Every form (parallel, chunked, step) uses the same
+  solver, so a model gives the same outputs with and without a cache whichever is chosen.
+
+Padded tokens leave both states untouched (beta = 0, no decay, zeroed convolution inputs). No bidirectional form.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .ops_mesanet import SOLVERS, mesa_chunked, mesa_parallel, mesa_step
+from .options import Option
+from .output_norms import OutputNorm
+from .short_conv import ShortConvolution
+
+ACTIVATIONS = ("none", "silu")
+QK_NORMS = ("l2", "none")
+INITS = ("scratch", "convert")
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+def _inverse_softplus(y: float) -> float:
+    return y + math.log(-math.expm1(-y))
+
+
+class MesaMixer(Mixer):
+    """MesaNet: gated states G and H per key head, read as G (H + Lambda)^-1 q (conjugate gradients or exact)."""
+
+    name = "mesa"
+    options = {
+        "solver": Option((str,), "cg", "linear solve of every form: cg (conjugate gradients) or exact (Cholesky)",
+                         choices=SOLVERS),
+        "cg_steps": Option((int,), 30, "solver=cg: conjugate-gradient steps per token", minimum=0),
+        "lambda_min": Option((float,), 0.25, "lower bound of the regularizer Lambda", minimum=1e-6),
+        "lambda_init": Option((float,), 1.0, "initial Lambda (above lambda_min)", minimum=1e-6),
+        "conv_size": Option((int,), 4, "taps of the short causal convolution on q and k (0: none)", minimum=0),
+        "activation": Option((str,), "silu", "applied to q and k after the convolution", choices=ACTIVATIONS),
+        "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
+        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
+        "output_gate": Option((bool,), False, "multiply the output by silu(W_g x) from the layer input"),
+        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
+                       "convert (identity convolution, input-independent gates)", choices=INITS),
+        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial forget half-life in tokens",
+                                minimum=1e-3),
+        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial forget half-life in tokens",
+                                minimum=1e-3),
+        "beta_init": Option((float,), 0.5, "init=convert: initial input gate beta, in (0, 1)"),
+        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
+        "eps": Option((float,), 1e-6, "added inside the q/k and output norms", minimum=0.0),
+        "causal": Option((bool,), True, "must be True: MesaNet has no bidirectional form"),
+    }
+    state_kind = "recurrent"
+    has_chunked = True
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        if not spec["causal"]:
+            raise ValueError(f"{where}: option 'causal' must be True for mixer 'mesa' (no bidirectional form)")
+        if spec["lambda_init"] <= spec["lambda_min"]:
+            raise ValueError(
+                f"{where}: option 'lambda_init' ({spec['lambda_init']}) must be above 'lambda_min' "
+                f"({spec['lambda_min']})"
+            )
+        if not 0.0 < spec["beta_init"] < 1.0:
+            raise ValueError(f"{where}: option 'beta_init' must be in (0, 1), got {spec['beta_init']!r}")
+        if spec["half_life_min"] > spec["half_life_max"]:
+            raise ValueError(
+                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
+                f"({spec['half_life_max']})"
+            )
+        if spec["output_gate"] and not spec["output_norm"]:
+            raise ValueError(f"{where}: option 'output_gate' needs output_norm=True (the gate follows the norm)")
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+        self.solver = spec["solver"]
+        self.cg_steps = int(spec["cg_steps"])
+        self.chunk_size = int(spec["chunk_size"])
+        self.eps = float(spec["eps"])
+        self.lambda_min = float(spec["lambda_min"])
+        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+        self.convert_init = spec["init"] == "convert"
+        # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
+        self.forget_weight = nn.Parameter(torch.zeros(hk, c))
+        self.forget_bias = nn.Parameter(torch.zeros(hk))
+        self.beta_weight = nn.Parameter(torch.zeros(hk, c))
+        self.beta_bias = nn.Parameter(torch.zeros(hk))
+        self.lambda_param = nn.Parameter(torch.zeros(h, d))
+        size = int(spec["conv_size"])
+        channels = {"conv_q": h * d, "conv_k": hk * d}
+        self.convs = nn.ModuleDict(
+            {name: ShortConvolution(n, size, self.convert_init) for name, n in channels.items()} if size else {}
+        )
+        self.output_norm = OutputNorm("rms", shape, d, self.eps) if spec["output_norm"] else None
+        if spec["output_gate"]:
+            self.gate_weight = nn.Parameter(torch.zeros(h * d, c))
+
+    def init_parameters(self, init: Any) -> None:
+        """Lambda = lambda_init. scratch: gate weights N(0, initializer_range) as logits of x, zero biases (gates
+        start near 1/2); convert: zero gate weights, forget half-lives log-uniform over the key heads from
+        half_life_min to half_life_max, beta = beta_init. The output gate: N(0, initializer_range)."""
+        init.constant_(self.lambda_param, _inverse_softplus(self.spec["lambda_init"] - self.lambda_min))
+        hk = self.forget_bias.numel()
+        if self.convert_init:
+            init.zeros_(self.forget_weight)
+            init.zeros_(self.beta_weight)
+            lo, hi = self.spec["half_life_min"], self.spec["half_life_max"]
+            lives = [math.sqrt(lo * hi)] if hk == 1 else [lo * (hi / lo) ** (i / (hk - 1)) for i in range(hk)]
+            biases = torch.tensor([_logit(0.5 ** (1.0 / life)) for life in lives], device=self.forget_bias.device)
+            init.copy_(self.forget_bias, biases.to(self.forget_bias.dtype))
+            init.constant_(self.beta_bias, _logit(self.spec["beta_init"]))
+        else:
+            std = self.initializer_range * math.sqrt(self.forget_weight.shape[1])  # logits of x / sqrt(C)
+            init.normal_(self.forget_weight, 0.0, std)
+            init.normal_(self.beta_weight, 0.0, std)
+            init.zeros_(self.forget_bias)
+            init.zeros_(self.beta_bias)
+        if hasattr(self, "gate_weight"):
+            init.normal_(self.gate_weight, 0.0, self.initializer_range)
+
+    def regularizer(self) -> torch.Tensor:
+        """Lambda [Hk, G, D], positive: softplus(lambda_param) + lambda_min."""
+        lam = F.softplus(self.lambda_param) + self.lambda_min
+        return lam.view(self.shape.num_kv_heads, self.shape.groups, -1)
+
+    # ----- shared pieces ------------------------------------------------------------------------------------
+    def _gates(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log gamma, beta), each [B, Hk, T]; log gamma = 0 and beta = 0 on padded tokens."""
+        x = x * x.shape[-1] ** -0.5
+        log_gamma = F.logsigmoid(F.linear(x, self.forget_weight.to(x.dtype), self.forget_bias.to(x.dtype)))
+        beta = torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))
+        if mask is not None:
+            keep = mask[..., None].to(x.dtype)
+            log_gamma, beta = log_gamma * keep, beta * keep
+        return log_gamma.transpose(1, 2), beta.transpose(1, 2)
+
+    def _prepare(
+        self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs, state: State | None
+    ) -> tuple[torch.Tensor, torch.Tensor, State]:
+        """Convolved, activated, normalized q [B, Hk, G, T, D] and k [B, Hk, T, D], and the convolution states."""
+        b, h, t, d = q.shape
+        hk = self.shape.num_kv_heads
+        streams = {"conv_q": q.transpose(1, 2).reshape(b, t, h * d), "conv_k": k.transpose(1, 2).reshape(b, t, hk * d)}
+        mask = inputs.token_mask
+        new_state: State = {}
+        for name, stream in streams.items():
+            if mask is not None:  # padded tokens enter the convolution as zeros
+                stream = stream * mask[..., None].to(stream.dtype)
+            if name in self.convs:
+                old = None if state is None else state[name]
+                stream, new_state[name] = self.convs[name](stream, old)
+                if mask is not None and old is not None and t == 1:  # a padded step leaves the inputs kept
+                    new_state[name] = torch.where(mask[:, :, None], new_state[name], old)
+            if self.spec["activation"] == "silu":
+                stream = F.silu(stream)
+            streams[name] = stream
+        q = group_queries(streams["conv_q"].view(b, t, h, d).transpose(1, 2), hk)
+        k = streams["conv_k"].view(b, t, hk, d).transpose(1, 2)
+        return self._qk_norm(q), self._qk_norm(k), new_state
+
+    def _qk_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """x / sqrt(|x|^2 + eps) over the last dim (qk_norm='l2')."""
+        if self.spec["qk_norm"] != "l2":
+            return x
+        f = x.shape[-1]
+        return F.rms_norm(x, (f,), eps=self.eps / f) * f**-0.5
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None, form: str
+    ) -> tuple[torch.Tensor, State]:
+        dtype = q.dtype
+        work = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # solves need fp32 or more
+        qg, kd, new_state = self._prepare(q, k, inputs, state)
+        log_gamma, beta = self._gates(inputs.hidden_states, inputs.token_mask)
+        qg, kd, vd, log_gamma, beta = (y.to(work) for y in (qg, kd, v, log_gamma, beta))
+        lam = self.regularizer().to(work)
+        args = (self.solver, self.cg_steps)
+        if form == "parallel":
+            o, h, g = mesa_parallel(qg, kd, vd, log_gamma, beta, lam, None, None, *args)
+        else:
+            h0, g0 = state["H"].to(work), state["G"].to(work)
+            if form == "chunked":
+                o, h, g = mesa_chunked(qg, kd, vd, log_gamma, beta, lam, h0, g0, self.chunk_size, *args)
+            else:
+                o, h, g = mesa_step(qg, kd, vd, log_gamma, beta, lam, h0, g0, *args)
+            new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
+        return self._finish(o.to(dtype), inputs.hidden_states), new_state
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
+        if self.output_norm is not None:
+            o = self.output_norm(o)
+        o = ungroup_output(o)
+        if hasattr(self, "gate_weight"):
+            gate = F.silu(F.linear(x, self.gate_weight.to(x.dtype)))
+            o = o * gate.view(*o.shape)
+        return o
+
+    # ----- forms ------------------------------------------------------------------------------------------
+    def parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor:
+        return self._run(q, k, v, inputs, None, "parallel")[0]
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._run(q, k, v, inputs, state, "chunked")
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._run(q, k, v, inputs, state, "step")
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        hk, d = self.shape.num_kv_heads, self.shape.head_dim
+        state = {
+            "H": torch.zeros(batch_size, hk, d, d, device=device, dtype=dtype),
+            "G": torch.zeros(batch_size, hk, d, d, device=device, dtype=dtype),
+        }
+        state.update({name: conv.init_state(batch_size, device, dtype) for name, conv in self.convs.items()})
+        return state
+
+    def state_size(self, context_length: int) -> int:
+        """H (D x D) and G (D x E) per key head, plus the last W - 1 convolution inputs of q and k."""
+        hk, d = self.shape.num_kv_heads, self.shape.head_dim
+        return 2 * hk * d * d + sum(conv.channels * (conv.size - 1) for conv in self.convs.values())

@@ -1,0 +1,78 @@
+"""DeltaFormer (seed 002, eq. 23) on plain tensors: softmax attention over values fed back through the keys.
+
+With ``A = softmax(Q K^T * scale + log M)`` (each query i sees keys j <= i) and
+``B = softmax(K K^T * key_scale + log M^-)`` (each key i weighs the keys j < i; a row with no such key is zero),
+the output is ``O = A (I + diag(b) B)^{-1} V``: the new values U solve, token by token,
+
+    u_i = v_i - b_i * sum_{j < i} B_ij u_j,
+
+(b = 1 is the seed's equation; a per-token write strength b in (0, 1) is DeltaFormer's optional beta). The same
+function runs a whole sequence, a prefill after a cache and a single decode step: the cache holds every past key
+and its u (values are not needed once their u is known).
+
+Shapes: q [B, Hk, G, T, D] (G query heads share a key head), k [B, Hk, T, D], v [B, Hk, T, E], b [B, Hk, T] or
+None, cached keys [B, Hk, P, D] and u [B, Hk, P, E]; ``key_real`` [B, P + T] bool (True = real token) or None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the allowed entries of the last dim; a row with no allowed entry is all zeros."""
+    filled = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return torch.softmax(filled, dim=-1) * allowed.to(logits.dtype)
+
+
+def unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """(I + strictly_lower(lower))^-1 rhs; 16-bit inputs are solved in float32 (LAPACK / cuBLAS have no such
+    triangular solve) and returned in their dtype."""
+    if lower.dtype in (torch.float16, torch.bfloat16):
+        return unit_lower_solve(lower.float(), rhs.float()).to(rhs.dtype)
+    return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+
+
+def key_visibility(
+    num_past: int, num_new: int, key_real: torch.Tensor | None, strict: bool, device: torch.device
+) -> torch.Tensor:
+    """[B or 1, 1, T, P + T] bool: the keys each new token sees (j < i if ``strict`` else j <= i; real keys)."""
+    query_pos = torch.arange(num_past, num_past + num_new, device=device)[:, None]
+    key_pos = torch.arange(num_past + num_new, device=device)[None, :]
+    seen = (key_pos < query_pos) if strict else (key_pos <= query_pos)
+    seen = seen[None, None]
+    if key_real is not None:
+        seen = seen & key_real[:, None, None, :].bool()
+    return seen
+
+
+def deltaformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    write: torch.Tensor | None,
+    past_keys: torch.Tensor,
+    past_u: torch.Tensor,
+    key_real: torch.Tensor | None,
+    scale: float,
+    key_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New tokens after ``P`` cached ones: returns (o [B, Hk, G, T, E], every key [B, Hk, P + T, D], every u).
+
+    O((P + T) T D) for the scores plus one [T, T] unit lower triangular solve per key head.
+    """
+    num_past, num_new = past_keys.shape[2], k.shape[2]
+    keys = torch.cat([past_keys, k], dim=2) if num_past else k
+    before = key_visibility(num_past, num_new, key_real, True, k.device)
+    feedback = masked_softmax((k @ keys.transpose(-1, -2)) * key_scale, before)  # B rows: [B, Hk, T, P + T]
+    if write is not None:
+        feedback = feedback * write[..., None]
+    rhs = v - feedback[..., :num_past] @ past_u if num_past else v
+    if num_new == 1:  # a decode step: nothing new to solve against
+        u = rhs
+    else:  # (I + B_new) U = rhs; only B_new's strictly lower triangle is read (it is zero elsewhere)
+        u = unit_lower_solve(feedback[..., num_past:], rhs)
+    values = torch.cat([past_u, u], dim=2) if num_past else u
+    seen = key_visibility(num_past, num_new, key_real, False, k.device)
+    probs = masked_softmax((q @ keys.unsqueeze(2).transpose(-1, -2)) * scale, seen.unsqueeze(2))
+    return probs @ values.unsqueeze(2), keys, values

@@ -1,0 +1,101 @@
+"""Functional forms of gated linear attention (GLA): a forget gate per key dimension.
+
+S_t = diag(alpha_t) S_{t-1} + k_t v_t^T and o_t = q_t S_t, with ``log_a`` = log alpha <= 0. Key s then reaches query
+t through sum_d q_td k_sd exp(L_td - L_sd), L the cumulative sum of ``log_a`` (inclusive).
+
+Shapes: ``q`` is ``[B, Hkv, G, T, D]`` (G query heads share a key head, already scaled), ``k`` and ``log_a`` are
+``[B, Hkv, T, D]``, ``v`` is ``[B, Hkv, T, E]``; the state ``S`` is ``[B, Hkv, D, E]``. Padding is the caller's
+business: zero the keys and the log gates of padded tokens.
+
+Stability: every exponent taken here is a difference L_t - L_s with s <= t (or a masked entry set to -inf before
+the exponential), so it is <= 0 however strong the gates and however long the sequence; nothing overflows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+#: tokens per secondary chunk inside a chunk of the chunked form
+SUB_CHUNK = 16
+
+
+def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
+    """[..., T, D] inclusive cumulative log gates -> [..., T, T, D] exp(L_t - L_s), zero where s > t."""
+    t = cum.shape[-2]
+    diff = cum[..., :, None, :] - cum[..., None, :, :]
+    keep = torch.ones(t, t, dtype=torch.bool, device=cum.device).tril()[..., None]
+    return diff.masked_fill(~keep, -math.inf).exp()
+
+
+def gla_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
+    """Quadratic form from a zero state: [B, Hkv, G, T, E] (O(T^2 D) memory for the pairwise decays)."""
+    decay = _pairwise_decay(log_a.cumsum(-2))  # [B, Hkv, T, T, D]
+    scores = torch.einsum("bhgtd,bhsd,bhtsd->bhgts", q, k, decay)
+    return scores @ v.unsqueeze(2)
+
+
+def _chunk_scores(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, sub: int) -> torch.Tensor:
+    """Decayed causal scores [B, Hkv, G, C, C] of one chunk whose length C is a multiple of ``sub``.
+
+    Two levels (GLA's secondary chunking): between sub-chunks i > j the decay factors through the boundary m_i
+    just before sub-chunk i, exp(L_t - L_s) = exp(L_t - L_m) exp(L_m - L_s), both factors <= 1, so the block is
+    one matrix product; inside a sub-chunk the pairwise decays are taken directly.
+    """
+    b, h, g, c, d = q.shape
+    n = c // sub
+    qs, ks, cs = q.view(b, h, g, n, sub, d), k.view(b, h, n, sub, d), cum.view(b, h, n, sub, d)
+    # L just before each sub-chunk (0 before the first)
+    ref = torch.cat([torch.zeros_like(cs[:, :, :1, 0]), cs[:, :, :-1, -1]], dim=2)  # [B, Hkv, n, D]
+    q_in = qs * (cs - ref[:, :, :, None]).exp()[:, :, None]  # [B, Hkv, G, n, sub, D]
+    # key s of sub-chunk j seen from sub-chunk i (j < i): exp(L_m_i - L_s); other pairs masked before exp
+    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)[:, :, None, None]
+    k_log = (ref[:, :, :, None, None] - cs[:, :, None]).masked_fill(~lower, -math.inf)  # [B, Hkv, n, n, sub, D]
+    k_in = ks[:, :, None] * k_log.exp()
+    inter = torch.einsum("bhgitd,bhijsd->bhgijts", q_in, k_in)
+    intra = torch.einsum("bhgitd,bhisd,bhitsd->bhgits", qs, ks, _pairwise_decay(cs))
+    eye = torch.eye(n, dtype=q.dtype, device=q.device)[:, :, None, None]
+    blocks = inter + eye * intra.unsqueeze(4)  # [B, Hkv, G, i, j, sub, sub]; inter is zero where j >= i
+    return blocks.transpose(-3, -2).reshape(b, h, g, c, c)
+
+
+def gla_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_a: torch.Tensor,
+    S: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise form from the state ``S``: exact inside a chunk, the state carried across chunks.
+
+    Returns (output [B, Hkv, G, T, E], final S).
+    """
+    outs = []
+    qs, ks, vs = q.split(chunk_size, dim=3), k.split(chunk_size, dim=2), v.split(chunk_size, dim=2)
+    for qc, kc, vc, lc in zip(qs, ks, vs, log_a.split(chunk_size, dim=2), strict=True):
+        cum = lc.cumsum(-2)  # [B, Hkv, C, D] log decay from the state before the chunk to each token
+        c = cum.shape[-2]
+        sub = min(SUB_CHUNK, c)
+        extra = -c % sub  # a ragged chunk is padded at its end with empty tokens (no key, no decay)
+        if extra:
+            scores = _chunk_scores(F.pad(qc, (0, 0, 0, extra)), F.pad(kc, (0, 0, 0, extra)),
+                                   F.pad(cum, (0, 0, 0, extra), mode="replicate"), sub)[..., :c, :c]
+        else:
+            scores = _chunk_scores(qc, kc, cum, sub)
+        q_state = qc * cum.exp().unsqueeze(2)
+        outs.append(torch.matmul(q_state, S.unsqueeze(2)) + scores @ vc.unsqueeze(2))
+        last = cum[:, :, -1]  # [B, Hkv, D]
+        k_state = kc * (last[:, :, None] - cum).exp()  # each key's decay to the chunk's end
+        S = S * last.exp()[..., None] + k_state.transpose(-1, -2) @ vc
+    return torch.cat(outs, dim=3), S
+
+
+def gla_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor, S: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token (T == 1): decay the state per key dimension, add k v^T, read it with q."""
+    S = torch.addcmul(S * log_a[:, :, 0, :, None].exp(), k.transpose(-1, -2), v)
+    return torch.matmul(q, S.unsqueeze(2)), S

@@ -1,0 +1,204 @@
+"""Functional forms of MesaNet (seed 002, eq. 35): per key head, two states with a forget gate gamma_t and an
+input gate beta_t,
+
+    H_t = gamma_t H_{t-1} + beta_t k_t k_t^T    [D, D]        G_t = gamma_t G_{t-1} + beta_t k_t v_t^T    [D, E]
+
+(G kept keys x values, the transpose of the seed's v k^T), and each query head h reads
+
+    o_t = G_t^T x_t,    x_t = (H_t + Lambda_h)^-1 q_t,
+
+with Lambda_h a positive diagonal per query head. H_t + Lambda_h is symmetric positive definite, so the linear
+system is solved either exactly (Cholesky) or by ``cg_steps`` steps of conjugate gradients preconditioned by its
+diagonal (Jacobi), started from x = q / diag(H_t + Lambda_h). Every form solves the same per-token systems with the
+same solver, so that the forms compute the same function for either choice:
+
+* parallel: every state H_t from one decay-weighted sum over the tokens (O(T^2 + T D^2) memory), then the solves
+  for all tokens at once;
+* chunked: the start state of every chunk by state passing (cheap: the states do not depend on the solves), then
+  the solves of all chunks at once; CG never builds H_t, it applies it as e^{g_t} H_start p + sum_s w_ts k_s (k_s.p)
+  (O(T C) memory); the exact solve builds H_t per token;
+* step: one token, the full H_t.
+
+Shapes: q [B, Hk, G, T, D] (G query heads per key head), k [B, Hk, T, D], v [B, Hk, T, E], log_gamma and beta
+[B, Hk, T], lam [Hk, G, D] (Lambda, positive), H [B, Hk, D, D], G [B, Hk, D, E]. Padded tokens are the caller's
+business (beta = 0 and log_gamma = 0 leave both states untouched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+SOLVERS = ("cg", "exact")
+
+
+def conjugate_gradient(
+    matvec: Callable[[torch.Tensor], torch.Tensor], rhs: torch.Tensor, diag: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """``steps`` iterations of Jacobi-preconditioned CG for A x = rhs, batched over every leading dim (the systems
+    live in the last dim). ``matvec`` applies the SPD matrix A, ``diag`` is its diagonal; x starts at rhs / diag.
+
+    A fixed number of steps keeps the function smooth and the same in every form. Where a residual reaches exactly
+    zero, the step sizes are 0 / tiny = 0 (the clamp), so a converged system stays put."""
+    tiny = torch.finfo(rhs.dtype).tiny
+    inv = diag.reciprocal()
+    x = rhs * inv
+    if steps == 0:
+        return x
+    r = rhs - matvec(x)
+    z = r * inv
+    p = z
+    rz = (r * z).sum(-1, keepdim=True)
+    for i in range(steps):
+        ap = matvec(p)
+        alpha = rz / (p * ap).sum(-1, keepdim=True).clamp_min(tiny)
+        x = x + alpha * p
+        if i == steps - 1:
+            break
+        r = r - alpha * ap
+        z = r * inv
+        rz_new = (r * z).sum(-1, keepdim=True)
+        p = z + (rz_new / rz.clamp_min(tiny)) * p
+        rz = rz_new
+    return x
+
+
+def solve_dense(h: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, solver: str, cg_steps: int) -> torch.Tensor:
+    """x = (H + Lambda)^-1 q for explicit matrices: h [B, Hk, T, D, D] (symmetric), q [B, Hk, T, G, D],
+    lam [Hk, G, D]. Returns x [B, Hk, T, G, D]."""
+    lam = lam[:, None]  # [Hk, 1, G, D]: broadcasts over B and T
+    if solver == "exact":
+        chol = torch.linalg.cholesky(h[..., None, :, :] + torch.diag_embed(lam))
+        return torch.cholesky_solve(q[..., None], chol)[..., 0]
+    diag = h.diagonal(dim1=-2, dim2=-1)[..., None, :] + lam
+    return conjugate_gradient(lambda p: p @ h + lam * p, q, diag, cg_steps)
+
+
+def _decay_weights(log_gamma: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w[t, s] = beta_s e^{g_t - g_s} for s <= t (0 above), g the cumulative log forget gate; and g."""
+    t = log_gamma.shape[-1]
+    cum = log_gamma.cumsum(-1)
+    index = torch.arange(t, device=log_gamma.device)
+    causal = index[:, None] >= index[None, :]
+    w = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp() * beta[..., None, :]
+    return w, cum
+
+
+def _outer(k: torch.Tensor) -> torch.Tensor:
+    """[..., T, D] -> [..., T, D * D]: the flattened k_t k_t^T."""
+    return (k[..., :, None] * k[..., None, :]).flatten(-2)
+
+
+def mesa_parallel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    g0: torch.Tensor | None = None,
+    solver: str = "exact",
+    cg_steps: int = 30,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole sequence at once: returns (o [B, Hk, G, T, E], final H, final G)."""
+    b, hk, groups, t, d = q.shape
+    w, cum = _decay_weights(log_gamma, beta)  # [B, Hk, T, T]
+    h_all = (w @ _outer(k)).view(b, hk, t, d, d)
+    start = cum.exp()  # e^{g_t}: how much of the start state token t still sees
+    if h0 is not None:
+        h_all = h_all + start[..., None, None] * h0[:, :, None]
+    x = solve_dense(h_all, q.transpose(2, 3), lam, solver, cg_steps).transpose(2, 3)  # [B, Hk, G, T, D]
+    out = ((x @ k[:, :, None].transpose(-1, -2)) * w[:, :, None]) @ v[:, :, None]
+    g_final = (k * w[..., -1, :, None]).transpose(-1, -2) @ v
+    if g0 is not None:
+        out = out + start[:, :, None, :, None] * (x @ g0[:, :, None])
+        g_final = g_final + start[..., -1, None, None] * g0
+    return out, h_all[:, :, -1], g_final
+
+
+def mesa_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    h0: torch.Tensor,
+    g0: torch.Tensor,
+    chunk_size: int = 64,
+    solver: str = "cg",
+    cg_steps: int = 30,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunks of ``chunk_size`` tokens from the states (h0, g0): returns (o [B, Hk, G, T, E], final H, final G).
+
+    Inside chunk i with start states (H_i, G_i) and in-chunk cumulative log gate g_t, token t sees
+    H_t = e^{g_t} H_i + sum_{s <= t} w_ts k_s k_s^T with w_ts = beta_s e^{g_t - g_s}, likewise G_t; the chunk
+    leaves H_{i+1} = e^{g_C} H_i + sum_s w_Cs k_s k_s^T. The start states are passed first (a loop of one small
+    product per chunk), then all chunks are solved and read at once.
+    """
+    b, hk, groups, t, d = q.shape
+    e = v.shape[-1]
+    pad = (-t) % chunk_size
+    if pad:  # padded tail: zero keys and gates, no decay -> states untouched, outputs dropped
+        q, k, v = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        log_gamma, beta = F.pad(log_gamma, (0, pad)), F.pad(beta, (0, pad))
+    n, c = (t + pad) // chunk_size, chunk_size
+    qc = q.view(b, hk, groups, n, c, d).transpose(2, 3)  # [B, Hk, N, G, C, D]
+    kc, vc = k.view(b, hk, n, c, d), v.view(b, hk, n, c, e)
+    w, cum = _decay_weights(log_gamma.view(b, hk, n, c), beta.view(b, hk, n, c))  # [B, Hk, N, C, C], [.., C]
+    written = kc * w[..., -1, :, None]  # keys weighted as the chunk's end state holds them
+    carry = cum[..., -1].exp()  # [B, Hk, N]
+    h_write, g_write = written.transpose(-1, -2) @ kc, written.transpose(-1, -2) @ vc
+    h_starts, g_starts = [], []
+    h, g = h0, g0
+    for a, dh, dg in zip(carry.unbind(2), h_write.unbind(2), g_write.unbind(2), strict=True):
+        h_starts.append(h)
+        g_starts.append(g)
+        h = a[..., None, None] * h + dh
+        g = a[..., None, None] * g + dg
+    h_start, g_start = torch.stack(h_starts, 2), torch.stack(g_starts, 2)  # [B, Hk, N, D, D], [B, Hk, N, D, E]
+    start = cum.exp()[:, :, :, None, :, None]  # e^{g_t}: [B, Hk, N, 1, C, 1]
+
+    if solver == "exact":
+        h_tok = (w @ _outer(kc)).view(b, hk, n, c, d, d) + cum.exp()[..., None, None] * h_start[:, :, :, None]
+        x = solve_dense(h_tok.view(b, hk, n * c, d, d), qc.transpose(3, 4).reshape(b, hk, n * c, groups, d),
+                        lam, solver, cg_steps)
+        x = x.view(b, hk, n, c, groups, d).transpose(3, 4)  # [B, Hk, N, G, C, D]
+    else:
+        wg, kt = w[:, :, :, None], kc[:, :, :, None]  # broadcast over the query heads
+        lam_b = lam[:, None, :, None, :]  # [Hk, 1, G, 1, D]
+
+        def matvec(p: torch.Tensor) -> torch.Tensor:
+            old = (p.reshape(b, hk, n, groups * c, d) @ h_start).view(p.shape)
+            return start * old + ((p @ kt.transpose(-1, -2)) * wg) @ kt + lam_b * p
+
+        diag = start * h_start.diagonal(dim1=-2, dim2=-1)[:, :, :, None, None, :] + (w @ kc.square())[:, :, :, None]
+        x = conjugate_gradient(matvec, qc, diag + lam_b, cg_steps)
+    out = ((x @ kc[:, :, :, None].transpose(-1, -2)) * w[:, :, :, None]) @ vc[:, :, :, None]
+    out = out + start * (x.reshape(b, hk, n, groups * c, d) @ g_start).view(b, hk, n, groups, c, e)
+    out = out.transpose(2, 3).reshape(b, hk, groups, n * c, e)[:, :, :, :t]
+    return out, h, g
+
+
+def mesa_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    h: torch.Tensor,
+    g: torch.Tensor,
+    solver: str = "exact",
+    cg_steps: int = 30,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token (T == 1): returns (o [B, Hk, G, 1, E], new H, new G)."""
+    gamma = log_gamma.exp()[..., None]  # [B, Hk, 1, 1]
+    written = (k * beta[..., None]).transpose(-1, -2)  # beta k as a column: [B, Hk, D, 1]
+    h = gamma * h + written @ k
+    g = gamma * g + written @ v
+    x = solve_dense(h[:, :, None], q.transpose(2, 3), lam, solver, cg_steps)  # [B, Hk, 1, G, D]
+    return (x[:, :, 0] @ g)[:, :, :, None], h, g

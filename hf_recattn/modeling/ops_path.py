@@ -1,0 +1,77 @@
+"""PaTH attention (seed 002, eqs. 25-29) on plain tensors: softmax over Householder-transported keys.
+
+The logit of query i and key j <= i is ``q_i^T R_{i,j} k_j * scale`` with ``R_{i,j} = H_i H_{i-1} ... H_{j+1}``
+(``R_{i,i} = I``) and ``H_t = I - b_t w_t w_t^T``. Keys are carried forward in time: the cache holds every key
+transported to the latest token, ``k~_j = R_{t,j} k_j``, so that a new token t + 1 applies H_{t+1} to the cache
+and its query reads ``q^T H_{t+1} k~_j``.
+
+Blocks of C tokens do this C Householders at a time through the UT transform (the delta rule's, with values
+zero): for a block with unit lower triangular ``L = I + diag(b) (W W^T o M^-)`` and ``J = L^{-1}``,
+
+* ``H_e ... H_a = I - W^T X`` with ``X = J diag(b) W`` (the block's whole transform),
+* ``q_i^T H_i ... H_a = q_i^T - [(Q W^T o M) X]_i`` (queries read the keys cached before the block),
+* in the block, ``q_i^T R_{i,j} k_j = q_i . k_j - [(Q W^T o M) Y]_ij`` with ``Y = J diag(b) (W K^T o M^-)``,
+* the block's keys leave it as ``K - Y^T W`` and the cached keys as ``K~ - K~ X^T W``.
+
+Per block O(C (P + C) D): the whole sequence costs O(T^2 D) like softmax attention, with [C, C] solves.
+Shapes: q [B, Hk, G, T, D], k [B, Hk, T, D], v [B, Hk, T, E], w [B, Hk, T, D] (unit rows), b [B, Hk, T] (zero
+on padded tokens: no Householder), cached keys [B, Hk, P, D] and values [B, Hk, P, E]; ``key_real`` [B, P + T].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops_deltaformer import key_visibility, masked_softmax, unit_lower_solve
+
+
+def _block_transforms(
+    w: torch.Tensor, b: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """X = J diag(b) W [.., C, D] and Y = J diag(b) (W K^T o M^-) [.., C, C] of one block (see module doc)."""
+    c = w.shape[-2]
+    if c == 1:  # one Householder: J = I and nothing of the block lies before its only token
+        return b[..., None] * w, torch.zeros(*w.shape[:-1], 1, dtype=w.dtype, device=w.device)
+    strictly_lower = torch.ones(c, c, dtype=torch.bool, device=w.device).tril(-1)
+    lower = ((w @ w.transpose(-1, -2)) * b[..., :, None]).masked_fill(~strictly_lower, 0.0)
+    rhs = b[..., None] * torch.cat([w, (w @ k.transpose(-1, -2)).masked_fill(~strictly_lower, 0.0)], dim=-1)
+    solved = unit_lower_solve(lower, rhs)
+    return solved[..., : w.shape[-1]], solved[..., w.shape[-1] :]
+
+
+def path_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    past_keys: torch.Tensor,
+    past_values: torch.Tensor,
+    key_real: torch.Tensor | None,
+    scale: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New tokens after ``P`` cached ones, in blocks of ``chunk_size``.
+
+    Returns (o [B, Hk, G, T, E], every key transported to the last token [B, Hk, P + T, D], every value).
+    """
+    num_past, num_new = past_keys.shape[2], k.shape[2]
+    keys, values = past_keys, past_values
+    seen = key_visibility(num_past, num_new, key_real, False, k.device).unsqueeze(2)  # [B|1, 1, 1, T, P + T]
+    outs = []
+    for start in range(0, num_new, chunk_size):
+        end = min(start + chunk_size, num_new)
+        qc, kc, vc, wc = q[..., start:end, :], k[:, :, start:end], v[:, :, start:end], w[:, :, start:end]
+        bc = b[:, :, start:end]
+        transform, in_block = _block_transforms(wc, bc, kc)
+        reach = (qc @ wc.unsqueeze(2).transpose(-1, -2)).tril()  # (Q W^T o M): [B, Hk, G, C, C]
+        scores = [(qc - reach @ transform.unsqueeze(2)) @ keys.unsqueeze(2).transpose(-1, -2)]
+        scores.append(qc @ kc.unsqueeze(2).transpose(-1, -2) - reach @ in_block.unsqueeze(2))
+        allowed = seen[..., start:end, : num_past + end]
+        probs = masked_softmax(torch.cat(scores, dim=-1) * scale, allowed)
+        # carry the cached keys over the block, then append the block's keys carried to its end
+        keys = torch.cat([keys - (keys @ transform.transpose(-1, -2)) @ wc,
+                          kc - in_block.transpose(-1, -2) @ wc], dim=2)
+        values = torch.cat([values, vc], dim=2)
+        outs.append(probs @ values.unsqueeze(2))
+    return torch.cat(outs, dim=3) if len(outs) > 1 else outs[0], keys, values

@@ -1,0 +1,115 @@
+"""The zoo: shipped recipes applied to the embedded teacher, with what their conversion reports measured.
+
+Entries are never typed by hand: ``scripts/build_zoo.py`` reads conversion output folders (``report.json`` and
+``model/``), renders one model card per entry into ``model_cards/`` and writes the index (``model_cards/README.md``
+and ``model_cards/zoo.json``, which ships inside the package as ``hf_recattn/zoo.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .model_card import BYTES_PER_ELEMENT, build_model_card, read_config
+from .state_size import state_size_report
+
+ZOO_FILE = Path(__file__).parent / "zoo.json"
+STATE_CONTEXT = 8192
+
+
+def zoo_entries(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """The zoo index as a list of dicts (name, recipe, teacher, state size, quality, command, card)."""
+    path = Path(path) if path is not None else ZOO_FILE
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["entries"]
+
+
+def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """One zoo entry from a conversion output folder; ValueError naming the file when it lacks a report."""
+    run = Path(run_dir)
+    report_path = run / "report.json"
+    if not report_path.is_file():
+        raise ValueError(f"{report_path}: no conversion report (run `hf-recattn convert` to completion first)")
+    report = json.loads(report_path.read_text())
+    if not report.get("student") or not report.get("comparison"):
+        raise ValueError(f"{report_path}: the conversion ran without evaluation (--no-eval); rerun it with it")
+    config = read_config(run / "model")
+    rows = state_size_report(config, STATE_CONTEXT)
+    state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
+    kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
+    recipe = report["recipe"]
+    student, teacher = report["student"], report["comparison"]["teacher"]
+    passkey = student.get("passkey") or {}
+    budget = recipe.get("budget", "quick")
+    return {
+        "name": f"smollm2-135m-{recipe['name']}",
+        "recipe": recipe["name"],
+        "teacher": report.get("teacher"),
+        "budget": budget,
+        "training_tokens": int((recipe.get("stage1") or {}).get("tokens", 0))
+        + int((recipe.get("stage2") or {}).get("tokens", 0)),
+        "state_mib_at_8k": round(state / 2**20, 3),
+        "teacher_kv_mib_at_8k": round(kv / 2**20, 3),
+        "state_fraction_at_8k": round(state / kv, 4),
+        "perplexity": round(student["perplexity"], 3),
+        "teacher_perplexity": round(teacher["perplexity"], 3),
+        "perplexity_ratio": round(student["perplexity"] / teacher["perplexity"], 4),
+        "eval_tokens": student.get("eval_tokens"),
+        "passkey": passkey.get("accuracy"),
+        "teacher_passkey": (teacher.get("passkey") or {}).get("accuracy"),
+        "command": f"hf-recattn convert --teacher embedded --recipe {recipe['name']} --budget {budget} "
+        f"--output runs/{recipe['name']}",
+        "card": f"{recipe['name']}.md",
+    }
+
+
+def format_zoo(entries: list[dict[str, Any]]) -> str:
+    """A markdown table of the zoo."""
+    if not entries:
+        return "The zoo is empty (no zoo.json shipped)."
+    lines = [
+        "| name | recipe | training tokens | state at 8k | × teacher's KV | perplexity (× teacher) | passkey | card |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for e in entries:
+        passkey = ", ".join(f"{k}: {v:.0%}" for k, v in (e.get("passkey") or {}).items()) or "-"
+        lines.append(
+            f"| {e['name']} | `{e['recipe']}` ({e['budget']}) | {e['training_tokens']:,} | "
+            f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | "
+            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {passkey} | [{e['card']}]({e['card']}) |"
+        )
+    return "\n".join(lines)
+
+
+def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, command: str) -> list[dict[str, Any]]:
+    """Entries, cards and index for ``run_dirs``, written into ``out_dir``; ``command`` is printed in the index."""
+    from .evaluation import _atomic_write
+
+    out = Path(out_dir)
+    pairs = sorted(((entry_from_run(run), Path(run)) for run in run_dirs), key=lambda p: p[0]["state_fraction_at_8k"])
+    for entry, run in pairs:
+        _atomic_write(out / entry["card"], str(build_model_card(run / "model", entry["name"])))
+    entries = [entry for entry, _ in pairs]
+    _atomic_write(out / "zoo.json", json.dumps({"command": command, "entries": entries}, indent=2) + "\n")
+    index = [
+        "# The hf_recattn zoo",
+        "",
+        "Each shipped recipe applied to the embedded teacher (SmolLM2-135M-Instruct) on the embedded corpus, as "
+        "its conversion report measured it: state per sequence at 8k tokens (bf16) against the teacher's KV "
+        "cache, held-out perplexity against the teacher's on the same tokens, and passkey retrieval. Each entry's "
+        "card is beside this file; its `command` (in `zoo.json`) reproduces it. In Python: "
+        "`hf_recattn.zoo.zoo_entries()`; on the command line: `hf-recattn zoo`.",
+        "",
+        "This index, the cards and `zoo.json` were written by:",
+        "",
+        f"```bash\n{command}\n```",
+        "",
+        format_zoo(entries),
+        "",
+        "`templates/model_card.md` is the template every card (and every `hf-recattn push`) is rendered from.",
+    ]
+    _atomic_write(out / "README.md", "\n".join(index) + "\n")
+    return entries

@@ -1,0 +1,33 @@
+"""Build the zoo (model_cards/README.md, model_cards/zoo.json and one card per entry) from conversion outputs.
+
+    python scripts/build_zoo.py runs/zoo/hybrid-w64-sink4-hedgehog runs/zoo/gdn ... --out model_cards
+
+Each argument is an `hf-recattn convert` output folder whose run finished with evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from hf_recattn.zoo import build_zoo, format_zoo
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="conversion output folders (report.json + model/)")
+    parser.add_argument("--out", default="model_cards", help="where the cards and the index go")
+    args = parser.parse_args(argv)
+    command = "python scripts/build_zoo.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    try:
+        entries = build_zoo(args.runs, args.out, command)
+    except ValueError as err:
+        print(f"build_zoo: error: {err}", file=sys.stderr)
+        return 2
+    print(format_zoo(entries))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Model cards, the zoo index and the files a push publishes, on a tiny saved checkpoint with a report.
+
+The card is read back with huggingface_hub's own parser (``ModelCard.load``), so the front matter and the
+``model-index`` must be what the Hub's conventions accept; sizes in the state table are checked against the
+KV-cache formula written out here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from tiny_lm import tiny_tokenizer
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.hub import check_repo_id, checkpoint_files
+from hf_recattn.model_card import build_model_card, write_model_card
+from hf_recattn.zoo import build_zoo, entry_from_run, format_zoo, zoo_entries
+
+LAYERS = [{"mixer": "hybrid", "window": 4}, {"mixer": "linear", "feature_map": "elu"}]
+HKV, HEAD_DIM = 2, 8
+
+
+def save_checkpoint(folder: Path, layers: list[dict[str, Any]] = LAYERS) -> Path:
+    config = RecAttnConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layers),
+                           num_attention_heads=4, num_key_value_heads=HKV, max_position_embeddings=256,
+                           attention=layers)
+    torch.manual_seed(0)
+    RecAttnForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def fake_report(ppl: float = 11.5, teacher_ppl: float = 10.0, passkey: float = 0.5) -> dict[str, Any]:
+    row = {"perplexity": ppl, "eval_tokens": 128, "block_size": 32,
+           "passkey": {"accuracy": {"1024": passkey}, "mean_accuracy": passkey}}
+    return {
+        "teacher": "org/teacher",
+        "teacher_license": "mit",
+        "data": "embedded",
+        "recipe": {"name": "tiny", "budget": "quick", "seed": 0, "description": "a tiny recipe",
+                   "stage1": {"tokens": 1000}, "stage2": {"tokens": 500}},
+        "student": row,
+        "comparison": {"teacher": {"perplexity": teacher_ppl, "passkey": {"mean_accuracy": 1.0}}, "tiny": row},
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = save_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    (folder / "report.json").write_text(json.dumps(fake_report()))
+    return folder
+
+
+def test_card_metadata_parses_with_huggingface_hub(checkpoint: Path, tmp_path: Path) -> None:
+    path = write_model_card(checkpoint, "org/tiny-recattn")
+    data = ModelCard.load(path).data
+    assert data.license == "mit" and data.base_model == "org/teacher"
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert {"hf_recattn", "mixer-hybrid", "mixer-linear", "distillation"} <= set(data.tags)
+    results = {r.metric_type: r.metric_value for r in data.eval_results}
+    assert results == {"perplexity": 11.5, "perplexity_ratio": 1.15, "passkey_accuracy": 0.5}
+    assert data.model_name == "org/tiny-recattn"
+
+
+def test_card_body_tables_and_snippets(checkpoint: Path) -> None:
+    text = str(build_model_card(checkpoint, "org/tiny-recattn"))
+    assert "| 0 | `hybrid` | window=4 |" in text and "| 1 | `linear` | - |" in text
+    # the teacher's KV cache: 2 (k and v) x KV heads x head dim x tokens x layers x 2 bytes
+    for context, shown in ((1024, "128.0 KiB"), (8192, "1.00 MiB"), (32768, "4.00 MiB")):
+        assert 2 * HKV * HEAD_DIM * context * len(LAYERS) * 2 == float(shown.split()[0]) * (2**10 if "KiB" in shown
+                                                                                         else 2**20)
+        assert f"| {context:,} |" in text and f"| {shown} |" in text
+    assert "| tiny | 11.50 | 1.150 |" in text and "1024 tokens: 50%" in text
+    assert 'AutoTokenizer.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
+    assert 'AutoModelForCausalLM.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
+    assert "Passkey retrieval succeeds in 50% of trials" in text and "1,000 tokens" in text
+
+
+def test_state_of_a_recurrent_model_stops_growing(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "m", [{"mixer": "linear"}] * 2)
+    rows = [line for line in str(build_model_card(folder, "x/y")).splitlines() if line.startswith("| 8,192 |")
+            or line.startswith("| 32,768 |")]
+    assert len(rows) == 2 and rows[0].split("|")[2] == rows[1].split("|")[2]  # same state at 8k and 32k
+
+
+def test_card_without_a_report_says_so(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "m")
+    card = build_model_card(folder, "org/x")
+    assert "No evaluation report ships" in str(card) and card.data.eval_results is None
+    assert card.data.license is None and card.data.base_model is None
+
+
+def test_not_a_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        build_model_card(tmp_path, "org/x")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"config\.json: model_type is 'llama'"):
+        checkpoint_files(tmp_path)
+
+
+def test_push_publishes_only_the_allowed_files(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "m")
+    for junk in ("optimizer.pt", "pytorch_model.bin", "trainer_state.json", "train.log"):
+        (folder / junk).write_text("x")
+    (folder / "stage1").mkdir()
+    (folder / "stage1" / "mixer.safetensors").write_text("x")
+    names = {p.name for p in checkpoint_files(folder)}
+    assert {"config.json", "model.safetensors", "modeling.py", "configuration.py", "tokenizer.json",
+            "tokenizer_config.json", "generation_config.json"} <= names
+    assert not names & {"optimizer.pt", "pytorch_model.bin", "trainer_state.json", "train.log", "stage1"}
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        checkpoint_files(folder)
+
+
+def test_missing_runtime_files_are_refused(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "m")
+    (folder / "modeling.py").unlink()
+    with pytest.raises(ValueError, match="runtime files .* missing \\(modeling.py\\)"):
+        checkpoint_files(folder)
+
+
+@pytest.mark.parametrize("bad", ["org//name", "-org/name", "org/na me", "a/b/c", ""])
+def test_invalid_repo_ids(bad: str) -> None:
+    with pytest.raises(ValueError, match="is not valid"):
+        check_repo_id(bad)
+
+
+def test_zoo_from_runs(tmp_path: Path) -> None:
+    runs = []
+    for name, layers, ppl in (("hyb", LAYERS, 11.0), ("lin", [{"mixer": "linear"}] * 2, 30.0)):
+        run = tmp_path / name
+        save_checkpoint(run / "model", layers)
+        report = fake_report(ppl=ppl)
+        report["recipe"]["name"] = name
+        (run / "report.json").write_text(json.dumps(report))
+        runs.append(run)
+    entries = build_zoo(runs, tmp_path / "cards", "python scripts/build_zoo.py ...")
+    assert [e["recipe"] for e in entries] == ["lin", "hyb"]  # smallest state first
+    hyb = entries[1]
+    assert hyb["perplexity_ratio"] == 1.1 and hyb["training_tokens"] == 1500
+    assert hyb["teacher_kv_mib_at_8k"] == round(2 * HKV * HEAD_DIM * 8192 * 2 * 2 / 2**20, 3)
+    assert hyb["command"].endswith("--recipe hyb --budget quick --output runs/hyb")
+    assert zoo_entries(tmp_path / "cards" / "zoo.json") == entries
+    index = (tmp_path / "cards" / "README.md").read_text()
+    assert format_zoo(entries) in index and "python scripts/build_zoo.py ..." in index
+    assert ModelCard.load(tmp_path / "cards" / "hyb.md").data.model_name == "smollm2-135m-hyb"
+    (runs[0] / "report.json").unlink()
+    with pytest.raises(ValueError, match="report.json: no conversion report"):
+        entry_from_run(runs[0])
+
+
+def test_shipped_zoo_lists_the_main_job_and_two_more() -> None:
+    entries = zoo_entries()
+    recipes = {e["recipe"] for e in entries}
+    assert "hybrid-w64-sink4-hedgehog" in recipes and len(recipes) >= 3
+    for e in entries:
+        assert 1.0 < e["perplexity_ratio"] < 100 and 0 < e["state_fraction_at_8k"] < 1
+        assert (Path(__file__).parents[1] / "model_cards" / e["card"]).is_file()
