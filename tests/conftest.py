@@ -28,9 +28,5 @@ def _seed_and_threads() -> None:
 @pytest.fixture
 def local_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
     """A Hub-compatible test server (tests/hub_server.py) on 127.0.0.1; ``.endpoint`` goes in HF_ENDPOINT."""
-    hub = LocalHub(tmp_path_factory.mktemp("hub"))
-    hub.start()
-    try:
+    with LocalHub(tmp_path_factory.mktemp("hub")) as hub:
         yield hub
-    finally:
-        hub.stop()

@@ -3,11 +3,17 @@
 ``HIDE_HF_RECATTN`` is the child's preamble: it drops meta-path finders that can find hf_recattn (the editable
 install's finder) and sys.path entries that hold it, asserts ``importlib.util.find_spec('hf_recattn') is None``,
 and puts a blocker first on ``sys.meta_path``. Run the child with ``python -I`` from an empty folder.
+``save_tiny_recattn`` writes a tiny checkpoint for such a child to load with ``trust_remote_code=True``.
 """
 
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
+
+import torch
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 
 HIDE_HF_RECATTN = textwrap.dedent(
     r"""
@@ -34,3 +40,26 @@ HIDE_HF_RECATTN = textwrap.dedent(
     sys.meta_path.insert(0, _Blocker())
     """
 )
+
+
+def save_tiny_recattn(folder: Path, layers: list[dict], seed: int = 0) -> RecAttnForCausalLM:
+    """A tiny random model (hidden 32, vocab 100, one layer per spec in ``layers``) seeded with ``seed``, its mixer
+    parameters moved off their initial values (a re-initialized load would show), saved to ``folder``."""
+    torch.manual_seed(seed)
+    config = RecAttnConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=len(layers),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention=layers,
+    )
+    model = RecAttnForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mixer." in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model

@@ -7,7 +7,7 @@ every family repeats. The batch is two rows; ``mixer_steps.left_padded`` pads th
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import pytest
 import torch
@@ -17,7 +17,9 @@ from reference import real_rows, rel_err
 from hf_recattn.modeling.mixer_base import Mixer, MixerInputs, MixerShape, State
 from hf_recattn.modeling.mixers import validate_spec
 
-BATCH = 2
+#: the families' common test shape: GQA (4 query heads on 2 key heads), two rows, the second padded by PAD
+BATCH, HIDDEN, PAD = 2, 12, 3
+SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
 FORMS = ("chunked", "steps", "prefill")
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -43,11 +45,32 @@ def perturb_parameters(mixer: Mixer, scale: float = 0.3, seed: int = 3, dtype: t
             param.add_(scale * torch.randn(param.shape, generator=gen, dtype=dtype))
 
 
+def init_every_module(mixer: Mixer, scramble: bool = False) -> None:
+    """Run every module's ``init_parameters`` (transformers.initialization), as the model's ``_init_weights``
+    does; with ``scramble`` each module's own parameters are first overwritten with standard normal noise."""
+    from transformers import initialization as init
+
+    for module in mixer.modules():
+        if scramble:
+            for param in module.parameters(recurse=False):
+                param.data.normal_()
+        if hasattr(module, "init_parameters"):
+            module.init_parameters(init)
+
+
 def random_state(mixer: Mixer, scale: float = 0.5, seed: int = 11) -> dict[str, torch.Tensor]:
     """A fp32 state of the mixer's shapes for a batch of two, ``scale`` times seeded normal noise."""
     gen = torch.Generator().manual_seed(seed)
     return {n: scale * torch.randn(s.shape, generator=gen)
             for n, s in mixer.init_state(BATCH, torch.device("cpu"), torch.float64).items()}
+
+
+def outputs_of(mixer: Mixer, form: str, inputs: Inputs, mask: torch.Tensor | None) -> torch.Tensor:
+    """The outputs of the ``parallel`` form, or of the ``chunked`` form from a fresh state."""
+    q, k, v, x = inputs
+    if form == "parallel":
+        return mixer.parallel(q, k, v, MixerInputs(x, mask))
+    return run_chunked(mixer, q, k, v, x, mask)[0]
 
 
 def assert_forms_agree(mixer: Mixer, inputs: Inputs, mask: torch.Tensor, rel: float, prefill: int = 5,
@@ -91,11 +114,17 @@ def assert_continues_from_state(mixer: Mixer, inputs: Inputs, state: State, expe
         assert rel_err(step_final[name], want) <= rel, name
 
 
-def assert_gradients_match(mixer: Mixer, inputs: Inputs, out: torch.Tensor, expected: torch.Tensor,
-                           mask: torch.Tensor, rel: float, unused: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """Gradients of a seeded random weighting of the real rows of ``out`` and ``expected``, with respect to q, k,
-    v, x and every parameter (in name order), are finite and agree within ``rel``; the tensors named in ``unused``
-    get no gradient from either. Returns the mixer's gradients by name."""
+def assert_gradients_match(mixer: Mixer, reference: Callable[[Inputs, torch.Tensor], torch.Tensor], seq_len: int,
+                           rel: float, form: str = "parallel", unused: Collection[str] = (),
+                           q_scale: float = 1.0) -> dict[str, torch.Tensor | None]:
+    """float64 inputs (``random_inputs``, seed 0) with the second row padded by PAD on the left: gradients of a
+    seeded random weighting of the real rows of the mixer's ``form`` and of ``reference(inputs, mask)``, with
+    respect to q, k, v, x and every parameter (in name order), are finite and agree within ``rel``; the tensors
+    named in ``unused`` get no gradient from either. Returns the mixer's gradients by name."""
+    inputs = tuple(t.requires_grad_() for t in random_inputs(mixer.shape, seq_len, torch.float64, q_scale=q_scale))
+    mask = left_padded(seq_len, PAD)
+    out = outputs_of(mixer, form, inputs, mask)
+    expected = reference(inputs, mask)
     names, params = zip(*sorted(mixer.named_parameters()), strict=True) if list(mixer.parameters()) else ((), ())
     names = ["q", "k", "v", "x", *names]
     tensors = [*inputs, *params]

@@ -67,8 +67,10 @@ def softmax_attention(
     window: int | None = None,
     causal: bool = True,
     scale: float | None = None,
+    logit_bias: Callable[[int, int, int, int], Tensor] | None = None,
 ) -> Tensor:
-    """o_t = sum_s softmax_s(q_t . k_s * scale) v_s over the visible real keys s."""
+    """o_t = sum_s softmax_s(q_t . k_s * scale + bias) v_s over the visible real keys s; the bias is
+    ``logit_bias(b, h, s, t)`` (row b, query head h, key s, query t), or none."""
     q, k, v = q.double(), k.double(), v.double()
     bsz, num_heads, seq_len, d = q.shape
     num_kv = k.shape[1]
@@ -88,6 +90,8 @@ def softmax_attention(
                     if visible(t, s, seq_len, causal, window) and is_real(padding_mask, b, s)
                 ]
                 scores = [torch.dot(q[b, h, t], k[b, hk, s]) * scale for s in keys]
+                if logit_bias is not None:
+                    scores = [x + logit_bias(b, h, s, t) for x, s in zip(scores, keys, strict=True)]
                 top = max(float(x.detach()) for x in scores)
                 weights = [torch.exp(x - top) for x in scores]
                 total = sum(weights)

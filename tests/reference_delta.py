@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from reference_conv import add_final_buffers, conv_buffers, conv_token, norm_and_gate, sigmoid, softplus
 
 Tensor = torch.Tensor
 
@@ -52,26 +53,6 @@ class DeltaParams:
     causal: bool = True
     #: phi(vector, head, is_query) on q / k head vectors before their norm; None: identity
     feature_map: Callable[[Tensor, int, bool], Tensor] | None = None
-
-
-def _silu(x: Tensor) -> Tensor:
-    return x / (1.0 + torch.exp(-x))
-
-
-def _sigmoid(x: Tensor) -> Tensor:
-    return 1.0 / (1.0 + torch.exp(-x))
-
-
-def _softplus(x: Tensor) -> Tensor:
-    return torch.log1p(torch.exp(x))
-
-
-def _conv(weight: Tensor, buffer: list[Tensor], raw: Tensor) -> tuple[Tensor, list[Tensor]]:
-    """One token through a causal depthwise convolution; ``buffer`` holds the previous W - 1 inputs."""
-    taps = weight.shape[1]
-    window = [*buffer, raw]
-    out = sum(weight[:, j] * window[j] for j in range(taps))
-    return out, window[1:]
 
 
 def _update(rule: str, S: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor) -> Tensor:
@@ -107,13 +88,7 @@ def delta_reference(
             (initial["S"][b, j].double().T.clone() if initial else torch.zeros(d, width, dtype=torch.float64))
             for j in range(hk)
         ]
-        buffers = {}
-        for name, weight in p.conv.items():
-            taps = weight.shape[1]
-            if initial:
-                buffers[name] = [initial[name][b, :, j].double() for j in range(taps - 1)]
-            else:
-                buffers[name] = [torch.zeros(weight.shape[0], dtype=torch.float64) for _ in range(taps - 1)]
+        buffers = conv_buffers(p.conv, initial, b)
         queries: list[tuple[int, list[Tensor]]] = []
         for t in range(t_len):
             if mask is not None and not bool(mask[b, t]):
@@ -126,11 +101,7 @@ def delta_reference(
                 half = extra.shape[0] // 2
                 raw["conv_k"] = torch.cat([raw["conv_k"], extra[:half]])
                 raw["conv_v"] = torch.cat([raw["conv_v"], extra[half:]])
-            mixed = {}
-            for name, vec in raw.items():
-                if name in p.conv:
-                    vec, buffers[name] = _conv(p.conv[name], buffers[name], vec)
-                mixed[name] = _silu(vec) if p.activation else vec
+            mixed = conv_token(p.conv, buffers, raw, p.activation)
             qs = mixed["conv_q"].reshape(h, d)
             ks = mixed["conv_k"].reshape(n, hk, d)
             vs = mixed["conv_v"].reshape(n, hk, d)
@@ -146,10 +117,10 @@ def delta_reference(
             for j in range(hk):
                 decay = torch.ones((), dtype=torch.float64)
                 if p.rule != "delta":
-                    dt = _softplus(p.decay_weight[j] @ xg + p.dt_bias[j])
+                    dt = softplus(p.decay_weight[j] @ xg + p.dt_bias[j])
                     decay = torch.exp(-torch.exp(p.A_log[j]) * dt)
                 for step in range(n):
-                    b_t = _sigmoid(p.beta_weight[step * hk + j] @ xg + p.beta_bias[step * hk + j])
+                    b_t = sigmoid(p.beta_weight[step * hk + j] @ xg + p.beta_bias[step * hk + j])
                     if p.negative_eigenvalues:
                         b_t = 2.0 * b_t
                     a_t = decay if step == 0 else torch.ones((), dtype=torch.float64)
@@ -162,12 +133,7 @@ def delta_reference(
             xt = x[b, t].double()
             for hq in range(h):
                 o = reads[hq] if p.causal else states[hq // group] @ reads[hq]
-                if p.norm_gain is not None:
-                    o = o / torch.sqrt((o * o).mean() + p.eps) * p.norm_gain[hq]
-                if p.gate_weight is not None:
-                    o = o * _silu(p.gate_weight[hq * d : (hq + 1) * d] @ xt)
-                out[b, t, hq] = o
+                out[b, t, hq] = norm_and_gate(o, hq, xt, p.norm_gain, p.gate_weight, p.eps)
         finals["S"].append(torch.stack([s.T for s in states]))
-        for name, buffer in buffers.items():
-            finals.setdefault(name, []).append(torch.stack(buffer, dim=1) if buffer else torch.zeros(0))
+        add_final_buffers(finals, buffers)
     return out, {name: torch.stack(values) for name, values in finals.items()}

@@ -17,6 +17,8 @@ Everything is built with out-of-place ops, so gradients flow to every input and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 Tensor = torch.Tensor
@@ -36,6 +38,30 @@ def _softmax_sum(logits: list[Tensor], vectors: list[Tensor]) -> Tensor | None:
     return sum(w * vec for w, vec in zip(weights, vectors, strict=True)) / total
 
 
+def _by_key_head(
+    q: Tensor, v: Tensor, kv_heads: int, initial: dict[str, Tensor] | None, names: tuple[str, str],
+    run: Callable[[int, int, list[Tensor], list[Tensor], list[list[Tensor]]], tuple[list[Tensor], list[Tensor]]],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """For every batch row b and key head hk, ``run(b, hk, first, second, head_rows)`` gets the row's cached
+    vectors under ``names`` (empty lists without ``initial``), writes the outputs of its query heads into
+    ``head_rows[t][h]`` (zero elsewhere) and returns the two final cache lists. Returns the outputs [B, T, H, E] and
+    the caches {name: [B, Hk, P + T, .]}."""
+    bsz, heads, seq_len, _ = q.shape
+    zero = torch.zeros(v.shape[-1], dtype=torch.float64)
+    rows, caches = [], {name: [] for name in names}
+    for b in range(bsz):
+        head_rows = [[zero] * heads for _ in range(seq_len)]
+        per_head = {name: [] for name in names}
+        for hk in range(kv_heads):
+            cached = [[] if initial is None else list(initial[name][b, hk].double()) for name in names]
+            for name, final in zip(names, run(b, hk, *cached, head_rows), strict=True):
+                per_head[name].append(torch.stack(final))
+        rows.append(torch.stack([torch.stack(r) for r in head_rows]))
+        for name in names:
+            caches[name].append(torch.stack(per_head[name]))
+    return torch.stack(rows), {name: torch.stack(c) for name, c in caches.items()}
+
+
 def deltaformer_reference(
     q: Tensor,
     k: Tensor,
@@ -50,41 +76,34 @@ def deltaformer_reference(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Outputs [B, T, H, E] and the cache {"k": [B, Hk, P + T, D], "u": [B, Hk, P + T, E]} (P cached, all real)."""
     q, k, v, x = q.double(), k.double(), v.double(), x.double()
-    bsz, heads, seq_len, _ = q.shape
-    kv_heads, e = k.shape[1], v.shape[-1]
+    _, heads, seq_len, _ = q.shape
+    kv_heads = k.shape[1]
     group = heads // kv_heads
-    zero = torch.zeros(e, dtype=torch.float64)
-    rows, cache_k, cache_u = [], [], []
-    for b in range(bsz):
-        head_rows = [[zero] * heads for _ in range(seq_len)]
-        keys_b, us_b = [], []
-        for hk in range(kv_heads):
-            keys = [] if initial is None else list(initial["k"][b, hk].double())
-            us = [] if initial is None else list(initial["u"][b, hk].double())
-            real = [True] * len(keys)
-            for t in range(seq_len):
-                kt = k[b, hk, t]
-                earlier = [i for i, r in enumerate(real) if r]
-                fed = _softmax_sum([key_scale * (kt @ keys[i]) for i in earlier], [us[i] for i in earlier])
-                strength = 1.0
-                if beta_weight is not None:
-                    strength = torch.sigmoid(beta_weight[hk].double() @ x[b, t] + beta_bias[hk].double())
-                u = v[b, hk, t] if fed is None else v[b, hk, t] - strength * fed
-                keys.append(kt)
-                us.append(u)
-                real.append(_real(mask, b, t))
-                if not real[-1]:
-                    continue
-                seen = [i for i, r in enumerate(real) if r]
-                for h in range(hk * group, (hk + 1) * group):
-                    qt = q[b, h, t]
-                    head_rows[t][h] = _softmax_sum([scale * (qt @ keys[i]) for i in seen], [us[i] for i in seen])
-            keys_b.append(torch.stack(keys))
-            us_b.append(torch.stack(us))
-        rows.append(torch.stack([torch.stack(r) for r in head_rows]))
-        cache_k.append(torch.stack(keys_b))
-        cache_u.append(torch.stack(us_b))
-    return torch.stack(rows), {"k": torch.stack(cache_k), "u": torch.stack(cache_u)}
+
+    def key_head(
+        b: int, hk: int, keys: list[Tensor], us: list[Tensor], head_rows: list[list[Tensor]]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        real = [True] * len(keys)
+        for t in range(seq_len):
+            kt = k[b, hk, t]
+            earlier = [i for i, r in enumerate(real) if r]
+            fed = _softmax_sum([key_scale * (kt @ keys[i]) for i in earlier], [us[i] for i in earlier])
+            strength = 1.0
+            if beta_weight is not None:
+                strength = torch.sigmoid(beta_weight[hk].double() @ x[b, t] + beta_bias[hk].double())
+            u = v[b, hk, t] if fed is None else v[b, hk, t] - strength * fed
+            keys.append(kt)
+            us.append(u)
+            real.append(_real(mask, b, t))
+            if not real[-1]:
+                continue
+            seen = [i for i, r in enumerate(real) if r]
+            for h in range(hk * group, (hk + 1) * group):
+                qt = q[b, h, t]
+                head_rows[t][h] = _softmax_sum([scale * (qt @ keys[i]) for i in seen], [us[i] for i in seen])
+        return keys, us
+
+    return _by_key_head(q, v, kv_heads, initial, ("k", "u"), key_head)
 
 
 def path_householders(
@@ -133,13 +152,12 @@ def path_reference(
     token, so only the new tokens' Householders act on them.
     """
     q, k, v = q.double(), k.double(), v.double()
-    bsz, heads, seq_len, d = q.shape
-    kv_heads, e = k.shape[1], v.shape[-1]
+    _, heads, seq_len, d = q.shape
+    kv_heads = k.shape[1]
     group = heads // kv_heads
     past = 0 if initial is None else initial["k"].shape[2]
     house = path_householders(x, mask, w_weight, beta_weight, beta_bias, d, eps)
     eye = torch.eye(d, dtype=torch.float64)
-    zero = torch.zeros(e, dtype=torch.float64)
 
     def transport(b: int, hk: int, i: int, j: int) -> Tensor:
         """H_i @ ... @ H_{j+1} over new-token indices (j = -1: from the cache), an explicit product."""
@@ -148,28 +166,22 @@ def path_reference(
             r = house[b][hk][t] @ r
         return r
 
-    rows, cache_k, cache_v = [], [], []
-    for b in range(bsz):
-        head_rows = [[zero] * heads for _ in range(seq_len)]
-        keys_b, values_b = [], []
-        for hk in range(kv_heads):
-            old_k = [] if initial is None else list(initial["k"][b, hk].double())
-            old_v = [] if initial is None else list(initial["v"][b, hk].double())
-            for i in range(seq_len):
-                if not _real(mask, b, i):
-                    continue
-                logits_keys = [transport(b, hk, i, -1) @ kj for kj in old_k]
-                logits_keys += [transport(b, hk, i, j) @ k[b, hk, j] for j in range(i + 1) if _real(mask, b, j)]
-                values = old_v + [v[b, hk, j] for j in range(i + 1) if _real(mask, b, j)]
-                for h in range(hk * group, (hk + 1) * group):
-                    head_rows[i][h] = _softmax_sum([scale * (q[b, h, i] @ kj) for kj in logits_keys], values)
-            last = seq_len - 1
-            carried = [transport(b, hk, last, -1) @ kj for kj in old_k]
-            carried += [transport(b, hk, last, j) @ k[b, hk, j] for j in range(seq_len)]
-            keys_b.append(torch.stack(carried))
-            values_b.append(torch.stack(old_v + [v[b, hk, j] for j in range(seq_len)]))
-        rows.append(torch.stack([torch.stack(r) for r in head_rows]))
-        cache_k.append(torch.stack(keys_b))
-        cache_v.append(torch.stack(values_b))
-    assert past == 0 or cache_k[0].shape[1] == past + seq_len
-    return torch.stack(rows), {"k": torch.stack(cache_k), "v": torch.stack(cache_v)}
+    def key_head(
+        b: int, hk: int, old_k: list[Tensor], old_v: list[Tensor], head_rows: list[list[Tensor]]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        for i in range(seq_len):
+            if not _real(mask, b, i):
+                continue
+            logits_keys = [transport(b, hk, i, -1) @ kj for kj in old_k]
+            logits_keys += [transport(b, hk, i, j) @ k[b, hk, j] for j in range(i + 1) if _real(mask, b, j)]
+            values = old_v + [v[b, hk, j] for j in range(i + 1) if _real(mask, b, j)]
+            for h in range(hk * group, (hk + 1) * group):
+                head_rows[i][h] = _softmax_sum([scale * (q[b, h, i] @ kj) for kj in logits_keys], values)
+        last = seq_len - 1
+        carried = [transport(b, hk, last, -1) @ kj for kj in old_k]
+        carried += [transport(b, hk, last, j) @ k[b, hk, j] for j in range(seq_len)]
+        return carried, old_v + [v[b, hk, j] for j in range(seq_len)]
+
+    out, cache = _by_key_head(q, v, kv_heads, initial, ("k", "v"), key_head)
+    assert past == 0 or cache["k"].shape[2] == past + seq_len
+    return out, cache

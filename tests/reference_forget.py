@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
-from reference import _assemble, is_real, kv_head, visible
+from reference import is_real, softmax_attention
 
 Tensor = torch.Tensor
 
@@ -54,35 +54,12 @@ def forget_softmax_attention(
     window: int | None = None,
 ) -> Tensor:
     """o_t = sum_s softmax_s(q_t . k_s / sqrt(d) + sum of real log f in (s, t]) v_s over visible real keys."""
-    q, k, v, log_forget = q.double(), k.double(), v.double(), log_forget.double()
-    bsz, num_heads, seq_len, d = q.shape
-    num_kv = k.shape[1]
-    scale = d**-0.5
-    rows = []
-    for b in range(bsz):
-        for h in range(num_heads):
-            hk = kv_head(h, num_heads, num_kv)
-            for t in range(seq_len):
-                if not is_real(padding_mask, b, t):
-                    rows.append(((b, t, h), None))
-                    continue
-                keys = [
-                    s
-                    for s in range(seq_len)
-                    if visible(t, s, seq_len, True, window) and is_real(padding_mask, b, s)
-                ]
-                scores = []
-                for s in keys:
-                    decay = sum(
-                        (log_forget[b, h, u] for u in range(s + 1, t + 1) if is_real(padding_mask, b, u)),
-                        torch.zeros((), dtype=torch.float64),
-                    )
-                    scores.append(torch.dot(q[b, h, t], k[b, hk, s]) * scale + decay)
-                top = max(float(x.detach()) for x in scores)
-                weights = [torch.exp(x - top) for x in scores]
-                total = sum(weights)
-                rows.append(
-                    ((b, t, h), sum(w / total * v[b, hk, s] for w, s in zip(weights, keys, strict=True)))
-                )
-    out = torch.zeros(bsz, seq_len, num_heads, v.shape[-1], dtype=torch.float64)
-    return _assemble(out, rows)
+    log_forget = log_forget.double()
+
+    def decay(b: int, h: int, s: int, t: int) -> Tensor:
+        return sum(
+            (log_forget[b, h, u] for u in range(s + 1, t + 1) if is_real(padding_mask, b, u)),
+            torch.zeros((), dtype=torch.float64),
+        )
+
+    return softmax_attention(q, k, v, padding_mask, window, causal=True, logit_bias=decay)

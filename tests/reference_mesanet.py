@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from reference_conv import add_final_buffers, conv_buffers, conv_token, norm_and_gate, sigmoid, softplus
 
 Tensor = torch.Tensor
 
@@ -42,18 +43,6 @@ class MesaParams:
     eps: float = 1e-6
 
 
-def _silu(x: Tensor) -> Tensor:
-    return x / (1.0 + torch.exp(-x))
-
-
-def _sigmoid(x: Tensor) -> Tensor:
-    return 1.0 / (1.0 + torch.exp(-x))
-
-
-def _softplus(x: Tensor) -> Tensor:
-    return torch.log1p(torch.exp(x))
-
-
 def mesa_reference(
     q: Tensor,
     k: Tensor,
@@ -77,47 +66,30 @@ def mesa_reference(
                  for j in range(hk)]
         big_g = [initial["G"][b, j].double().T.clone() if initial else torch.zeros(d, d, dtype=torch.float64)
                  for j in range(hk)]
-        buffers = {}
-        for name, weight in p.conv.items():
-            taps = weight.shape[1]
-            if initial:
-                buffers[name] = [initial[name][b, :, j].double() for j in range(taps - 1)]
-            else:
-                buffers[name] = [torch.zeros(weight.shape[0], dtype=torch.float64) for _ in range(taps - 1)]
+        buffers = conv_buffers(p.conv, initial, b)
         for t in range(t_len):
             if mask is not None and not bool(mask[b, t]):
                 continue
             xt = x[b, t].double()
             raw = {"conv_q": q[b, :, t].double().reshape(-1), "conv_k": k[b, :, t].double().reshape(-1)}
-            mixed = {}
-            for name, vec in raw.items():
-                if name in p.conv:
-                    window = [*buffers[name], vec]
-                    vec = sum(p.conv[name][:, j] * window[j] for j in range(len(window)))
-                    buffers[name] = window[1:]
-                mixed[name] = _silu(vec) if p.activation else vec
+            mixed = conv_token(p.conv, buffers, raw, p.activation)
             qs, ks = mixed["conv_q"].reshape(h, d), mixed["conv_k"].reshape(hk, d)
             if p.qk_norm:
                 qs = qs / torch.sqrt((qs * qs).sum(-1, keepdim=True) + p.eps)
                 ks = ks / torch.sqrt((ks * ks).sum(-1, keepdim=True) + p.eps)
             xg = xt / xt.shape[0] ** 0.5  # the gates read x / sqrt(C)
             for j in range(hk):
-                gamma = _sigmoid(p.forget_weight[j] @ xg + p.forget_bias[j])
-                beta = _sigmoid(p.beta_weight[j] @ xg + p.beta_bias[j])
+                gamma = sigmoid(p.forget_weight[j] @ xg + p.forget_bias[j])
+                beta = sigmoid(p.beta_weight[j] @ xg + p.beta_bias[j])
                 vj = v[b, j, t].double()
                 big_g[j] = gamma * big_g[j] + beta * torch.outer(vj, ks[j])
                 big_h[j] = gamma * big_h[j] + beta * torch.outer(ks[j], ks[j])
             for hq in range(h):
                 j = hq // group
-                lam = _softplus(p.lambda_param[hq]) + p.lambda_min
+                lam = softplus(p.lambda_param[hq]) + p.lambda_min
                 o = big_g[j] @ torch.linalg.solve(big_h[j] + torch.diag(lam), qs[hq])
-                if p.norm_gain is not None:
-                    o = o / torch.sqrt((o * o).mean() + p.eps) * p.norm_gain[hq]
-                if p.gate_weight is not None:
-                    o = o * _silu(p.gate_weight[hq * d : (hq + 1) * d] @ xt)
-                out[b, t, hq] = o
+                out[b, t, hq] = norm_and_gate(o, hq, xt, p.norm_gain, p.gate_weight, p.eps)
         finals["H"].append(torch.stack(big_h))
         finals["G"].append(torch.stack([g.T for g in big_g]))
-        for name, buffer in buffers.items():
-            finals.setdefault(name, []).append(torch.stack(buffer, dim=1) if buffer else torch.zeros(0))
+        add_final_buffers(finals, buffers)
     return out, {name: torch.stack(values) for name, values in finals.items()}

@@ -12,8 +12,10 @@ from __future__ import annotations
 import itertools
 import math
 
+import mixer_checks as checks
 import pytest
 import torch
+from mixer_checks import HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import phi_elu, phi_hedgehog, real_rows, rel_err
 from reference_delta import DeltaParams, delta_reference
@@ -24,9 +26,6 @@ from hf_recattn.modeling.mixers import build_mixer, validate_spec
 REL_FP32 = 1e-5
 REL_GRAD = 1e-8
 REL_FORMS = 1e-5
-BATCH, HIDDEN = 2, 12
-SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
-PAD = 3
 #: (rule, conv_size, output_gate, householder_steps, feature_map): every combination of the first four, plus
 #: feature maps on q / k
 COMBOS = [(*c, "identity") for c in itertools.product(("delta", "gated", "comba"), (0, 3), (False, True), (1, 2))]
@@ -42,10 +41,7 @@ def make_mixer(rule: str, conv_size: int, output_gate: bool, steps: int, feature
                           "householder_steps": steps, "feature_map": feature_map, "init": "convert",
                           "half_life_min": 2.0, "half_life_max": 8.0, **options}, "test")
     mixer = build_mixer(spec, SHAPE)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, param in sorted(mixer.named_parameters()):
-            param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    checks.perturb_parameters(mixer)
     return mixer.to(dtype)
 
 
@@ -100,19 +96,8 @@ def params_live(mixer) -> DeltaParams:
     return p
 
 
-def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, SHAPE.num_heads, seq_len, SHAPE.head_dim, generator=gen)
-    k = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    v = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    x = torch.randn(BATCH, seq_len, HIDDEN, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
-
-
-def random_state(mixer, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(11)
-    return {n: 0.5 * torch.randn(s.shape, generator=gen).to(dtype)
-            for n, s in mixer.init_state(BATCH, torch.device("cpu"), dtype).items()}
+def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    return checks.random_inputs(SHAPE, seq_len, dtype, seed)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
@@ -132,23 +117,9 @@ def test_gradients_match_reference(rule: str, conv: int, gate: bool, steps: int,
     """float64: gradients of q, k, v, the layer input and every parameter, left-padded batch."""
     seq_len = 6
     mixer = make_mixer(rule, conv, gate, steps, fmap, torch.float64)
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
-    mask = left_padded(seq_len, PAD)
-    names, params = zip(*sorted(mixer.named_parameters()), strict=True)
-    tensors = [q, k, v, x, *params]
-    weights = torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(7))
-    real = real_rows(weights, mask)
-
-    def grads(out: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.autograd.grad((out * real).sum(), tensors, allow_unused=True))
-
-    got = grads(real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask))
-    want = grads(delta_reference(q, k, v, x, mask, params_live(mixer))[0])
-    for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
-        assert g is not None and w is not None, name
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) <= REL_GRAD, name
+    checks.assert_gradients_match(mixer, lambda qkvx, mask: delta_reference(*qkvx, mask, params_live(mixer))[0],
+                                  seq_len, REL_GRAD)
+    names = dict(mixer.named_parameters())
     assert (rule == "delta") == ("gates.A_log" not in names)
     assert (steps > 1) == ("extra_kv_weight" in names)
 
@@ -158,19 +129,7 @@ def test_chunked_steps_and_prefill_match_parallel(rule: str, conv: int, gate: bo
     """Left padding longer than a chunk; chunked, token steps and a cached prefill + steps agree."""
     seq_len = 11
     mixer = make_mixer(rule, conv, gate, steps, fmap, chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, 6)
-    parallel = mixer.parallel(q, k, v, MixerInputs(x, mask))
-    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
-    assert rel_err(chunked, parallel) <= REL_FORMS
-    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(stepped, mask), real_rows(parallel, mask)) <= REL_FORMS
-    assert set(chunk_state) == set(step_state) == set(mixer.init_state(1, q.device, q.dtype))
-    for name in chunk_state:
-        assert rel_err(chunk_state[name], step_state[name]) <= REL_FORMS, name
-    head, state = mixer(q[:, :, :5], k[:, :, :5], v[:, :, :5], MixerInputs(x[:, :5], mask[:, :5]), use_cache=True)
-    tail, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=5)
-    assert rel_err(real_rows(torch.cat([head, tail], dim=1), mask), real_rows(parallel, mask)) <= REL_FORMS
+    checks.assert_forms_agree(mixer, make_inputs(seq_len), left_padded(seq_len, 6), REL_FORMS, whole_rows={"chunked"})
 
 
 @pytest.mark.parametrize("rule,conv,gate,steps,fmap", COMBOS, ids=COMBO_IDS)
@@ -179,44 +138,22 @@ def test_initial_state_matches_reference(rule: str, conv: int, gate: bool, steps
     outputs and final states; the reference is fed the same state."""
     seq_len = 9
     mixer = make_mixer(rule, conv, gate, steps, fmap, chunk_size=4)
-    q, k, v, x = make_inputs(seq_len, seed=2)
-    mask = torch.ones(BATCH, seq_len, dtype=torch.bool)
-    state = random_state(mixer)
+    inputs = q, k, v, x = make_inputs(seq_len, seed=2)
+    state = checks.random_state(mixer)
     expected, expected_state = delta_reference(q, k, v, x, None, params_of(mixer), initial=state)
-    out, final = mixer.chunked(q, k, v, MixerInputs(x), dict(state))
-    assert rel_err(out, expected) <= REL_FP32
-    stepped, step_final = run_steps(mixer, q, k, v, x, mask, state=dict(state))
-    assert rel_err(stepped, expected) <= REL_FP32
-    for name, want in expected_state.items():
-        assert rel_err(final[name], want) <= REL_FP32, name
-        assert rel_err(step_final[name], want) <= REL_FP32, name
+    checks.assert_continues_from_state(mixer, inputs, state, expected, expected_state, REL_FP32)
 
 
 @pytest.mark.parametrize("rule", ["delta", "gated"])
 def test_left_padding_changes_nothing(rule: str) -> None:
     """A left-padded row gives the outputs and state (S and convolution buffers) of the same tokens alone."""
-    seq_len = 9
     mixer = make_mixer(rule, 3, True, 2, chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, PAD)
-    out, state = run_chunked(mixer, q, k, v, x, mask)
-    tail = slice(PAD, None)
-    alone, alone_state = mixer.chunked(q[1:, :, tail], k[1:, :, tail], v[1:, :, tail], MixerInputs(x[1:, tail]),
-                                       mixer.init_state(1, q.device, q.dtype))
-    assert rel_err(out[1:, tail], alone) <= REL_FORMS
-    for name in state:
-        assert rel_err(state[name][1:], alone_state[name]) <= REL_FORMS, name
+    checks.assert_left_padding_changes_nothing(mixer, make_inputs(9), PAD, REL_FORMS)
 
 
 def test_padded_step_leaves_state_untouched() -> None:
     mixer = make_mixer("comba", 3, True, 2)
-    q, k, v, x = make_inputs(1)
-    state = random_state(mixer)
-    mask = torch.tensor([[True], [False]])
-    _, new = mixer.step(q, k, v, MixerInputs(x, mask, past_length=4), dict(state))
-    for name in state:
-        assert torch.equal(new[name][1], state[name][1]), name
-        assert not torch.equal(new[name][0], state[name][0]), name
+    checks.assert_padded_step_keeps_state(mixer, make_inputs(1), checks.random_state(mixer))
 
 
 def test_bidirectional_delta_reads_the_final_state() -> None:
@@ -246,17 +183,11 @@ def test_convert_init() -> None:
     """init=convert: identity convolution, input-independent gates, b = beta_init, decay half-lives spread
     log-uniformly from half_life_min to half_life_max; extra Householder keys zero. ``_init_weights`` (via
     transformers.initialization) restores it."""
-    from transformers import initialization as init
-
     spec = validate_spec({"mixer": "delta", "init": "convert", "half_life_min": 4, "half_life_max": 64,
                           "beta_init": 0.25, "householder_steps": 2, "negative_eigenvalues": True}, "t")
     shape = MixerShape(hidden_size=HIDDEN, num_heads=6, num_kv_heads=3, head_dim=8, layer_idx=0)
     mixer = build_mixer(spec, shape)
-    for module in mixer.modules():
-        for param in module.parameters(recurse=False):
-            param.data.normal_()
-        if hasattr(module, "init_parameters"):
-            module.init_parameters(init)
+    checks.init_every_module(mixer, scramble=True)
     gates = mixer.gates
     assert gates.beta_weight.abs().max() == 0 and gates.decay_weight.abs().max() == 0
     assert mixer.extra_kv_weight.abs().max() == 0
@@ -269,13 +200,9 @@ def test_convert_init() -> None:
 
 
 def test_scratch_init_is_the_published_one() -> None:
-    from transformers import initialization as init
-
     shape = MixerShape(hidden_size=64, num_heads=64, num_kv_heads=64, head_dim=4, layer_idx=0)
     mixer = build_mixer(validate_spec({"mixer": "delta"}, "t"), shape)
-    for module in mixer.modules():
-        if hasattr(module, "init_parameters"):
-            module.init_parameters(init)
+    checks.init_every_module(mixer)
     A = mixer.gates.A_log.exp()
     dt = torch.nn.functional.softplus(mixer.gates.dt_bias)
     assert 0 < A.min() and A.max() <= 16 and A.std() > 2  # U(0, 16)
@@ -293,20 +220,16 @@ def test_state_size_counts_every_buffer() -> None:
 
 
 def test_bad_specs_name_the_option() -> None:
-    with pytest.raises(ValueError, match=r"layer 3: option 'rule' must be one of"):
-        validate_spec({"mixer": "delta", "rule": "mesa"}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 3: option 'householder_steps' must be >= 1"):
-        validate_spec({"mixer": "delta", "householder_steps": 0}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 1: option 'conv_size' must be >= 0"):
-        validate_spec({"mixer": "delta", "conv_size": -1}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 0: option 'causal' must be True with rule 'gated'"):
-        validate_spec({"mixer": "delta", "causal": False}, "layer 0")
-    with pytest.raises(ValueError, match=r"layer 0: option 'causal' must be True with rule 'comba'"):
-        validate_spec({"mixer": "delta", "rule": "comba", "causal": False}, "layer 0")
-    with pytest.raises(ValueError, match=r"option 'output_gate' needs output_norm=True"):
-        validate_spec({"mixer": "delta", "output_norm": False}, "layer 0")
-    with pytest.raises(ValueError, match=r"option 'beta_init' must be in \(0, 1\)"):
-        validate_spec({"mixer": "delta", "beta_init": 1.0}, "layer 0")
+    checks.assert_specs_rejected([
+        ({"mixer": "delta", "rule": "mesa"}, "layer 3", r"layer 3: option 'rule' must be one of"),
+        ({"mixer": "delta", "householder_steps": 0}, "layer 3", r"layer 3: option 'householder_steps' must be >= 1"),
+        ({"mixer": "delta", "conv_size": -1}, "layer 1", r"layer 1: option 'conv_size' must be >= 0"),
+        ({"mixer": "delta", "causal": False}, "layer 0", r"layer 0: option 'causal' must be True with rule 'gated'"),
+        ({"mixer": "delta", "rule": "comba", "causal": False}, "layer 0",
+         r"layer 0: option 'causal' must be True with rule 'comba'"),
+        ({"mixer": "delta", "output_norm": False}, "layer 0", r"option 'output_gate' needs output_norm=True"),
+        ({"mixer": "delta", "beta_init": 1.0}, "layer 0", r"option 'beta_init' must be in \(0, 1\)"),
+    ])
 
 
 # ----- a delta far part in the hybrid: g softmax(window + sinks) + (1 - g) delta over every token ------------
@@ -321,10 +244,7 @@ def test_hybrid_with_delta_far_matches_reference(sinks: int) -> None:
     spec = validate_spec({"mixer": "hybrid", "window": 3, "sink_tokens": sinks, "combine": "sum", "far": far,
                           "chunk_size": 4}, "layer 5")
     mixer = build_mixer(spec, SHAPE).double()
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, param in sorted(mixer.named_parameters()):
-            param.add_(0.3 * torch.randn(param.shape, generator=gen, dtype=torch.float64))
+    checks.perturb_parameters(mixer, dtype=torch.float64)
     seq_len = 11
     q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64, seed=4))
     mask = left_padded(seq_len, PAD)

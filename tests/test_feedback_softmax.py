@@ -10,20 +10,20 @@ prefill in pieces, padded rows alone) vs the fp32 parallel form ``REL_FORMS`` (1
 
 from __future__ import annotations
 
+import mixer_checks as checks
 import pytest
 import torch
-from mixer_steps import left_padded, run_chunked, run_steps
+from mixer_checks import BATCH, PAD, SHAPE
+from mixer_steps import left_padded
 from reference import real_rows, rel_err, softmax_attention
 from reference_feedback import deltaformer_reference, path_reference
 
-from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
+from hf_recattn.modeling.mixer_base import MixerInputs
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
 
 REL_FP32 = 1e-5
 REL_GRAD = 1e-8
 REL_FORMS = 1e-5
-BATCH, HIDDEN, PAD = 2, 12, 3
-SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
 #: (family, options): DeltaFormer with and without the write strength, PaTH in blocks of 4 and 3 and in one block
 CASES = [
     ("softmax_delta", {"write_strength": "none"}),
@@ -45,13 +45,8 @@ def make_mixer(family: str, options: dict, dtype=torch.float32):
     return mixer.to(dtype)
 
 
-def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, SHAPE.num_heads, seq_len, SHAPE.head_dim, generator=gen)
-    k = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    v = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    x = torch.randn(BATCH, seq_len, HIDDEN, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
+def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    return checks.random_inputs(SHAPE, seq_len, dtype, seed)
 
 
 def reference(mixer, q, k, v, x, mask, initial=None, live: bool = False):
@@ -95,26 +90,9 @@ def test_gradients_match_reference(family: str, options: dict) -> None:
     """float64: gradients of q, k, v, the layer input and every parameter, left-padded batch."""
     seq_len = 7
     mixer = make_mixer(family, options, torch.float64)
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
-    mask = left_padded(seq_len, PAD)
-    names, params = zip(*sorted(mixer.named_parameters()), strict=True) if list(mixer.parameters()) else ((), ())
-    tensors = [q, k, v, x, *params]
-    weights = torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(7))
-    real = real_rows(weights, mask)
-
-    def grads(out: torch.Tensor) -> list[torch.Tensor | None]:
-        return list(torch.autograd.grad((out * real).sum(), tensors, allow_unused=True))
-
-    got = grads(mixer.parallel(q, k, v, MixerInputs(x, mask)))
-    want = grads(reference(mixer, q, k, v, x, mask, live=True)[0])
-    for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
-        if name == "x" and not names:  # seed DeltaFormer reads nothing from the layer input
-            assert g is None and w is None
-            continue
-        assert g is not None and w is not None, name
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) <= REL_GRAD, name
+    names = dict(mixer.named_parameters())
+    checks.assert_gradients_match(mixer, lambda qkvx, mask: reference(mixer, *qkvx, mask, live=True)[0], seq_len,
+                                  REL_GRAD, unused=() if names else {"x"})  # seed DeltaFormer reads no x
     expected_params = {"softmax_delta": {"beta_bias", "beta_weight"} if options.get("write_strength") == "sigmoid"
                        else set(), "softmax_householder": {"beta_bias", "beta_weight", "w_weight"}}[family]
     assert set(names) == expected_params
@@ -126,20 +104,12 @@ def test_prefill_and_steps_match_parallel(family: str, options: dict) -> None:
     prefill in three pieces give the parallel outputs and the same cache."""
     seq_len = 11
     mixer = make_mixer(family, options)
-    q, k, v, x = make_inputs(seq_len)
+    inputs = q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, 6)
-    parallel = real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask)
-    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(chunked, mask), parallel) <= REL_FORMS
-    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(stepped, mask), parallel) <= REL_FORMS
-    assert set(chunk_state) == set(step_state) == set(mixer.init_state(1, q.device, q.dtype))
+    parallel, chunk_state = checks.assert_forms_agree(mixer, inputs, mask, REL_FORMS)
+    parallel = real_rows(parallel, mask)
     for name in chunk_state:
         assert chunk_state[name].shape[2] == seq_len
-        assert rel_err(chunk_state[name], step_state[name]) <= REL_FORMS, name
-    head, state = mixer(q[:, :, :5], k[:, :, :5], v[:, :, :5], MixerInputs(x[:, :5], mask[:, :5]), use_cache=True)
-    tail, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=5)
-    assert rel_err(real_rows(torch.cat([head, tail], dim=1), mask), parallel) <= REL_FORMS
     outs, state = [], None
     for lo, hi in ((0, 4), (4, 9), (9, 11)):
         inputs = MixerInputs(x[:, lo:hi], mask[:, :hi], lo)
@@ -156,38 +126,18 @@ def test_from_a_cache_matches_reference(family: str, options: dict) -> None:
     reference fed the same cache, outputs and final caches."""
     seq_len = 6
     mixer = make_mixer(family, options)
-    q, k, v, x = make_inputs(seq_len, seed=2)
+    inputs = q, k, v, x = make_inputs(seq_len, seed=2)
     cache = random_cache(mixer, 4)
-    mask = torch.ones(BATCH, 4 + seq_len, dtype=torch.bool)
     expected, expected_cache = reference(mixer, q, k, v, x, None, initial=cache)
-    out, final = mixer.chunked(q, k, v, MixerInputs(x, mask, 4), dict(cache))
-    assert rel_err(out, expected) <= REL_FP32
-    step_final, outs = dict(cache), []
-    for t in range(seq_len):  # the padding mask spans the cached tokens too
-        one = MixerInputs(x[:, t : t + 1], mask[:, : 4 + t + 1], 4 + t)
-        o, step_final = mixer.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], one, step_final)
-        outs.append(o)
-    stepped = torch.cat(outs, dim=1)
-    assert rel_err(stepped, expected) <= REL_FP32
-    for name, want in expected_cache.items():
-        assert rel_err(final[name], want) <= REL_FP32, name
-        assert rel_err(step_final[name], want) <= REL_FP32, name
+    checks.assert_continues_from_state(mixer, inputs, cache, expected, expected_cache, REL_FP32, past=4)
 
 
 @pytest.mark.parametrize("family,options", CASES[1:3], ids=CASE_IDS[1:3])
 def test_left_padding_changes_nothing(family: str, options: dict) -> None:
     """A left-padded row gives the outputs of the same tokens alone (padded tokens neither seen nor applied)."""
-    seq_len = 9
     mixer = make_mixer(family, options)
-    q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, PAD)
-    out, state = run_chunked(mixer, q, k, v, x, mask)
-    tail = slice(PAD, None)
-    alone, alone_state = mixer.chunked(q[1:, :, tail], k[1:, :, tail], v[1:, :, tail], MixerInputs(x[1:, tail]),
-                                       mixer.init_state(1, q.device, q.dtype))
-    assert rel_err(out[1:, tail], alone) <= REL_FORMS
-    for name in state:  # the cached real tokens are those of the row alone
-        assert rel_err(state[name][1:, :, tail], alone_state[name]) <= REL_FORMS, name
+    # the cached real tokens (axis 2) are those of the row alone
+    checks.assert_left_padding_changes_nothing(mixer, make_inputs(9), PAD, REL_FORMS, cache_axis=2)
 
 
 @pytest.mark.parametrize("family", ["softmax_delta", "softmax_householder"])
@@ -297,14 +247,13 @@ def test_presets() -> None:
 
 
 def test_bad_specs_name_the_option() -> None:
-    for family in ("softmax_delta", "softmax_householder"):
-        with pytest.raises(ValueError, match=rf"layer 3: option 'causal' must be True \({family} has no"):
-            validate_spec({"mixer": family, "causal": False}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 1: option 'beta_init' must be in \(0, 1\)"):
-        validate_spec({"mixer": "softmax_delta", "beta_init": 1.0}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 1: option 'beta_init' must be in \(0, 2\)"):
-        validate_spec({"mixer": "softmax_householder", "beta_init": 2.0}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 2: option 'write_strength' must be one of"):
-        validate_spec({"mixer": "softmax_delta", "write_strength": "tanh"}, "layer 2")
-    with pytest.raises(ValueError, match=r"layer 2: option 'chunk_size' must be >= 1"):
-        validate_spec({"mixer": "softmax_householder", "chunk_size": 0}, "layer 2")
+    checks.assert_specs_rejected([
+        *(({"mixer": family, "causal": False}, "layer 3", rf"layer 3: option 'causal' must be True \({family} has no")
+          for family in ("softmax_delta", "softmax_householder")),
+        ({"mixer": "softmax_delta", "beta_init": 1.0}, "layer 1", r"layer 1: option 'beta_init' must be in \(0, 1\)"),
+        ({"mixer": "softmax_householder", "beta_init": 2.0}, "layer 1",
+         r"layer 1: option 'beta_init' must be in \(0, 2\)"),
+        ({"mixer": "softmax_delta", "write_strength": "tanh"}, "layer 2",
+         r"layer 2: option 'write_strength' must be one of"),
+        ({"mixer": "softmax_householder", "chunk_size": 0}, "layer 2", r"layer 2: option 'chunk_size' must be >= 1"),
+    ])

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from generation_cases import PAD, Case, case_params, left_padded_batch, one_thread, tiny_model
+from isolated import HIDE_HF_RECATTN
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from hf_recattn import MIXERS, Mixer, MixerInputs, RecAttnCache, RecAttnForCausalLM
@@ -373,32 +374,7 @@ def test_cache_implementation_is_refused() -> None:
 
 
 # ----- trust_remote_code without the package ---------------------------------------------------------------
-#: run first in the child (started with ``python -I``): hide hf_recattn however it is installed (the same
-#: approach as tests/test_remote_code.py: drop finders and path entries that find it, then block it)
-HIDE_PACKAGE = textwrap.dedent(
-    """
-    import importlib.machinery, importlib.util, sys
-
-    def _finds(finder):
-        try:
-            return finder.find_spec("hf_recattn", None) is not None
-        except Exception:
-            return False
-
-    sys.meta_path[:] = [f for f in sys.meta_path if f is importlib.machinery.PathFinder or not _finds(f)]
-    sys.path[:] = [p for p in sys.path if importlib.machinery.PathFinder.find_spec("hf_recattn", [p]) is None]
-    importlib.invalidate_caches()
-
-    class _Blocker:
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_recattn" or name.startswith("hf_recattn."):
-                raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
-            return None
-
-    sys.meta_path.insert(0, _Blocker())
-    """
-)
-
+#: run in the child (started with ``python -I``) after tests/isolated.py's HIDE_HF_RECATTN hides hf_recattn
 REMOTE_GENERATE = textwrap.dedent(
     """
     import json, sys
@@ -431,7 +407,7 @@ def test_remote_code_model_generates_identically(tmp_path: Path) -> None:
     greedy = _generate(model, ids, mask, max_new_tokens=6, do_sample=False)
     beams = _generate(model, ids, mask, max_new_tokens=4, num_beams=2, do_sample=False)
     script = tmp_path / "remote_generate.py"
-    script.write_text(HIDE_PACKAGE + REMOTE_GENERATE)
+    script.write_text(HIDE_HF_RECATTN + REMOTE_GENERATE)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "TRANSFORMERS_VERBOSITY": "error"}
     result = subprocess.run(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 
+import mixer_checks as checks
 import pytest
 import torch
+from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import real_rows, rel_err
 from reference_gla import GLAParams, gla_reference
@@ -22,9 +24,6 @@ from hf_recattn.modeling.mixers import build_mixer, validate_spec
 REL_FP32 = 1e-5
 REL_GRAD = 1e-8
 REL_FORMS = 1e-5
-BATCH, HIDDEN = 2, 12
-SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
-PAD = 3
 #: (output_norm, output_gate, init)
 CASES = [(True, True, "scratch"), (False, False, "convert"), (True, False, "convert"), (False, True, "scratch")]
 CASE_IDS = [f"{'norm' if n else 'nonorm'}-{'gate' if g else 'nogate'}-{i}" for n, g, i in CASES]
@@ -39,10 +38,8 @@ def make_mixer(norm: bool = True, gate: bool = True, init_kind: str = "scratch",
                           "gate_temperature": 4.0, "half_life_min": 1.5, "half_life_max": 6.0, **options}, "test")
     mixer = build_mixer(spec, SHAPE)
     mixer.init_parameters(init)
-    gen = torch.Generator().manual_seed(3)
+    checks.perturb_parameters(mixer)
     with torch.no_grad():
-        for _, param in sorted(mixer.named_parameters()):
-            param.add_(0.3 * torch.randn(param.shape, generator=gen))
         mixer.gate_bias.sub_(1.0)
     return mixer.to(dtype)
 
@@ -61,13 +58,8 @@ def params_of(mixer, live: bool = False) -> GLAParams:
     )
 
 
-def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, SHAPE.num_heads, seq_len, SHAPE.head_dim, generator=gen)
-    k = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    v = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    x = torch.randn(BATCH, seq_len, HIDDEN, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
+def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    return checks.random_inputs(SHAPE, seq_len, dtype, seed)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
@@ -95,26 +87,9 @@ def test_gradients_match_reference(norm: bool, gate: bool, init_kind: str, form:
     """float64: gradients of q, k, v, the layer input and every parameter, left-padded batch."""
     seq_len = 7
     mixer = make_mixer(norm, gate, init_kind, torch.float64, chunk_size=3)
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
-    mask = left_padded(seq_len, PAD)
-    names, params = zip(*sorted(mixer.named_parameters()), strict=True)
-    tensors = [q, k, v, x, *params]
-    weights = real_rows(torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64,
-                                    generator=torch.Generator().manual_seed(7)), mask)
-
-    def grads(out: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.autograd.grad((real_rows(out, mask) * weights).sum(), tensors, allow_unused=True))
-
-    if form == "parallel":
-        out = mixer.parallel(q, k, v, MixerInputs(x, mask))
-    else:
-        out, _ = run_chunked(mixer, q, k, v, x, mask)
-    got = grads(out)
-    want = grads(gla_reference(q, k, v, x, mask, params_of(mixer, live=True))[0])
-    for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
-        assert g is not None and w is not None, name
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) <= REL_GRAD, name
+    checks.assert_gradients_match(mixer, lambda qkvx, mask: gla_reference(*qkvx, mask, params_of(mixer, True))[0],
+                                  seq_len, REL_GRAD, form)
+    names = dict(mixer.named_parameters())
     assert {"gate_down", "gate_up", "gate_bias"} <= set(names)
     assert gate == ("gate_weight" in names) and norm == ("output_norm.weight" in names)
 
@@ -123,56 +98,31 @@ def test_gradients_match_reference(norm: bool, gate: bool, init_kind: str, form:
 def test_chunked_steps_and_prefill_match_parallel(chunk_size: int, seq_len: int) -> None:
     """Left padding longer than a chunk; chunks of 20 hold a 16-token secondary chunk and a ragged one."""
     mixer = make_mixer(chunk_size=chunk_size)
-    q, k, v, x = make_inputs(seq_len)
+    inputs = q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, 6)
-    parallel = real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask)
-    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(chunked, mask), parallel) <= REL_FORMS
-    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(stepped, mask), parallel) <= REL_FORMS
-    assert set(chunk_state) == set(step_state) == {"S"}
-    assert rel_err(chunk_state["S"], step_state["S"]) <= REL_FORMS
-    head, state = mixer(q[:, :, :5], k[:, :, :5], v[:, :, :5], MixerInputs(x[:, :5], mask[:, :5]), use_cache=True)
-    tail, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=5)
-    assert rel_err(real_rows(torch.cat([head, tail], dim=1), mask), parallel) <= REL_FORMS
+    parallel, chunk_state = checks.assert_forms_agree(mixer, inputs, mask, REL_FORMS)
+    assert set(chunk_state) == {"S"}
     # forward() without a cache takes the chunked form for sequences longer than a chunk
     auto, _ = mixer(q, k, v, MixerInputs(x, mask))
-    assert rel_err(real_rows(auto, mask), parallel) <= REL_FORMS
+    assert rel_err(real_rows(auto, mask), real_rows(parallel, mask)) <= REL_FORMS
 
 
 def test_initial_state_matches_reference() -> None:
     seq_len = 9
     mixer = make_mixer(chunk_size=4)
-    q, k, v, x = make_inputs(seq_len, seed=2)
-    start = 0.5 * torch.randn(BATCH, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.head_dim,
-                              generator=torch.Generator().manual_seed(11))
-    expected, final = gla_reference(q, k, v, x, None, params_of(mixer), initial=start)
-    out, state = mixer.chunked(q, k, v, MixerInputs(x), {"S": start.clone()})
-    assert rel_err(out, expected) <= REL_FP32 and rel_err(state["S"], final) <= REL_FP32
-    stepped, step_state = run_steps(mixer, q, k, v, x, torch.ones(BATCH, seq_len, dtype=torch.bool),
-                                    state={"S": start.clone()})
-    assert rel_err(stepped, expected) <= REL_FP32 and rel_err(step_state["S"], final) <= REL_FP32
+    inputs = q, k, v, x = make_inputs(seq_len, seed=2)
+    state = checks.random_state(mixer)
+    expected, final = gla_reference(q, k, v, x, None, params_of(mixer), initial=state["S"].clone())
+    checks.assert_continues_from_state(mixer, inputs, state, expected, {"S": final}, REL_FP32)
 
 
 def test_left_padding_changes_nothing() -> None:
-    seq_len = 9
-    mixer = make_mixer(chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, PAD)
-    out, state = run_chunked(mixer, q, k, v, x, mask)
-    tail = slice(PAD, None)
-    alone, alone_state = mixer.chunked(q[1:, :, tail], k[1:, :, tail], v[1:, :, tail], MixerInputs(x[1:, tail]),
-                                       mixer.init_state(1, q.device, q.dtype))
-    assert rel_err(out[1:, tail], alone) <= REL_FORMS
-    assert rel_err(state["S"][1:], alone_state["S"]) <= REL_FORMS
+    checks.assert_left_padding_changes_nothing(make_mixer(chunk_size=4), make_inputs(9), PAD, REL_FORMS)
 
 
 def test_padded_step_leaves_state_untouched() -> None:
     mixer = make_mixer()
-    q, k, v, x = make_inputs(1)
-    state = {"S": torch.randn(BATCH, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.head_dim)}
-    _, new = mixer.step(q, k, v, MixerInputs(x, torch.tensor([[True], [False]]), past_length=4), dict(state))
-    assert torch.equal(new["S"][1], state["S"][1]) and not torch.equal(new["S"][0], state["S"][0])
+    checks.assert_padded_step_keeps_state(mixer, make_inputs(1), checks.random_state(mixer))
 
 
 def test_strong_gates_over_long_sequences_stay_finite() -> None:
@@ -238,13 +188,12 @@ def test_state_size_counts_the_state() -> None:
 
 
 def test_bad_specs_name_the_option() -> None:
-    with pytest.raises(ValueError, match=r"layer 3: option 'causal' must be True for gla"):
-        validate_spec({"mixer": "gated_linear", "causal": False}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 1: option 'gate_temperature' must be > 0"):
-        validate_spec({"mixer": "gated_linear", "gate_temperature": 0.0}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 1: option 'gate_rank' must be >= 1"):
-        validate_spec({"mixer": "gated_linear", "gate_rank": 0}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 0: option 'half_life_min' \(9.0\) is above 'half_life_max'"):
-        validate_spec({"mixer": "gated_linear", "half_life_min": 9, "half_life_max": 3}, "layer 0")
-    with pytest.raises(ValueError, match=r"layer 2: unknown option\(s\) \['feature_map'\]"):
-        validate_spec({"mixer": "gated_linear", "feature_map": "elu"}, "layer 2")
+    checks.assert_specs_rejected([
+        ({"mixer": "gated_linear", "causal": False}, "layer 3", r"layer 3: option 'causal' must be True for gla"),
+        ({"mixer": "gated_linear", "gate_temperature": 0.0}, "layer 1",
+         r"layer 1: option 'gate_temperature' must be > 0"),
+        ({"mixer": "gated_linear", "gate_rank": 0}, "layer 1", r"layer 1: option 'gate_rank' must be >= 1"),
+        ({"mixer": "gated_linear", "half_life_min": 9, "half_life_max": 3}, "layer 0",
+         r"layer 0: option 'half_life_min' \(9.0\) is above 'half_life_max'"),
+        ({"mixer": "gated_linear", "feature_map": "elu"}, "layer 2", r"layer 2: unknown option\(s\) \['feature_map'\]"),
+    ])

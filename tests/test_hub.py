@@ -61,12 +61,9 @@ LOAD_AS_THE_CARD_SAYS = HIDE_HF_RECATTN + textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
-    server = LocalHub(tmp_path_factory.mktemp("hub"))
-    server.start()
-    try:
+    """One server for the module's tests: the ``published`` conversion lives on it."""
+    with LocalHub(tmp_path_factory.mktemp("hub")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def client_env(hub: LocalHub, home: Path, token: str = "hf_test") -> dict[str, str]:

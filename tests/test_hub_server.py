@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 from hub_server import LocalHub, git_blob_sha1
-
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from isolated import HIDE_HF_RECATTN, save_tiny_recattn
 
 PRELUDE = textwrap.dedent(
     """
@@ -315,28 +314,8 @@ def test_refused_commit_leaves_main_unchanged(local_hub: LocalHub, tmp_path: Pat
 
 # ---------------------------------------------------------------- a checkpoint round trip
 
-ROUND_TRIP = """
-import importlib.machinery, importlib.util
-
-def _finds(finder):
-    try:
-        return finder.find_spec("hf_recattn", None) is not None
-    except Exception:
-        return False
-
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "hf_recattn":
-            raise ModuleNotFoundError(f"blocked in this test: {name}")
-        return None
-
-# hide hf_recattn (editable-install finders, path entries), then block it outright
-sys.meta_path[:] = [f for f in sys.meta_path if f is importlib.machinery.PathFinder or not _finds(f)]
-sys.path[:] = [p for p in sys.path if importlib.machinery.PathFinder.find_spec("hf_recattn", [p]) is None]
-importlib.invalidate_caches()
-assert importlib.util.find_spec("hf_recattn") is None, "hf_recattn is still importable"
-sys.meta_path.insert(0, _Blocker())
-
+#: hf_recattn hidden first (tests/isolated.py), then the round trip
+ROUND_TRIP = HIDE_HF_RECATTN + """
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -365,30 +344,8 @@ LAYERS = [
 GENERATE = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
 
 
-def tiny_checkpoint(folder: Path, seed: int) -> RecAttnForCausalLM:
-    """A tiny random model (mixer parameters moved off their init) saved with save_pretrained."""
-    torch.manual_seed(seed)
-    config = RecAttnConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=len(LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention=LAYERS,
-    )
-    model = RecAttnForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".mixer." in name:
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return model
-
-
 def test_checkpoint_round_trip_with_remote_code(local_hub: LocalHub, tmp_path: Path) -> None:
-    models = {name: tiny_checkpoint(tmp_path / name, seed) for name, seed in [("main", 1), ("v2", 2)]}
+    models = {name: save_tiny_recattn(tmp_path / name, LAYERS, seed) for name, seed in [("main", 1), ("v2", 2)]}
     prompt = [[5, 17, 42, 8, 99, 3]]
     with torch.no_grad():
         want = {name: m.generate(torch.tensor(prompt), **GENERATE).tolist() for name, m in models.items()}

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 
+import mixer_checks as checks
 import pytest
 import torch
-from mixer_steps import left_padded, run_chunked, run_steps
+from mixer_checks import HIDDEN, PAD, SHAPE
+from mixer_steps import left_padded
 from reference import forget_factors, linear_attention, real_rows, rel_err
 from reference_gla import retnet_forget, retnet_gammas
 
@@ -26,9 +28,6 @@ from hf_recattn.modeling.mixers import build_mixer, validate_spec
 REL_FP32 = 1e-5
 REL_GRAD = 1e-8
 REL_FORMS = 1e-5
-BATCH, HIDDEN = 2, 12
-SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
-PAD = 3
 #: (decay, feature_map, normalize, sink)
 CASES = [("learned", "elu", "denominator", False), ("gated", "hedgehog", "denominator", False),
          ("gated", "elu", "l2", False), ("learned", "hedgehog", "rms", False),
@@ -61,13 +60,8 @@ def make_mixer(decay: str, feature_map: str, normalize: str, sink: bool = False,
     return mixer
 
 
-def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, SHAPE.num_heads, seq_len, SHAPE.head_dim, generator=gen)
-    k = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    v = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    x = torch.randn(BATCH, seq_len, HIDDEN, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
+def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    return checks.random_inputs(SHAPE, seq_len, dtype, seed)
 
 
 def reference(mixer, q, k, v, x, mask) -> torch.Tensor:
@@ -108,25 +102,10 @@ def test_gradients_match_reference(decay: str, feature_map: str, normalize: str,
     """float64: gradients of q, k, v, the layer input (gates) and every parameter, left-padded batch."""
     seq_len = 7
     mixer = make_mixer(decay, feature_map, normalize, sink, torch.float64)
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
-    mask = left_padded(seq_len, PAD)
-    names, params = zip(*sorted(mixer.named_parameters()), strict=True)
-    tensors = [q, k, v, x, *params]
-    weights = torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(7))
-    real = real_rows(weights, mask)
-
-    def grads(out: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.autograd.grad((out * real).sum(), tensors, allow_unused=True))
-
-    got = grads(real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask))
-    want = grads(real_rows(reference(mixer, q, k, v, x, mask), mask))
-    for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
-        if name == "x" and decay != "gated":
-            assert g is None and w is None  # only a gate reads the layer input
-            continue
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) <= REL_GRAD, name
+    unused = () if decay == "gated" else {"x"}  # only a gate reads the layer input
+    checks.assert_gradients_match(mixer, lambda qkvx, mask: reference(mixer, *qkvx, mask), seq_len, REL_GRAD,
+                                  unused=unused)
+    names = dict(mixer.named_parameters())
     assert (decay in ("none", "retnet") or "decay.bias" in names) and (decay != "gated" or "decay.weight" in names)
     assert decay != "retnet" or not any(name.startswith("decay.") for name in names)  # no parameters
     assert not sink or {"sink.key", "sink.value", "sink.log_weight"} <= set(names)
@@ -138,35 +117,17 @@ def test_chunked_steps_and_prefill_match_parallel(decay: str, feature_map: str, 
                                                   padded: bool) -> None:
     seq_len = 11
     mixer = make_mixer(decay, feature_map, normalize, sink, chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, 6 if padded else 0)
-    parallel = mixer.parallel(q, k, v, MixerInputs(x, mask))
-    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
-    assert rel_err(chunked, parallel) <= REL_FORMS
-    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
-    assert rel_err(stepped, parallel) <= REL_FORMS
-    for name in ("S", "z"):
-        assert rel_err(chunk_state[name], step_state[name]) <= REL_FORMS
-    # prefill 5 tokens (a ragged chunk, padding inside), then steps, through forward() with a cache
-    head, state = mixer(q[:, :, :5], k[:, :, :5], v[:, :, :5], MixerInputs(x[:, :5], mask[:, :5]), use_cache=True)
-    tail, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=5)
-    assert rel_err(torch.cat([head, tail], dim=1), parallel) <= REL_FORMS
+    # the prefill of 5 tokens (a ragged chunk, padding inside) goes through forward() with a cache
+    _, state = checks.assert_forms_agree(mixer, make_inputs(seq_len), mask, REL_FORMS, whole_rows=checks.FORMS)
+    assert {"S", "z"} <= set(state)
 
 
 @pytest.mark.parametrize("decay", ["learned", "gated", "retnet"])
 def test_left_padding_changes_nothing(decay: str) -> None:
     """A left-padded row gives the outputs and state of the same tokens alone."""
-    seq_len = 9
     mixer = make_mixer(decay, "elu", "denominator", chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, PAD)
-    out, state = mixer.chunked(q, k, v, MixerInputs(x, mask), mixer.init_state(BATCH, q.device, q.dtype))
-    tail = slice(PAD, None)
-    alone, alone_state = mixer.chunked(q[1:, :, tail], k[1:, :, tail], v[1:, :, tail], MixerInputs(x[1:, tail]),
-                                       mixer.init_state(1, q.device, q.dtype))
-    assert rel_err(out[1:, tail], alone) <= REL_FORMS
-    for name in state:
-        assert rel_err(state[name][1:], alone_state[name]) <= REL_FORMS
+    checks.assert_left_padding_changes_nothing(mixer, make_inputs(9), PAD, REL_FORMS)
 
 
 def test_initial_half_lives_and_gate() -> None:
@@ -211,23 +172,22 @@ def test_retnet_schedule() -> None:
 
 
 def test_bad_specs_name_the_option() -> None:
-    for name, value in (("gamma_min", 1.0), ("gamma_min", 0.0), ("gamma_max", 1.5), ("gamma_max", -0.1)):
-        with pytest.raises(ValueError, match=rf"layer 3: option '{name}' must be in \(0, 1\)"):
-            validate_spec({"mixer": "linear", "decay": "retnet", name: value}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 3: option 'gamma_min' \(0.99\) is above 'gamma_max' \(0.9\)"):
-        validate_spec({"mixer": "linear", "decay": "retnet", "gamma_min": 0.99, "gamma_max": 0.9}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 2.*'decay' needs causal=True"):
-        validate_spec({"mixer": "linear", "decay": "retnet", "causal": False}, "layer 2")
-    with pytest.raises(ValueError, match=r"layer 2.*'decay' needs causal=True"):
-        validate_spec({"mixer": "linear", "decay": "learned", "causal": False}, "layer 2")
-    with pytest.raises(ValueError, match=r"'half_life_min' \(9.0\) is above 'half_life_max' \(3.0\)"):
-        validate_spec({"mixer": "linear", "decay": "gated", "half_life_min": 9, "half_life_max": 3}, "layer 0")
-    with pytest.raises(ValueError, match=r"option 'decay' must be one of"):
-        validate_spec({"mixer": "linear", "decay": "exponential"}, "layer 0")
-    with pytest.raises(ValueError, match=r"option 'far' a linear far mixer cannot decay"):
-        validate_spec({"mixer": "hybrid", "far": {"mixer": "linear", "decay": "learned"}}, "layer 1")
-    with pytest.raises(ValueError, match=r"option 'far' a linear far mixer cannot have a sink"):
-        validate_spec({"mixer": "hybrid", "far": {"mixer": "linear", "sink": True}}, "layer 1")
+    checks.assert_specs_rejected([
+        *(({"mixer": "linear", "decay": "retnet", name: value}, "layer 3",
+           rf"layer 3: option '{name}' must be in \(0, 1\)")
+          for name, value in (("gamma_min", 1.0), ("gamma_min", 0.0), ("gamma_max", 1.5), ("gamma_max", -0.1))),
+        ({"mixer": "linear", "decay": "retnet", "gamma_min": 0.99, "gamma_max": 0.9}, "layer 3",
+         r"layer 3: option 'gamma_min' \(0.99\) is above 'gamma_max' \(0.9\)"),
+        ({"mixer": "linear", "decay": "retnet", "causal": False}, "layer 2", r"layer 2.*'decay' needs causal=True"),
+        ({"mixer": "linear", "decay": "learned", "causal": False}, "layer 2", r"layer 2.*'decay' needs causal=True"),
+        ({"mixer": "linear", "decay": "gated", "half_life_min": 9, "half_life_max": 3}, "layer 0",
+         r"'half_life_min' \(9.0\) is above 'half_life_max' \(3.0\)"),
+        ({"mixer": "linear", "decay": "exponential"}, "layer 0", r"option 'decay' must be one of"),
+        ({"mixer": "hybrid", "far": {"mixer": "linear", "decay": "learned"}}, "layer 1",
+         r"option 'far' a linear far mixer cannot decay"),
+        ({"mixer": "hybrid", "far": {"mixer": "linear", "sink": True}}, "layer 1",
+         r"option 'far' a linear far mixer cannot have a sink"),
+    ])
 
 
 def test_fresh_sink_is_a_zero_value_key() -> None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 
+import mixer_checks as checks
 import pytest
 import torch
-from mixer_steps import left_padded, run_chunked, run_steps
+from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
+from mixer_steps import left_padded, run_steps
 from reference import real_rows, rel_err
 from reference_mesanet import MesaParams, mesa_reference
 
@@ -28,9 +30,6 @@ REL_FP32 = 1e-5
 REL_GRAD = 1e-8
 REL_FORMS = 1e-5
 REL_CG = 1e-6
-BATCH, HIDDEN = 2, 12
-SHAPE = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8, layer_idx=5)
-PAD = 3
 #: (conv_size, output_gate, qk_norm)
 COMBOS = [(0, False, "l2"), (3, True, "l2"), (3, False, "none")]
 COMBO_IDS = [f"conv{c}-{'gate' if g else 'nogate'}-{n}" for c, g, n in COMBOS]
@@ -39,19 +38,12 @@ COMBO_IDS = [f"conv{c}-{'gate' if g else 'nogate'}-{n}" for c, g, n in COMBOS]
 def make_mixer(conv_size: int = 3, output_gate: bool = True, qk_norm: str = "l2", dtype=torch.float32,
                shape: MixerShape = SHAPE, **options):
     """A mesa mixer (exact solve unless told) with every parameter moved off its initial value."""
-    from transformers import initialization as init
-
     spec = validate_spec({"mixer": "mesanet", "solver": "exact", "conv_size": conv_size, "output_gate": output_gate,
                           "qk_norm": qk_norm, "init": "convert", "half_life_min": 2.0, "half_life_max": 8.0,
                           **options}, "test")
     mixer = build_mixer(spec, shape)
-    for module in mixer.modules():
-        if hasattr(module, "init_parameters"):
-            module.init_parameters(init)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, param in sorted(mixer.named_parameters()):
-            param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    checks.init_every_module(mixer)
+    checks.perturb_parameters(mixer)
     return mixer.to(dtype)
 
 
@@ -72,20 +64,13 @@ def params_of(mixer, live: bool = False) -> MesaParams:
     )
 
 
-def make_inputs(seq_len: int, dtype=torch.float32, seed: int = 0, shape: MixerShape = SHAPE):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, shape.num_heads, seq_len, shape.head_dim, generator=gen)
-    k = torch.randn(BATCH, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
-    v = torch.randn(BATCH, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
-    x = torch.randn(BATCH, seq_len, shape.hidden_size, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
+def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0, shape: MixerShape = SHAPE):
+    return checks.random_inputs(shape, seq_len, dtype, seed)
 
 
 def random_state(mixer, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Random G and conv buffers, and a random positive semi-definite H (as any H_t is)."""
-    gen = torch.Generator().manual_seed(11)
-    state = {n: 0.5 * torch.randn(s.shape, generator=gen)
-             for n, s in mixer.init_state(BATCH, torch.device("cpu"), torch.float64).items()}
+    state = checks.random_state(mixer)
     state["H"] = state["H"] @ state["H"].transpose(-1, -2)
     return {n: s.to(dtype) for n, s in state.items()}
 
@@ -113,28 +98,9 @@ def test_gradients_match_reference(conv: int, gate: bool, qk_norm: str, form: st
     """float64, exact solve: gradients of q, k, v, the layer input and every parameter, left-padded batch."""
     seq_len = 6
     mixer = make_mixer(conv, gate, qk_norm, torch.float64, chunk_size=4)
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
-    mask = left_padded(seq_len, PAD)
-    names, params = zip(*sorted(mixer.named_parameters()), strict=True)
-    tensors = [q, k, v, x, *params]
-    weights = torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(7))
-    real = real_rows(weights, mask)
-
-    def grads(out: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.autograd.grad((out * real).sum(), tensors, allow_unused=True))
-
-    if form == "parallel":
-        out = mixer.parallel(q, k, v, MixerInputs(x, mask))
-    else:
-        out = run_chunked(mixer, q, k, v, x, mask)[0]
-    got = grads(real_rows(out, mask))
-    want = grads(mesa_reference(q, k, v, x, mask, params_of(mixer, live=True))[0])
-    for name, g, w in zip(["q", "k", "v", "x", *names], got, want, strict=True):
-        assert g is not None and w is not None, name
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) <= REL_GRAD, name
-    assert {"lambda_param", "forget_weight", "beta_bias"} <= set(names)
+    checks.assert_gradients_match(mixer, lambda qkvx, mask: mesa_reference(*qkvx, mask, params_of(mixer, True))[0],
+                                  seq_len, REL_GRAD, form)
+    assert {"lambda_param", "forget_weight", "beta_bias"} <= dict(mixer.named_parameters()).keys()
 
 
 @pytest.mark.parametrize("solver", ["exact", "cg"])
@@ -143,19 +109,9 @@ def test_chunked_steps_and_prefill_match_parallel(solver: str) -> None:
     form, for the exact solve and for few CG steps (the same truncated solve in every form)."""
     seq_len = 11
     mixer = make_mixer(solver=solver, cg_steps=3, chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
+    inputs = q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, 6)
-    parallel = mixer.parallel(q, k, v, MixerInputs(x, mask))
-    chunked, chunk_state = run_chunked(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(chunked, mask), real_rows(parallel, mask)) <= REL_FORMS
-    stepped, step_state = run_steps(mixer, q, k, v, x, mask)
-    assert rel_err(real_rows(stepped, mask), real_rows(parallel, mask)) <= REL_FORMS
-    assert set(chunk_state) == set(step_state) == set(mixer.init_state(1, q.device, q.dtype))
-    for name in chunk_state:
-        assert rel_err(chunk_state[name], step_state[name]) <= REL_FORMS, name
-    head, state = mixer(q[:, :, :5], k[:, :, :5], v[:, :, :5], MixerInputs(x[:, :5], mask[:, :5]), use_cache=True)
-    tail, _ = run_steps(mixer, q, k, v, x, mask, state=state, start=5)
-    assert rel_err(real_rows(torch.cat([head, tail], dim=1), mask), real_rows(parallel, mask)) <= REL_FORMS
+    parallel, _ = checks.assert_forms_agree(mixer, inputs, mask, REL_FORMS)
     if solver == "cg":  # 3 steps on 8 dimensions: not the exact solve
         expected, _ = mesa_reference(q, k, v, x, mask, params_of(mixer))
         assert rel_err(real_rows(parallel, mask), expected) > 1e-4
@@ -166,17 +122,10 @@ def test_initial_state_matches_reference() -> None:
     outputs and final states; the reference is fed the same state."""
     seq_len = 9
     mixer = make_mixer(chunk_size=4)
-    q, k, v, x = make_inputs(seq_len, seed=2)
-    mask = torch.ones(BATCH, seq_len, dtype=torch.bool)
+    inputs = q, k, v, x = make_inputs(seq_len, seed=2)
     state = random_state(mixer)
     expected, expected_state = mesa_reference(q, k, v, x, None, params_of(mixer), initial=state)
-    out, final = mixer.chunked(q, k, v, MixerInputs(x), dict(state))
-    assert rel_err(out, expected) <= REL_FP32
-    stepped, step_final = run_steps(mixer, q, k, v, x, mask, state=dict(state))
-    assert rel_err(stepped, expected) <= REL_FP32
-    for name, want in expected_state.items():
-        assert rel_err(final[name], want) <= REL_FP32, name
-        assert rel_err(step_final[name], want) <= REL_FP32, name
+    checks.assert_continues_from_state(mixer, inputs, state, expected, expected_state, REL_FP32)
 
 
 def test_conjugate_gradients_converge_to_the_exact_solve() -> None:
@@ -213,28 +162,12 @@ def test_conjugate_gradients_converge_to_the_exact_solve() -> None:
 
 def test_left_padding_changes_nothing() -> None:
     """A left-padded row gives the outputs and state (H, G and convolution buffers) of the same tokens alone."""
-    seq_len = 9
-    mixer = make_mixer(solver="cg", chunk_size=4)
-    q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, PAD)
-    out, state = run_chunked(mixer, q, k, v, x, mask)
-    tail = slice(PAD, None)
-    alone, alone_state = mixer.chunked(q[1:, :, tail], k[1:, :, tail], v[1:, :, tail], MixerInputs(x[1:, tail]),
-                                       mixer.init_state(1, q.device, q.dtype))
-    assert rel_err(out[1:, tail], alone) <= REL_FORMS
-    for name in state:
-        assert rel_err(state[name][1:], alone_state[name]) <= REL_FORMS, name
+    checks.assert_left_padding_changes_nothing(make_mixer(solver="cg", chunk_size=4), make_inputs(9), PAD, REL_FORMS)
 
 
 def test_padded_step_leaves_state_untouched() -> None:
     mixer = make_mixer()
-    q, k, v, x = make_inputs(1)
-    state = random_state(mixer)
-    mask = torch.tensor([[True], [False]])
-    _, new = mixer.step(q, k, v, MixerInputs(x, mask, past_length=4), dict(state))
-    for name in state:
-        assert torch.equal(new[name][1], state[name][1]), name
-        assert not torch.equal(new[name][0], state[name][0]), name
+    checks.assert_padded_step_keeps_state(mixer, make_inputs(1), random_state(mixer))
 
 
 def test_regularizer_and_initializations() -> None:
@@ -247,11 +180,7 @@ def test_regularizer_and_initializations() -> None:
     spec = validate_spec({"mixer": "mesa", "init": "convert", "half_life_min": 4, "half_life_max": 64,
                           "beta_init": 0.25, "lambda_min": 0.5, "lambda_init": 2.0}, "t")
     mixer = build_mixer(spec, shape)
-    for module in mixer.modules():
-        for param in module.parameters(recurse=False):
-            param.data.normal_()
-        if hasattr(module, "init_parameters"):
-            module.init_parameters(init)
+    checks.init_every_module(mixer, scramble=True)
     assert torch.allclose(mixer.regularizer(), torch.full((3, 2, 8), 2.0))
     with torch.no_grad():
         mixer.lambda_param.fill_(-200.0)
@@ -284,17 +213,14 @@ def test_preset_and_bad_specs() -> None:
                  "conv_size": 4, "activation": "silu", "qk_norm": "l2", "output_norm": True, "output_gate": False,
                  "rope": False, "init": "scratch"}
     assert {name: spec[name] for name in published} == published
-    with pytest.raises(ValueError, match=r"layer 3: option 'causal' must be True for mixer 'mesa'"):
-        validate_spec({"mixer": "mesanet", "causal": False}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 3: option 'solver' must be one of"):
-        validate_spec({"mixer": "mesa", "solver": "lu"}, "layer 3")
-    with pytest.raises(ValueError, match=r"layer 1: option 'cg_steps' must be >= 0"):
-        validate_spec({"mixer": "mesa", "cg_steps": -1}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 1: option 'lambda_init' \(0.25\) must be above 'lambda_min'"):
-        validate_spec({"mixer": "mesa", "lambda_init": 0.25}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 1: option 'lambda_min' must be >= 1e-06"):
-        validate_spec({"mixer": "mesa", "lambda_min": 0.0}, "layer 1")
-    with pytest.raises(ValueError, match=r"layer 0: option 'output_gate' needs output_norm=True"):
-        validate_spec({"mixer": "mesa", "output_gate": True, "output_norm": False}, "layer 0")
-    with pytest.raises(ValueError, match=r"layer 0: option 'beta_init' must be in \(0, 1\)"):
-        validate_spec({"mixer": "mesa", "beta_init": 0.0}, "layer 0")
+    checks.assert_specs_rejected([
+        ({"mixer": "mesanet", "causal": False}, "layer 3", r"layer 3: option 'causal' must be True for mixer 'mesa'"),
+        ({"mixer": "mesa", "solver": "lu"}, "layer 3", r"layer 3: option 'solver' must be one of"),
+        ({"mixer": "mesa", "cg_steps": -1}, "layer 1", r"layer 1: option 'cg_steps' must be >= 0"),
+        ({"mixer": "mesa", "lambda_init": 0.25}, "layer 1",
+         r"layer 1: option 'lambda_init' \(0.25\) must be above 'lambda_min'"),
+        ({"mixer": "mesa", "lambda_min": 0.0}, "layer 1", r"layer 1: option 'lambda_min' must be >= 1e-06"),
+        ({"mixer": "mesa", "output_gate": True, "output_norm": False}, "layer 0",
+         r"layer 0: option 'output_gate' needs output_norm=True"),
+        ({"mixer": "mesa", "beta_init": 0.0}, "layer 0", r"layer 0: option 'beta_init' must be in \(0, 1\)"),
+    ])

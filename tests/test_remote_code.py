@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from isolated import HIDE_HF_RECATTN
+from isolated import HIDE_HF_RECATTN, save_tiny_recattn
 from safetensors.torch import load_file, save_file
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn import RecAttnForCausalLM
 
 ATOL = 1e-5
 LAYERS = [
@@ -91,25 +91,8 @@ CHILD = HIDE_HF_RECATTN + textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RecAttnForCausalLM]:
-    torch.manual_seed(0)
-    config = RecAttnConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=len(LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention=LAYERS,
-    )
-    model = RecAttnForCausalLM(config).eval()
-    with torch.no_grad():  # mixer parameters off their initial values: a re-initialized load would show
-        for name, p in model.named_parameters():
-            if ".mixer." in name:
-                p.add_(0.2 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("ckpt")
-    model.save_pretrained(path)
-    return path, model
+    return path, save_tiny_recattn(path, LAYERS, seed=0)
 
 
 def test_save_writes_flat_runtime_and_auto_map(saved: tuple[Path, RecAttnForCausalLM]) -> None:

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from mixer_checks import assert_gradients_match, random_inputs
+from mixer_steps import left_padded
 from reference import real_rows, rel_err
 from reference_forget import alibi_log_forget, forget_softmax_attention, fox_log_forget
 
@@ -49,18 +51,7 @@ def make_mixer(name: str, window: int | None, forget: str, impl: str = "sdpa", *
 
 
 def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = 2 * torch.randn(BATCH, SHAPE.num_heads, seq_len, SHAPE.head_dim, generator=gen)
-    k = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    v = torch.randn(BATCH, SHAPE.num_kv_heads, seq_len, SHAPE.head_dim, generator=gen)
-    x = torch.randn(BATCH, seq_len, HIDDEN, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), x.to(dtype)
-
-
-def left_padding(seq_len: int, pad: int = PAD) -> torch.Tensor:
-    mask = torch.ones(BATCH, seq_len, dtype=torch.bool)
-    mask[1, :pad] = False
-    return mask
+    return random_inputs(SHAPE, seq_len, dtype, seed, q_scale=2.0)
 
 
 def piece(x: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int) -> MixerInputs:
@@ -94,7 +85,7 @@ def test_parallel_matches_reference(name: str, window: int | None, forget: str, 
     seq_len = 9
     mixer = make_mixer(name, window, forget, impl)
     q, k, v, x = make_inputs(seq_len)
-    mask = left_padding(seq_len) if padded else None
+    mask = left_padded(seq_len, PAD) if padded else None
     out = mixer.parallel(q, k, v, piece(x, mask, 0, seq_len))
     want = expected(mixer, q, k, v, x, mask, window)
     assert rel_err(real_rows(out, mask), want) <= REL_FP32
@@ -114,7 +105,7 @@ def test_prefill_then_steps_match_reference(
     seq_len = 12
     mixer = make_mixer(name, window, forget, impl)
     q, k, v, x = make_inputs(seq_len)
-    mask = left_padding(seq_len, pad=6) if padded else None
+    mask = left_padded(seq_len, 6) if padded else None
     state, outs, past = None, [], 0
     for n in (5, 4, 1, 1, 1):
         sl = slice(past, past + n)
@@ -160,21 +151,13 @@ def test_token_by_token_and_after_a_crop(name: str, window: int | None, forget: 
 def test_gradients_match_reference(name: str, window: int | None, forget: str, impl: str) -> None:
     seq_len = 6
     mixer = make_mixer(name, window, forget, impl).double()
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len, torch.float64))
-    mask = left_padding(seq_len)
-    weights = torch.randn(BATCH, seq_len, SHAPE.num_heads, SHAPE.head_dim, dtype=torch.float64)
-    wrt = [q, k, v] + ([x, mixer.fox_weight, mixer.fox_bias] if forget == "fox" else [])
-
-    def grads(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad((real_rows(out, mask) * weights).sum(), wrt)
-
-    got = grads(mixer.parallel(q, k, v, piece(x, mask, 0, seq_len)))
-    want = grads(expected(mixer, q, k, v, x, mask, window))
     tol = REL_GRAD if impl == "sdpa" else REL_GRAD_EAGER
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert rel_err(g, w) <= tol, i
+    unused = () if forget == "fox" else {"x"}  # only FoX's gate reads the layer input
+    got = assert_gradients_match(mixer, lambda qkvx, mask: expected(mixer, *qkvx, mask, window), seq_len, tol,
+                                 unused=unused, q_scale=2.0)
+    assert set(got) == {"q", "k", "v", "x"} | ({"fox_bias", "fox_weight"} if forget == "fox" else set())
     if forget == "fox":  # padded tokens feed no gate: their inputs get no gradient
-        assert got[3][1, :PAD].abs().max() == 0 and got[3][1, PAD:].abs().max() > 0
+        assert got["x"][1, :PAD].abs().max() == 0 and got["x"][1, PAD:].abs().max() > 0
 
 
 def test_padded_tokens_add_no_forget_factor() -> None:
@@ -182,7 +165,7 @@ def test_padded_tokens_add_no_forget_factor() -> None:
     seq_len = 9
     mixer = make_mixer("softmax", None, "fox")
     q, k, v, x = make_inputs(seq_len)
-    mask = left_padding(seq_len)
+    mask = left_padded(seq_len, PAD)
     out = mixer.parallel(q, k, v, piece(x, mask, 0, seq_len))
     x2 = x.clone()
     x2[1, :PAD] = 100.0  # would close every gate (f -> 0) if padded tokens counted

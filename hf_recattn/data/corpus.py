@@ -186,6 +186,15 @@ def embedded_texts(max_chars: int = DEFAULT_MAX_CHARS, refresh: bool = False) ->
     return texts
 
 
+def embedded_corpus_file(max_chars: int = DEFAULT_MAX_CHARS) -> Path | None:
+    """The cached JSON-lines file of the embedded corpus (field "text"), built first when missing; None when
+    the cache folder cannot be written."""
+    path = cache_root() / "corpus" / f"embedded-{_environment_key(max_chars)}.jsonl"
+    if not path.is_file():
+        embedded_texts(max_chars)
+    return path if path.is_file() else None
+
+
 def _write_jsonl_atomic(path: Path, texts: Sequence[str]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

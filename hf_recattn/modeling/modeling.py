@@ -28,6 +28,7 @@ from .cache import RecAttnCache
 from .configuration import RecAttnConfig
 from .mixer_base import MixerInputs, MixerShape
 from .mixers import build_mixer
+from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
 
 
 class RecAttnAttention(nn.Module):
@@ -66,9 +67,12 @@ class RecAttnAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         padding_mask: torch.Tensor | None = None,
         past_key_values: RecAttnCache | None = None,
+        packing: PackedDocuments | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         q, k, v = self.project(hidden_states, position_embeddings)
+        if packing is not None:
+            return self.o_proj(self._mix_documents(q, k, v, hidden_states, packing).flatten(2))
         layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
         inputs = MixerInputs(
             hidden_states=hidden_states,
@@ -81,6 +85,22 @@ class RecAttnAttention(nn.Module):
         if layer is not None:
             layer.update(state, hidden_states.shape[1])
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+
+    def _mix_documents(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        hidden_states: torch.Tensor,
+        packing: PackedDocuments,
+    ) -> torch.Tensor:
+        """[B, T, H, E]: the mixer run uncached on each packed document alone (see ``packing.py``)."""
+        outputs = []
+        for group in packing.groups:
+            inputs = MixerInputs(hidden_states=group.take(hidden_states), padding_mask=group.padding_mask)
+            out, _ = self.mixer(group.take_heads(q), group.take_heads(k), group.take_heads(v), inputs)
+            outputs.append(out)
+        return packing.merge(outputs)
 
 
 class RecAttnDecoderLayer(GradientCheckpointingLayer):
@@ -99,6 +119,7 @@ class RecAttnDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         padding_mask: torch.Tensor | None = None,
         past_key_values: RecAttnCache | None = None,
+        packing: PackedDocuments | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -107,6 +128,7 @@ class RecAttnDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             padding_mask=padding_mask,
             past_key_values=past_key_values,
+            packing=packing,
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -211,6 +233,18 @@ def _position_ids(
     return positions.masked_fill(~padding_mask, 0)[:, -seq_len:]
 
 
+def _check_no_cache_for_packing(past_key_values: Cache | None) -> None:
+    """Packed documents run uncached: refuse a cache passed in (its state would mix or lose documents)."""
+    if past_key_values is None:
+        return
+    held = past_key_values.get_seq_length()
+    raise ValueError(
+        "position_ids restart inside a row, i.e. packed documents (each run on its own, without a cache), but a "
+        f"cache holding {held} tokens was passed (past_key_values); pack documents only for uncached training "
+        "or scoring forwards (no past_key_values, not generate()), or give consecutive position_ids"
+    )
+
+
 class RecAttnModel(RecAttnPreTrainedModel):
     def __init__(self, config: RecAttnConfig) -> None:
         super().__init__(config)
@@ -274,6 +308,14 @@ class RecAttnModel(RecAttnPreTrainedModel):
         if past_key_values is not None:  # incremental decoding (generate() always passes its cache)
             self._check_length(past, seq_len)
         padding_mask = _check_padding_mask(attention_mask, past + seq_len, drop_if_all_real=seq_len > 1)
+        if position_ids is None and kwargs.get("cu_seq_lens_q") is not None:
+            position_ids = positions_from_cu_seqlens(kwargs["cu_seq_lens_q"], seq_len).to(inputs_embeds.device)
+        packing = None
+        if position_ids is not None and seq_len > 1:
+            packing = find_documents(position_ids, padding_mask, batch_size)
+        if packing is not None:
+            _check_no_cache_for_packing(past_key_values)
+            cache = None  # the default use_cache=True of a training forward: no cache for packed documents
         if position_ids is None:
             position_ids = _position_ids(padding_mask, past, seq_len, inputs_embeds.device)
 
@@ -285,6 +327,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
                 position_embeddings=position_embeddings,
                 padding_mask=padding_mask,
                 past_key_values=cache,
+                packing=packing,
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)

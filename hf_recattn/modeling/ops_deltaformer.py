@@ -62,6 +62,8 @@ def deltaformer_attention(
     O((P + T) T D) for the scores plus one [T, T] unit lower triangular solve per key head.
     """
     num_past, num_new = past_keys.shape[2], k.shape[2]
+    if num_new == 1 and num_past:
+        return deltaformer_step(q, k, v, write, past_keys, past_u, key_real, scale, key_scale)
     keys = torch.cat([past_keys, k], dim=2) if num_past else k
     before = key_visibility(num_past, num_new, key_real, True, k.device)
     feedback = masked_softmax((k @ keys.transpose(-1, -2)) * key_scale, before)  # B rows: [B, Hk, T, P + T]
@@ -76,3 +78,41 @@ def deltaformer_attention(
     seen = key_visibility(num_past, num_new, key_real, False, k.device)
     probs = masked_softmax((q @ keys.unsqueeze(2).transpose(-1, -2)) * scale, seen.unsqueeze(2))
     return probs @ values.unsqueeze(2), keys, values
+
+
+def deltaformer_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    write: torch.Tensor | None,
+    past_keys: torch.Tensor,
+    past_u: torch.Tensor,
+    key_real: torch.Tensor | None,
+    scale: float,
+    key_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One new token after ``P >= 1`` cached ones, with one pass over the cached keys and one over the u's.
+
+    The new key's feedback row (keys j < t) and the G query rows (keys j <= t) share the score product with the
+    cached keys and the read of the cached u's; the query rows then add the new token's own term, whose u is
+    only known after the feedback row is read. Same result as :func:`deltaformer_attention` up to rounding.
+    """
+    rows = torch.cat([k * key_scale, q[:, :, :, 0] * scale], dim=2)  # [B, Hk, 1 + G, D]
+    scores = rows @ past_keys.transpose(-1, -2)  # [B, Hk, 1 + G, P]
+    if key_real is not None:
+        past_real = key_real[:, None, None, :-1].bool()
+        scores = scores.masked_fill(~past_real, float("-inf"))
+    self_score = (q[:, :, :, 0] * k).sum(-1, keepdim=True) * scale  # [B, Hk, G, 1]: each query on the new key
+    top = scores.amax(-1, keepdim=True)
+    top = torch.cat([top[:, :, :1], torch.maximum(top[:, :, 1:], self_score)], dim=2)
+    top = torch.nan_to_num(top, neginf=0.0)  # a row with no visible cached key
+    weights = torch.exp(scores - top)  # masked keys: exp(-inf) = 0
+    read = weights @ past_u  # [B, Hk, 1 + G, E]
+    total = weights.sum(-1, keepdim=True)
+    feedback = read[:, :, :1] / total[:, :, :1].clamp_min(torch.finfo(total.dtype).tiny)  # 0 without a key
+    if write is not None:
+        feedback = feedback * write[..., None]
+    u = v - feedback  # [B, Hk, 1, E]
+    own = torch.exp(self_score - top[:, :, 1:])  # [B, Hk, G, 1]
+    o = (read[:, :, 1:] + own * u) / (total[:, :, 1:] + own)
+    return o[:, :, :, None], torch.cat([past_keys, k], dim=2), torch.cat([past_u, u], dim=2)

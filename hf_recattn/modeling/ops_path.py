@@ -56,6 +56,8 @@ def path_attention(
     Returns (o [B, Hk, G, T, E], every key transported to the last token [B, Hk, P + T, D], every value).
     """
     num_past, num_new = past_keys.shape[2], k.shape[2]
+    if num_new == 1 and num_past:
+        return path_step(q, k, v, w, b, past_keys, past_values, key_real, scale)
     keys, values = past_keys, past_values
     seen = key_visibility(num_past, num_new, key_real, False, k.device).unsqueeze(2)  # [B|1, 1, 1, T, P + T]
     outs = []
@@ -75,3 +77,39 @@ def path_attention(
         values = torch.cat([values, vc], dim=2)
         outs.append(probs @ values.unsqueeze(2))
     return torch.cat(outs, dim=3) if len(outs) > 1 else outs[0], keys, values
+
+
+def path_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    past_keys: torch.Tensor,
+    past_values: torch.Tensor,
+    key_real: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One new token after ``P >= 1`` cached ones: one product of [w; queries] with the cached keys gives both
+    ``K~ w`` (for carrying the keys over H_t) and the queries' scores, ``q . H_t k~_j = q . k~_j - b (q . w)
+    (k~_j . w)``; the carried keys are written straight into the grown cache. Same result as the block form."""
+    bsz, hk, num_past, d = past_keys.shape
+    wt, qt = w[:, :, 0], q[:, :, :, 0]  # [B, Hk, D], [B, Hk, G, D]
+    bt = b[:, :, :1]  # [B, Hk, 1]
+    prod = torch.cat([wt[:, :, None], qt], dim=2) @ past_keys.transpose(-1, -2)  # [B, Hk, 1 + G, P]
+    keys_w = prod[:, :, :1] * bt[..., None]  # b (k~_j . w): [B, Hk, 1, P]
+    query_w = (qt * wt[:, :, None]).sum(-1, keepdim=True)  # [B, Hk, G, 1]
+    scores = (prod[:, :, 1:] - query_w * keys_w) * scale
+    if key_real is not None:
+        scores = scores.masked_fill(~key_real[:, None, None, :-1].bool(), float("-inf"))
+    own = (qt * k).sum(-1, keepdim=True) * scale  # [B, Hk, G, 1]: the new key, not transported
+    probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
+    o = probs[..., :num_past] @ past_values + probs[..., num_past:] * v
+    carried_w = keys_w.transpose(-1, -2)  # [B, Hk, P, 1]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (past_keys, w, b, k)):
+        keys = torch.cat([past_keys - carried_w * wt[:, :, None], k], dim=2)
+    else:  # decoding: write the carried keys into the grown cache without an intermediate copy
+        keys = past_keys.new_empty(bsz, hk, num_past + 1, d)
+        torch.addcmul(past_keys, carried_w, wt[:, :, None], value=-1.0, out=keys[:, :, :num_past])
+        keys[:, :, num_past:] = k
+    return o[:, :, :, None], keys, torch.cat([past_values, v], dim=2)

@@ -1,0 +1,7 @@
+"""Pretraining and finetuning with transformers' Trainer, ``datasets`` and ``peft`` (see docs/training.md)."""
+
+from .finetune import finetune
+from .pretrain import pretrain
+from .runner import RunResult
+
+__all__ = ["RunResult", "finetune", "pretrain"]

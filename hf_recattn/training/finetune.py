@@ -1,0 +1,134 @@
+"""Finetuning an hf_recattn checkpoint: ``hf-recattn finetune --model CKPT --data FILE [--config YAML]``.
+
+``method``: ``lora`` (peft adapters on ``lora.target_modules``, merged into the weights at the end),
+``full`` (every parameter) or ``mixers`` (only the mixers' own parameters: feature maps, gates, ...). Plain
+text is packed as in pretraining; chat data (a ``messages`` column) is one padded example per conversation
+with labels on the assistant tokens only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DataCollatorForSeq2Seq, default_data_collator, set_seed
+
+from .data import chat_examples, load_documents, packed_blocks
+from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
+from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, build_training_arguments, read_config
+
+DEFAULT_BLOCK_SIZE = 1024
+
+
+def load_checkpoint(spec: str, where: str) -> tuple[Any, Any]:
+    """An hf_recattn checkpoint (a folder or a Hub id) and its tokenizer, in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(spec).expanduser()
+    if not path.is_dir() and (path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        raise ValueError(f"{where}: model: {spec}: no such checkpoint folder")
+    try:
+        config = AutoConfig.from_pretrained(str(path) if path.is_dir() else spec)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: model: {spec}: cannot read its config ({err})") from err
+    if config.model_type != "recattn":
+        raise ValueError(f"{where}: model: {spec} is a {config.model_type!r} model, not an hf_recattn checkpoint "
+                         "(convert it first: hf-recattn convert)")
+    model = AutoModelForCausalLM.from_pretrained(str(path) if path.is_dir() else spec, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else spec)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: model: {spec} has no usable tokenizer ({err})") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def set_trainable(model: Any, method: str, lora: LoraSettings, where: str) -> Any:
+    """Freeze / wrap ``model`` for ``method``; returns the model Trainer trains (a PeftModel for LoRA)."""
+    from ..conversion.finetune import is_mixer_parameter
+
+    if method == "full":
+        model.requires_grad_(True)
+        return model
+    if method == "mixers":
+        names = []
+        for name, param in model.named_parameters():
+            param.requires_grad_(is_mixer_parameter(name))
+            names += [name] if param.requires_grad else []
+        if not names:
+            raise ValueError(f"{where}: method: mixers: this model's mixers have no parameters of their own "
+                             "(softmax layers only); use lora or full")
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, bias="none",
+                        modules_to_save=["mixer"] if lora.train_mixers else None)
+    model.requires_grad_(False)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        raise ValueError(f"{where}: lora.target_modules: {err}") from err
+
+
+def finetune(model: str | None = None, data: str | None = None, config_or_path: str | Path | dict | None = None,
+             output_dir: str | None = None, callbacks: list[Any] | None = None) -> RunResult:
+    """Finetune the checkpoint ``model`` on ``data`` (both override the YAML's ``model`` / ``data.source``);
+    the merged model is written to ``OUTPUT_DIR/model``. Rerun to resume."""
+    run = read_config(config_or_path, FINETUNE_KEYS)
+    where, values = run.where, run.values
+    if data is not None:
+        run.data.source = data
+    spec = model or values.get("model")
+    if not spec:
+        raise ValueError(f"{where}: model: missing (pass --model CHECKPOINT)")
+    method = values.get("method", "lora")
+    if method not in METHODS:
+        raise ValueError(f"{where}: method: {method!r} is not one of {list(METHODS)}")
+    lora = LoraSettings.parse(values.get("lora"), where)
+    if values.get("lora") and method != "lora":
+        raise ValueError(f"{where}: lora: only used with method: lora (method is {method!r})")
+    training = {"label_names": ["labels"], **(values.get("training") or {})}
+    streaming = run.data.streaming
+    if streaming and int(training.get("max_steps", -1)) <= 0:
+        raise ValueError(f"{where}: training.max_steps: streaming data has no length; set max_steps")
+    has_eval = run.data.eval_source is not None or run.data.eval_documents is not None or (
+        run.data.eval_fraction > 0 and not streaming)
+    args = build_training_arguments(training, where, has_eval, output_dir=output_dir)
+    net, tokenizer = load_checkpoint(str(spec), where)
+    limit = net.config.max_position_embeddings
+    size = block_size(values.get("block_size"), where, limit, min(DEFAULT_BLOCK_SIZE, limit or DEFAULT_BLOCK_SIZE))
+    tokenizer.model_max_length = limit
+
+    columns = [run.data.messages_column, run.data.text_column]
+    with args.main_process_first(desc="tokenize"):
+        train, held, column = load_documents(run.data, where, args.seed, columns)
+        chat = column == run.data.messages_column
+        name = f"{where}: data {run.data.source}"
+        if chat:
+            train = chat_examples(train, tokenizer, column, size, run.data.num_proc, name)
+            held = chat_examples(held, tokenizer, column, size, run.data.num_proc, name) if held is not None else None
+        else:
+            train = packed_blocks(train, tokenizer, column, size, run.data.num_proc)
+            held = packed_blocks(held, tokenizer, column, size, run.data.num_proc) if held is not None else None
+    why = (f"no conversation has assistant tokens within block_size {size}" if chat
+           else f"fewer tokens than one block of {size}")
+    if not streaming and len(train) == 0:
+        raise ValueError(f"{name}: no training examples ({why})")
+    if held is not None and not streaming and len(held) == 0:
+        raise ValueError(f"{name}: no held-out examples ({why}); raise data.eval_fraction or lower block_size")
+
+    set_seed(args.seed)
+    trained = set_trainable(net, method, lora, where)
+    collator = (DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True) if chat
+                else default_data_collator)
+    trainer = CausalLMTrainer(model=trained, args=args, train_dataset=train, eval_dataset=held,
+                              data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+    resumed = train_with_resume(trainer)
+    merged = None
+    if method == "lora":
+        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        merged.requires_grad_(False)
+    return summarize(trainer, save_final(trainer, tokenizer, merged), resumed)

@@ -1,0 +1,79 @@
+"""Running Trainer: eval perplexity in the logs, resuming from the last checkpoint, the final atomic save."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer
+
+from ..conversion.checkpoints import latest_trainer_checkpoint
+
+FINAL_MODEL = "model"
+
+
+class CausalLMTrainer(Trainer):
+    """Trainer that also logs ``eval_perplexity`` = exp(``eval_loss``) with every evaluation."""
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:
+            logs[key[: -len("loss")] + "perplexity"] = math.exp(min(float(logs[key]), 700.0))
+        super().log(logs, start_time)
+
+
+@dataclass
+class RunResult:
+    """What a pretrain / finetune run did: where the model is, its steps, the resumed step, final metrics."""
+
+    model_dir: Path
+    global_step: int
+    resumed_from: int
+    train_loss: float | None
+    eval_metrics: dict[str, float]
+    log_history: list[dict[str, Any]]
+
+
+def train_with_resume(trainer: Trainer) -> int:
+    """``trainer.train()`` from the newest complete ``checkpoint-N`` in ``output_dir`` (0 when none)."""
+    last = latest_trainer_checkpoint(trainer.args.output_dir)
+    trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
+    return 0 if last is None else int(last.name.rsplit("-", 1)[-1])
+
+
+def save_final(trainer: Trainer, tokenizer: Any, merged: Any = None) -> Path:
+    """Write ``output_dir/model`` atomically: into ``.tmp-model`` first (every process takes part, which
+    FSDP needs to gather weights), then moved into place by the main process. ``merged``: a plain model to
+    save instead of the trained one (a LoRA model after ``merge_and_unload``)."""
+    final = Path(trainer.args.output_dir) / FINAL_MODEL
+    tmp = final.parent / f".tmp-{FINAL_MODEL}"
+    main = trainer.is_world_process_zero()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    if merged is None:
+        trainer.save_model(str(tmp))
+    elif main:
+        merged.save_pretrained(str(tmp))
+    if main:
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "training_args.bin").unlink(missing_ok=True)
+        old = final.parent / f".old-{FINAL_MODEL}"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    return final
+
+
+def summarize(trainer: Trainer, model_dir: Path, resumed_from: int) -> RunResult:
+    history = list(trainer.state.log_history)
+    losses = [row["loss"] for row in history if "loss" in row]
+    evals = [row for row in history if "eval_loss" in row]
+    return RunResult(model_dir, trainer.state.global_step, resumed_from, losses[-1] if losses else None,
+                     {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}, history)
