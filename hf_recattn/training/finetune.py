@@ -8,6 +8,7 @@ with labels on the assistant tokens only.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -121,14 +122,18 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
         raise ValueError(f"{name}: no held-out examples ({why}); raise data.eval_fraction or lower block_size")
 
     set_seed(args.seed)
-    trained = set_trainable(net, method, lora, where)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        trained = set_trainable(net, method, lora, where)
     collator = (DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True) if chat
                 else default_data_collator)
     trainer = CausalLMTrainer(model=trained, args=args, train_dataset=train, eval_dataset=held,
                               data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
-    resumed = train_with_resume(trainer)
-    merged = None
-    if method == "lora":
-        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        merged.requires_grad_(False)
+    with warnings.catch_warnings():  # transformers' own deprecation notice, raised inside peft's calls
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        resumed = train_with_resume(trainer)
+        merged = None
+        if method == "lora":
+            merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+            merged.requires_grad_(False)
     return summarize(trainer, save_final(trainer, tokenizer, merged), resumed)
