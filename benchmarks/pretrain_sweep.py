@@ -378,7 +378,7 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     if any(run["train_loss"] for run in runs.values()):
         low = min(loss for run in runs.values() for _, loss in run["train_loss"])
         high = sorted(loss for run in runs.values() for _, loss in run["train_loss"])
-        top = high[len(high) // 10] if len(high) > 10 else high[-1]  # the early plateau, not step 1's spike
+        top = high[int(len(high) * 0.9)] if len(high) > 10 else high[-1]  # cut only the first steps' spike
         for ax in axes[:2]:
             ax.set_ylim(low - 0.1, top + 0.1)
     fig.suptitle(f"pretrain sweep ({results['config']['model']['num_hidden_layers']} layers, hidden "
