@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_deltaformer import deltaformer_attention
 from .options import Option
 
@@ -32,7 +32,7 @@ def require_causal_spec(spec: dict[str, Any], where: str, family: str) -> None:
         raise ValueError(f"{where}: option 'causal' must be True ({family} has no bidirectional form)")
 
 
-class DeltaFormerMixer(Mixer):
+class DeltaFormerMixer(ContinuingMixer):
     """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax."""
 
     name = "softmax_delta"
@@ -98,22 +98,6 @@ class DeltaFormerMixer(Mixer):
             self.scale, self.key_scale,
         )
         return ungroup_output(o), {"k": keys, "u": u}
-
-    def parallel(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
-    ) -> torch.Tensor:
-        return self._run(q, k, v, inputs, None)[0]
-
-    def chunked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        """A prefill after the cached tokens (the parallel form continued from the cache)."""
-        return self._run(q, k, v, inputs, state)
-
-    def step(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        return self._run(q, k, v, inputs, state)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         shape = (batch_size, self.shape.num_kv_heads, 0, self.shape.head_dim)

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .mixer_deltaformer import INITS, require_causal_spec
 from .ops_path import path_attention
 from .options import Option
 
 
-class PathMixer(Mixer):
+class PathMixer(ContinuingMixer):
     """PaTH: softmax attention with data-dependent Householder transports between query and key positions."""
 
     name = "softmax_householder"
@@ -108,23 +108,6 @@ class PathMixer(Mixer):
         stamp = keys.new_zeros(keys.shape[0], 1, keys.shape[2])
         stamp[:, :, -1] = 1.0  # marks the token the keys are carried to; a crop removes it
         return ungroup_output(o), {"k": keys, "v": values, "stamp": stamp}
-
-    def parallel(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
-    ) -> torch.Tensor:
-        return self._run(q, k, v, inputs, None)[0]
-
-    def chunked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        """A prefill after the cached tokens (the block form continued from the cache)."""
-        return self._run(q, k, v, inputs, state)
-
-    def step(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        """One token: H_t applied to every cached key (O(P D) per key head), then one softmax read."""
-        return self._run(q, k, v, inputs, state)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         shape = (batch_size, self.shape.num_kv_heads, 0, self.shape.head_dim)
