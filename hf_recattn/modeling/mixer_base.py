@@ -68,6 +68,8 @@ class Mixer(nn.Module):
     #: "kv" (grows with context), "window" (bounded) or "recurrent" (fixed size)
     state_kind: ClassVar[str] = "recurrent"
     has_chunked: ClassVar[bool] = False
+    #: for a family whose ``causal`` option must stay True (no bidirectional form): the reason the error gives
+    causal_only: ClassVar[str | None] = None
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__()
@@ -86,7 +88,13 @@ class Mixer(nn.Module):
 
     @classmethod
     def validate(cls, spec: dict[str, Any], where: str) -> dict[str, Any]:
-        return resolve_options(spec, cls.all_options(), where, cls.check_spec)
+        return resolve_options(spec, cls.all_options(), where, cls._checks)
+
+    @classmethod
+    def _checks(cls, spec: dict[str, Any], where: str) -> None:
+        if cls.causal_only is not None and not spec.get("causal", True):
+            raise ValueError(f"{where}: option 'causal' must be True {cls.causal_only}")
+        cls.check_spec(spec, where)
 
     # ----- the contract ---------------------------------------------------------------------------------
     def parallel(

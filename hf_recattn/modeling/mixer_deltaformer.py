@@ -26,12 +26,6 @@ WRITE_STRENGTHS = ("none", "sigmoid")
 INITS = ("scratch", "convert")
 
 
-def require_causal_spec(spec: dict[str, Any], where: str, family: str) -> None:
-    """The feedback families are decoders only: refuse causal=False at validation time."""
-    if not spec["causal"]:
-        raise ValueError(f"{where}: option 'causal' must be True ({family} has no bidirectional form)")
-
-
 class DeltaFormerMixer(ContinuingMixer):
     """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax."""
 
@@ -50,10 +44,10 @@ class DeltaFormerMixer(ContinuingMixer):
     }
     state_kind = "kv"
     has_chunked = False
+    causal_only = "(softmax_delta has no bidirectional form)"
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        require_causal_spec(spec, where, cls.name)
         if not 0.0 < spec["beta_init"] < 1.0:
             raise ValueError(f"{where}: option 'beta_init' must be in (0, 1), got {spec['beta_init']!r}")
 

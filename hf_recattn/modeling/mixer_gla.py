@@ -70,11 +70,10 @@ class GLAMixer(Mixer):
     state_kind = "recurrent"
     has_chunked = True
 
+    causal_only = "for gla (a gated state has a direction; there is no bidirectional form)"
+
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        if not spec["causal"]:
-            raise ValueError(f"{where}: option 'causal' must be True for gla (a gated state has a direction; "
-                             "there is no bidirectional form)")
         if not spec["gate_temperature"] > 0.0:
             raise ValueError(f"{where}: option 'gate_temperature' must be > 0, got {spec['gate_temperature']!r}")
         if spec["half_life_min"] > spec["half_life_max"]:

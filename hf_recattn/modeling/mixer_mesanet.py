@@ -79,10 +79,10 @@ class MesaMixer(Mixer):
     state_kind = "recurrent"
     has_chunked = True
 
+    causal_only = "for mixer 'mesa' (no bidirectional form)"
+
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        if not spec["causal"]:
-            raise ValueError(f"{where}: option 'causal' must be True for mixer 'mesa' (no bidirectional form)")
         if spec["lambda_init"] <= spec["lambda_min"]:
             raise ValueError(
                 f"{where}: option 'lambda_init' ({spec['lambda_init']}) must be above 'lambda_min' "

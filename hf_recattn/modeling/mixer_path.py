@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
-from .mixer_deltaformer import INITS, require_causal_spec
+from .mixer_deltaformer import INITS
 from .ops_path import path_attention
 from .options import Option
 
@@ -44,10 +44,10 @@ class PathMixer(ContinuingMixer):
     }
     state_kind = "kv"
     has_chunked = False
+    causal_only = "(softmax_householder has no bidirectional form)"
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        require_causal_spec(spec, where, cls.name)
         if not 0.0 < spec["beta_init"] < 2.0:
             raise ValueError(f"{where}: option 'beta_init' must be in (0, 2), got {spec['beta_init']!r}")
 
