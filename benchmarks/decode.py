@@ -32,6 +32,7 @@ Filling a context (``--fill``):
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -83,6 +84,7 @@ MIXER_SPECS: dict[str, dict] = {
     "retnet": {"mixer": "retnet"},
 }
 BASELINE = "llama+DynamicCache"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONTEXTS = (512, 2048, 8192, 32768)
 Step = Callable[[], object]
 
@@ -153,13 +155,15 @@ def llama_model(max_positions: int) -> LlamaForCausalLM:
 
 
 def llama_cache(model: LlamaForCausalLM, context: int) -> DynamicCache:
-    """A DynamicCache holding `context` random keys/values per layer."""
+    """A DynamicCache holding `context` random keys/values per layer (in the model's dtype)."""
     cfg = model.config
+    dtype = next(model.parameters()).dtype
     cache = DynamicCache(config=cfg)
     gen = torch.Generator().manual_seed(context)
     for layer in range(cfg.num_hidden_layers):
         shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
-        cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer)
+        keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        cache.update(keys.to(dtype), values.to(dtype), layer)
     return cache
 
 
@@ -204,7 +208,7 @@ def filled_cache(model: RecAttnForCausalLM, context: int, args: argparse.Namespa
 def _grown(t: torch.Tensor, done: int, context: int, gen: torch.Generator) -> torch.Tensor:
     if t.dim() < 3 or t.shape[2] != done:
         return t
-    return torch.randn(*t.shape[:2], context, *t.shape[3:], generator=gen, dtype=t.dtype)
+    return torch.randn(*t.shape[:2], context, *t.shape[3:], generator=gen).to(t.dtype)
 
 
 def check_state_sizes(model: RecAttnForCausalLM, cache: RecAttnCache, context: int) -> None:
@@ -261,6 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=1,
         help="torch threads (1: two OpenMP threads stall when another process shares a core)")
     add("--no-baseline", action="store_true", help="skip transformers' Llama (ratios vs first row)")
+    add("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32"],
+        help="weight / activation dtypes: each gets its own rows (Llama's included), labelled [bf16]")
+    add("--compiled", action="store_true",
+        help="also time every fixed-state model with model.compile_decode() (rows labelled [compiled])")
     add("--quick", action="store_true", help="smoke run: contexts 512 2048, 6 repeats, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
@@ -289,29 +297,39 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     steppers: dict[str, Step] = dict(floors)
     keep_alive: list[object] = []
+
+    def add_row(label: str, kind: str, model: torch.nn.Module, cache_for: Callable[[int], object]) -> None:
+        row = Row(label, kind)
+        for c in contexts:
+            cache = cache_for(c)
+            row.nbytes[c] = cache.nbytes() if isinstance(cache, RecAttnCache) else dynamic_cache_bytes(cache)
+            steppers[f"{label}@{c}"] = decode_step(model, cache, cache.get_seq_length)
+        rows.append(row)
+
     with torch.inference_mode():
-        if not args.no_baseline:
-            row = Row(BASELINE, "kv")
-            for c in contexts:
-                cache = llama_cache(llama, c)
-                row.nbytes[c] = dynamic_cache_bytes(cache)
-                steppers[f"{BASELINE}@{c}"] = decode_step(llama, cache, cache.get_seq_length)
-            rows.append(row)
-        for label in labels:
-            spec = MIXER_SPECS[label]
-            if spec["mixer"] not in MIXERS and spec["mixer"] not in PRESETS:
-                notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
-                continue
-            model = recattn_model(spec, max_positions, weights)
-            keep_alive.append(model)
-            kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
-            row = Row(label, "/".join(kinds))
-            for c in contexts:
-                cache = filled_cache(model, c, args)
-                row.nbytes[c] = cache.nbytes()
-                steppers[f"{label}@{c}"] = decode_step(model, cache, cache.get_seq_length)
-            rows.append(row)
-            print(f"filled {label}", flush=True)
+        for name in args.dtypes:
+            dtype, tag = DTYPES[name], "" if name == "fp32" else f" [{name}]"
+            base = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
+            shared = {key: value.to(dtype) for key, value in weights.items()}
+            keep_alive.append(base)
+            if not args.no_baseline:
+                add_row(BASELINE + tag, "kv", base, lambda c, base=base: llama_cache(base, c))
+            for label in labels:
+                spec = MIXER_SPECS[label]
+                if spec["mixer"] not in MIXERS and spec["mixer"] not in PRESETS:
+                    notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
+                    continue
+                model = recattn_model(spec, max_positions, shared).to(dtype)  # the mixers' own parameters too
+                keep_alive.append(model)
+                kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
+                add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args))
+                if args.compiled and kinds != ["kv"]:
+                    twin = recattn_model(spec, max_positions, shared).to(dtype)
+                    twin.compile_decode()
+                    keep_alive.append(twin)
+                    add_row(f"{label}{tag} [compiled]", "/".join(kinds), twin,
+                            lambda c, twin=twin: filled_cache(twin, c, args))
+                print(f"filled {label}{tag}", flush=True)
         medians = round_robin(steppers, args.repeats, args.warmup, args.rounds)
     for row in rows:
         row.ms = {c: medians[f"{row.label}@{c}"] for c in contexts}

@@ -47,11 +47,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hf_recattn.modeling.backends import use_kernels
 from hf_recattn.ops import chunk_gated_delta_rule, chunk_linear_attn
 
 LENGTHS = (1024, 4096, 8192, 16384, 32768)
 MODES = ("fwd", "fwd+bwd")
-IMPLS = ("ours gdr", "hf gdr", "sdpa", "ours linear")
+IMPLS = ("ours gdr", "hf gdr", "sdpa", "ours linear", "ours gdr torch")
+DEFAULT_IMPLS = IMPLS[:4]  # "ours gdr torch" (the torch forms forced) differs from "ours gdr" only on a GPU
 BASELINE = "ours gdr"
 Call = Callable[[], object]
 
@@ -70,9 +72,10 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
     """A no-argument call running `impl` once on fresh-per-cell inputs of `length` tokens."""
     gen = torch.Generator().manual_seed(length)
     b, h, d = args.batch, args.heads, args.head_dim
-    q, k, v = (torch.randn(b, length, h, d, generator=gen) for _ in range(3))
-    g = F.logsigmoid(torch.randn(b, length, h, generator=gen))
-    beta = torch.sigmoid(torch.randn(b, length, h, generator=gen))
+    dev = torch.device(args.device)
+    q, k, v = (torch.randn(b, length, h, d, generator=gen).to(dev) for _ in range(3))
+    g = F.logsigmoid(torch.randn(b, length, h, generator=gen)).to(dev)
+    beta = torch.sigmoid(torch.randn(b, length, h, generator=gen)).to(dev)
     if impl == "sdpa":  # [B, H, T, D]
         tensors = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
 
@@ -83,6 +86,12 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
 
         def run(x: list[torch.Tensor]) -> torch.Tensor:
             return chunk_linear_attn(*x, chunk_size=args.chunk_size)[0]
+    elif impl == "ours gdr torch":
+        tensors = [q, k, v, g, beta]
+
+        def run(x: list[torch.Tensor]) -> torch.Tensor:
+            with use_kernels("torch"):
+                return chunk_gated_delta_rule(*x, chunk_size=args.chunk_size, use_qk_l2norm_in_kernel=True)[0]
     else:
         tensors = [q, k, v, g, beta]
         fn = chunk_gated_delta_rule if impl == "ours gdr" else _hf_chunk_gated_delta_rule()
@@ -90,16 +99,21 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
         def run(x: list[torch.Tensor]) -> torch.Tensor:
             return fn(*x, chunk_size=args.chunk_size, use_qk_l2norm_in_kernel=True)[0]
 
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if mode == "fwd":
 
         def call() -> object:
             with torch.no_grad():
-                return run(tensors)
+                out = run(tensors)
+            sync()
+            return out
     else:
         leaves = [x.requires_grad_() for x in tensors]
 
         def call() -> object:
-            return torch.autograd.grad(run(leaves).sum(), leaves)
+            grads = torch.autograd.grad(run(leaves).sum(), leaves)
+            sync()
+            return grads
 
     return call
 
@@ -181,7 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--lengths", type=int, nargs="+", default=list(LENGTHS), help="sequence lengths")
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
-    add("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    add("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS))
+    add("--device", default="cpu", help="cpu or cuda (on cuda: Triton kernels where they apply; no memory column)")
     add("--repeats", type=int, default=5, help="timed rounds (median)")
     add("--warmup", type=int, default=1, help="untimed calls per cell first")
     add("--threads", type=int, default=2, help="torch threads")
@@ -208,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = {(i, t, m): make_cell(i, t, m, args) for t in args.lengths for m in args.modes for i in args.impls}
     secs = time_cells(cells, args.repeats, args.warmup)
     cells.clear()
-    mem = {} if args.no_memory else {key: measure_memory(*key, args) for key in secs}
+    mem = {} if args.no_memory or args.device != "cpu" else {key: measure_memory(*key, args) for key in secs}
     print(render(secs, mem, args))
     print()
     policy = os.environ.get("OMP_WAIT_POLICY", "default")

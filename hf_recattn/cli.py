@@ -81,14 +81,27 @@ _CHECKPOINT_HELP = "hf_recattn checkpoint folder, or a teacher spec (embedded, .
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="held-out perplexity, passkey, samples and decode cost of a checkpoint")
+    p = sub.add_parser("eval", help="held-out perplexity, passkey, associative recall, samples and decode cost "
+                       "of a checkpoint")
     p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
                    "folder, or a saved datasets folder; its held-out split is used")
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for perplexity")
     p.add_argument("--block-size", type=int, default=1024, help="tokens per perplexity block")
     p.add_argument("--teacher", default=None, help="also evaluate this teacher on the same tokens")
-    p.add_argument("--quick", action="store_true", help="smaller passkey / sample / decode probes")
+    p.add_argument("--quick", action="store_true", help="smaller passkey / recall / sample / decode probes")
+    p.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="passkey context lengths (default 1024 4096 8192; --quick: 1024)")
+    p.add_argument("--passkey-depths", type=float, nargs="+", default=None, metavar="DEPTH",
+                   help="positions of the key in the context, 0 to 1 (default 0.1 0.5 0.9)")
+    p.add_argument("--passkey-trials", type=int, default=None, metavar="N",
+                   help="passkey prompts per length, cycling through the depths (default 6; --quick: 3)")
+    p.add_argument("--recall-lengths", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="associative recall context lengths (default 1024 4096; --quick: 1024)")
+    p.add_argument("--recall-pairs", type=int, nargs="+", default=None, metavar="N",
+                   help="numbers of facts planted per associative recall prompt (default 1 4 16)")
+    p.add_argument("--recall-trials", type=int, default=None, metavar="N",
+                   help="associative recall prompts per length and number of facts (default 3; --quick: 1)")
     p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
     p.add_argument("--seed", type=int, default=0)
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .evaluation import RecallSizes
 
 
 def _label(spec: str) -> str:
@@ -16,12 +20,34 @@ def _label(spec: str) -> str:
     return path.resolve().name if path.exists() else spec
 
 
+#: the ``hf-recattn eval`` options that set the recall probes, by RecallSizes field
+RECALL_OPTIONS = ("passkey_lengths", "passkey_depths", "passkey_trials", "recall_lengths", "recall_pairs",
+                  "recall_trials")
+
+
+def recall_sizes(args: argparse.Namespace) -> RecallSizes:
+    """The recall probes' sizes: ``--quick``'s or the full defaults, overridden by the options given; a bad
+    value is a ValueError naming its option."""
+    from .evaluation import RecallSizes
+
+    given = {name: tuple(value) if isinstance(value, list) else value
+             for name in RECALL_OPTIONS if (value := getattr(args, name, None)) is not None}
+    try:
+        return dataclasses.replace(RecallSizes.for_mode(bool(args.quick)), **given)
+    except ValueError as err:
+        field = str(err).split(" ", 1)[0]
+        if field not in RECALL_OPTIONS:
+            raise
+        raise ValueError(f"--{field.replace('_', '-')}: {err}") from None
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    """Evaluate a checkpoint (and the teacher on the same tokens if given); write eval.json."""
+    """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
     from .conversion.teacher import load_causal_lm, load_teacher
     from .data.corpus import load_texts, split_heldout, token_blocks
     from .evaluation import comparison_table, evaluate, write_report
 
+    sizes = recall_sizes(args)  # bad sizes fail before any model is loaded
     torch.manual_seed(args.seed)
     model, tokenizer = load_causal_lm(args.checkpoint)
     _, heldout = split_heldout(load_texts(args.corpus), seed=args.seed)
@@ -34,10 +60,11 @@ def run_eval(args: argparse.Namespace) -> int:
         if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"teacher {args.teacher}: its tokenizer differs from the checkpoint's, so "
                              "perplexities on the same tokens would not be comparable")
-        rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick)
+        rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick, recall_texts=heldout,
+                                   sizes=sizes)
         del teacher
     name = _label(args.checkpoint)
-    rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick)
+    rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick, recall_texts=heldout, sizes=sizes)
     print(comparison_table(rows))
     for sample in rows[name]["samples"]:
         print(f"\n> {sample['prompt']}\n{sample['output']}")

@@ -2,8 +2,9 @@
 
 The front matter follows the Hub's conventions (``huggingface_hub.ModelCardData``): ``library_name``,
 ``pipeline_tag``, ``base_model`` (the teacher), ``license`` (the teacher's), tags, and a ``model-index`` with the
-held-out perplexity and passkey accuracy of a conversion report. The body is built from the checkpoint's config
-(attention per layer, state size against the teacher's KV cache) and, when there is one, its ``report.json``.
+held-out perplexity, passkey accuracy and associative recall accuracy of a conversion report. The body is built
+from the checkpoint's config (attention per layer, state size against the teacher's KV cache) and, when there is
+one, its ``report.json``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ def _eval_results(report: dict[str, Any], model_name: str) -> list[Any]:
                                   metric_name=f"passkey accuracy ({lengths} tokens)",
                                   metric_value=round(passkey["mean_accuracy"], 4),
                                   dataset_type="hf_recattn/passkey", dataset_name="passkey retrieval"))
+    recall = student.get("associative_recall") or {}
+    if recall.get("mean_accuracy") is not None:
+        lengths = ", ".join(sorted(recall.get("accuracy", {}), key=int))
+        pairs = ", ".join(str(n) for n in recall.get("pairs", []))
+        results.append(EvalResult(task_type="text-generation", metric_type="associative_recall_accuracy",
+                                  metric_name=f"associative recall accuracy ({lengths} tokens; {pairs} pairs)",
+                                  metric_value=round(recall["mean_accuracy"], 4),
+                                  dataset_type="hf_recattn/associative_recall",
+                                  dataset_name=f"associative recall in the {_corpus_name(report)}"))
     return results
 
 
@@ -133,17 +143,39 @@ def _evaluation(report: dict[str, Any] | None) -> str:
     rows = report["comparison"]
     student = report.get("student") or {}
     passkey = student.get("passkey") or {}
-    per_length = ", ".join(f"{k} tokens: {v:.0%}" for k, v in sorted(passkey.get("accuracy", {}).items(),
-                                                                      key=lambda kv: int(kv[0])))
+    per_length = ", ".join(f"{k} tokens: {v:.0%}" for k, v in _by_length(passkey.get("accuracy", {})))
+    recall = "associative_recall" in student
     parts = [
         f"Held-out perplexity on {student.get('eval_tokens', '?')} tokens of the {_corpus_name(report)} in blocks "
-        f"of {student.get('block_size', '?')} (the same tokens for every row); passkey retrieval accuracy; greedy "
-        "decode cost through the cache. For hybrids, window-only and far-only are this model with one part removed.",
+        f"of {student.get('block_size', '?')} (the same tokens for every row); passkey retrieval accuracy; "
+        + ("associative recall accuracy (codes of made-up people planted in held-out text, then asked); "
+           if recall else "")
+        + "greedy decode cost through the cache. For hybrids, window-only and far-only are this model with one "
+        "part removed.",
         comparison_table(rows),
     ]
     if per_length:
         parts.append(f"Passkey accuracy of this model by context: {per_length}.")
+    by_depth = "; ".join(f"{k} tokens: " + ", ".join(f"{d}: {v:.0%}" for d, v in depths.items())
+                         for k, depths in _by_length(passkey.get("accuracy_by_depth", {})))
+    if by_depth:
+        parts.append(f"Passkey accuracy by depth of the key (0 = start of the context): {by_depth}.")
+    if recall:
+        parts.append(_recall_text(student["associative_recall"]))
     return "\n\n".join(parts)
+
+
+def _by_length(values: dict[str, Any]) -> list[tuple[str, Any]]:
+    return sorted(values.items(), key=lambda kv: int(kv[0]))
+
+
+def _recall_text(recall: dict[str, Any]) -> str:
+    """The associative recall accuracy of this model per context length and number of planted pairs."""
+    cells = "; ".join(f"{k} tokens: " + ", ".join(f"{n} pairs {v:.0%}" for n, v in per.items())
+                      for k, per in _by_length(recall.get("accuracy", {})))
+    queries = f"up to {recall['max_queries']} queries per prompt" if "max_queries" in recall else "queries"
+    return (f"Associative recall accuracy of this model ({queries}, {recall.get('scoring', '?')} scoring): "
+            f"{cells or 'no context length fitted the model'}.")
 
 
 def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
@@ -190,6 +222,10 @@ def _limitations(config: RecAttnConfig, report: dict[str, Any] | None) -> str:
     if passkey is not None and passkey < 0.9:
         lines.append(f"- Passkey retrieval succeeds in {passkey:.0%} of trials: do not rely on this model to "
                      "retrieve one fact from a long prompt.")
+    recall = (student.get("associative_recall") or {}).get("mean_accuracy")
+    if recall is not None and recall < 0.9:
+        lines.append(f"- Associative recall answers {recall:.0%} of queries: do not rely on this model to keep "
+                     "several facts from a long prompt.")
     if (report or {}).get("recipe", {}).get("budget") == "quick" or (student.get("quick")):
         lines.append("- This is a quick-budget conversion: few training tokens and small evaluation probes.")
     lines.append("- Inherits the teacher's biases and limitations.")

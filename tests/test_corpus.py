@@ -106,6 +106,24 @@ def test_embedded_builder_reads_docstrings_and_docs(tmp_path: Path, monkeypatch:
     assert len(corpus.build_embedded_corpus(max_chars=10)) == 1  # stops once max_chars is reached
 
 
+def test_optional_extras_leave_the_corpus_and_its_key_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lib = _fake_install(tmp_path)
+    monkeypatch.setattr(corpus, "_roots", lambda: [("site", lib)])
+    texts, key = corpus.build_embedded_corpus(max_chars=10**6), corpus._environment_key(10**6)
+    (lib / "triton").mkdir()  # an optional extra, installed with its RECORD
+    (lib / "triton" / "language.py").write_text(f'"""{PROSE}"""\n')
+    info = lib / "triton-3.9.0.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("triton/language.py,sha256=x,1\ntriton-3.9.0.dist-info/RECORD,,\n")
+    assert corpus.build_embedded_corpus(max_chars=10**6) == texts
+    assert corpus._environment_key(10**6) == key
+    other = lib / "other-1.0.dist-info"  # any other distribution changes the key
+    other.mkdir()
+    assert corpus._environment_key(10**6) != key
+
+
 def test_embedded_texts_are_cached_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lib = _fake_install(tmp_path)
     monkeypatch.setattr(corpus, "_roots", lambda: [("site", lib)])

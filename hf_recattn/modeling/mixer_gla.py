@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
 from .options import Option
 from .output_norms import OutputNorm
@@ -163,12 +163,12 @@ class GLAMixer(Mixer):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, k, log_a = self._prepare(q, k, inputs)
-        o, S = gla_step(qg, k, v, log_a, state["S"])
+        o, S = gla_step(qg, k, v, log_a, state["S"], in_place=writable(state["S"]))
         return self._finish(o, inputs.hidden_states), {"S": S}
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
-        return {"S": torch.zeros(batch_size, hk, d, d, device=device, dtype=dtype)}
+        return {"S": torch.zeros(batch_size, hk, d, d, device=device, dtype=state_dtype(dtype))}
 
     def state_size(self, context_length: int) -> int:
         return self.shape.num_kv_heads * self.shape.head_dim * self.shape.head_dim

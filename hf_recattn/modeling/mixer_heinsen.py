@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_heinsen import (
     heinsen_chunked,
     heinsen_parallel,
@@ -71,12 +71,12 @@ class HeinsenMixer(Mixer):
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("step")
         qg, kg = self._prepare(q, k, inputs)
-        out, state = heinsen_step(qg, kg, v, state)
+        out, state = heinsen_step(qg, kg, v, state, in_place=writable(*state.values()))
         return ungroup_output(out), state
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         d = self.shape.head_dim
-        return init_log_state(batch_size, self.shape.num_kv_heads, d, d, device, dtype)
+        return init_log_state(batch_size, self.shape.num_kv_heads, d, d, device, state_dtype(dtype))
 
     def state_size(self, context_length: int) -> int:
         d = self.shape.head_dim

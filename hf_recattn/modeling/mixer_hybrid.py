@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output, writable
 from .mixer_delta import DeltaMixer
 from .mixer_linear import LinearMixer
 from .mixer_taylor import TaylorMixer
@@ -86,6 +86,10 @@ def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
                 "denominator='exact'; use combine='sum' otherwise"
             )
     return None
+
+
+def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(dtype)
 
 
 class HybridMixer(Mixer):
@@ -159,18 +163,22 @@ class HybridMixer(Mixer):
     def _far_terms(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, State | None]:
+        """The far part's (numerator, denominator, count, state) in q's dtype; its state keeps its own (float32
+        in a half-precision model: only the terms read from it are cast)."""
         far = self.far
         if isinstance(far, TaylorMixer):
-            return far.terms(q, k, v, inputs, state, form)
+            num, den, cnt, state = far.terms(q, k, v, inputs, state, form)
+            return _cast(num, q.dtype), _cast(den, q.dtype), _cast(cnt, q.dtype), state
         qf, kf = far.features(q, k, inputs)
         if form == "parallel":
             num, den = linear_parallel(qf, kf, v)
             return num, den, None, None
         if form == "step":
-            num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"])
+            S, z = state["S"], state["z"]
+            num, den, S, z = linear_step(qf, kf, v, S, z, in_place=writable(S, z))
         else:
             num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], far.chunk_size)
-        return num, den, None, {"S": S, "z": z}
+        return num.to(q.dtype), den.to(q.dtype), None, {"S": S, "z": z}
 
     def _far_finish(
         self, num: torch.Tensor, den: torch.Tensor | None, cnt: torch.Tensor | None, inputs: MixerInputs

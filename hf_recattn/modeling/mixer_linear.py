@@ -12,7 +12,7 @@ import torch
 
 from .decay import DECAYS, RETNET_GAMMA_MIN, Decay
 from .feature_maps import FEATURE_MAPS, FeatureMap
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
 from .options import Option
 from .output_norms import OUTPUT_NORMS, OutputNorm
@@ -141,11 +141,13 @@ class LinearMixer(Mixer):
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("step")
         qf, kf = self.features(q, k, inputs)
-        num, den, S, z = linear_step(qf, kf, v, state["S"], state["z"], self._log_decay(inputs))
+        S, z = state["S"], state["z"]
+        num, den, S, z = linear_step(qf, kf, v, S, z, self._log_decay(inputs), in_place=writable(S, z))
         return self.finish(*self._with_sink(qf, num, den)), {"S": S, "z": z}
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, f, e = self.shape.num_kv_heads, self.feature_map.out_dim, self.shape.head_dim
+        dtype = state_dtype(dtype)
         return {
             "S": torch.zeros(batch_size, hk, f, e, device=device, dtype=dtype),
             "z": torch.zeros(batch_size, hk, f, device=device, dtype=dtype),

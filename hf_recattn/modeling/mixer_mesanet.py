@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_mesanet import SOLVERS, mesa_chunked, mesa_parallel, mesa_step
 from .options import Option
 from .output_norms import OutputNorm
@@ -210,7 +210,8 @@ class MesaMixer(Mixer):
             if form == "chunked":
                 o, h, g = mesa_chunked(qg, kd, vd, log_gamma, beta, lam, h0, g0, self.chunk_size, *args)
             else:
-                o, h, g = mesa_step(qg, kd, vd, log_gamma, beta, lam, h0, g0, *args)
+                in_place = h0 is state["H"] and g0 is state["G"] and writable(h0, g0)
+                o, h, g = mesa_step(qg, kd, vd, log_gamma, beta, lam, h0, g0, *args, in_place=in_place)
             new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
         return self._finish(o.to(dtype), inputs.hidden_states), new_state
 
@@ -243,8 +244,8 @@ class MesaMixer(Mixer):
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
         state = {
-            "H": torch.zeros(batch_size, hk, d, d, device=device, dtype=dtype),
-            "G": torch.zeros(batch_size, hk, d, d, device=device, dtype=dtype),
+            "H": torch.zeros(batch_size, hk, d, d, device=device, dtype=state_dtype(dtype)),
+            "G": torch.zeros(batch_size, hk, d, d, device=device, dtype=state_dtype(dtype)),
         }
         state.update({name: conv.init_state(batch_size, device, dtype) for name, conv in self.convs.items()})
         return state

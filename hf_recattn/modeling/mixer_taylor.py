@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .feature_maps import FeatureMap
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_taylor import packed_dim, quadratic_weights, taylor_chunked, taylor_step
 from .options import Option
 from .output_norms import OUTPUT_NORMS, OutputNorm
@@ -239,7 +239,8 @@ class TaylorMixer(Mixer):
             return (*self._quadratic(q, keys, values, real), {"k": keys, "v": values})
         qg, kf = self._prepare(q, k)
         if form == "step":
-            return taylor_step(qg, kf, v, state, int(self.order), inputs.token_mask)
+            in_place = writable(*state.values())
+            return taylor_step(qg, kf, v, state, int(self.order), inputs.token_mask, in_place=in_place)
         return taylor_chunked(qg, kf, v, state, int(self.order), self.chunk_size, inputs.token_mask)
 
     # ----- forms ------------------------------------------------------------------------------------------
@@ -270,6 +271,7 @@ class TaylorMixer(Mixer):
                 "v": torch.zeros(empty, device=device, dtype=dtype),
             }
         p = packed_dim(d, int(self.order))
+        dtype = state_dtype(dtype)
         state = {"S": torch.zeros(batch_size, hk, p, d, device=device, dtype=dtype)}
         if self.denominator == "exact":
             state["z"] = torch.zeros(batch_size, hk, p, device=device, dtype=dtype)

@@ -25,6 +25,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache import RecAttnCache
+from .compiled_step import compile_decode
 from .configuration import RecAttnConfig
 from .mixer_base import MixerInputs, MixerShape
 from .mixers import build_mixer
@@ -72,7 +73,8 @@ class RecAttnAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project(hidden_states, position_embeddings)
         if packing is not None:
-            return self.o_proj(self._mix_documents(q, k, v, hidden_states, packing).flatten(2))
+            mixed = self._mix_documents(q, k, v, hidden_states, packing).flatten(2)
+            return self.o_proj(mixed.to(hidden_states.dtype))
         layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
         inputs = MixerInputs(
             hidden_states=hidden_states,
@@ -84,7 +86,8 @@ class RecAttnAttention(nn.Module):
         )
         if layer is not None:
             layer.update(state, hidden_states.shape[1])
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+        # float32 states give float32 outputs in a half-precision model: back to the projection's dtype
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype))
 
     def _mix_documents(
         self,
@@ -321,6 +324,23 @@ class RecAttnModel(RecAttnPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        block = self._prefill_block(cache, packing, seq_len, kwargs)
+        if block:
+            hidden_states = self._prefill_in_blocks(hidden_states, position_embeddings, padding_mask, cache, block,
+                                                    kwargs)
+        else:
+            hidden_states = self._layers(hidden_states, position_embeddings, padding_mask, cache, packing, kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+
+    def _layers(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        padding_mask: torch.Tensor | None,
+        cache: RecAttnCache | None,
+        packing: PackedDocuments | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -330,7 +350,40 @@ class RecAttnModel(RecAttnPreTrainedModel):
                 packing=packing,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+        return hidden_states
+
+    def _prefill_block(
+        self, cache: RecAttnCache | None, packing: PackedDocuments | None, seq_len: int, kwargs: dict[str, Any]
+    ) -> int:
+        """Tokens per block for a long prompt run into a cache (``config.prefill_block_size``), or 0 for one pass
+        (no cache, packed documents, a short prompt, or per-layer outputs being captured)."""
+        block = self.config.prefill_block_size or 0
+        capturing = any(kwargs.get(name) or getattr(self.config, name, False)
+                        for name in ("output_hidden_states", "output_attentions"))
+        if cache is None or packing is not None or capturing or seq_len <= block:
+            return 0
+        return block
+
+    def _prefill_in_blocks(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        padding_mask: torch.Tensor | None,
+        cache: RecAttnCache,
+        block: int,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """The layers over blocks of ``block`` tokens, each continuing from the cache the previous one left."""
+        seq_len = hidden_states.shape[1]
+        past = padding_mask.shape[1] - seq_len if padding_mask is not None else 0
+        cos, sin = position_embeddings
+        outputs = []
+        for start in range(0, seq_len, block):
+            stop = min(start + block, seq_len)
+            mask = None if padding_mask is None else padding_mask[:, : past + stop]
+            part = (cos[:, start:stop], sin[:, start:stop])
+            outputs.append(self._layers(hidden_states[:, start:stop], part, mask, cache, None, kwargs))
+        return torch.cat(outputs, dim=1)
 
 
 def runtime_auto_map() -> dict[str, str]:
@@ -361,6 +414,11 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
 
     def new_cache(self) -> RecAttnCache:
         return self.model.new_cache()
+
+    def compile_decode(self, enable: bool = True) -> list[int]:
+        """Run the decode steps of the fixed-state layers through ``torch.compile`` (off by default: it compiles
+        on first use; see ``compiled_step.py``). Returns the indices of the layers it applies to."""
+        return compile_decode(self.model.layers, enable)
 
     # ----- generate() hooks ---------------------------------------------------------------------------------
     def _prepare_cache_for_generation(  # noqa: ANN001

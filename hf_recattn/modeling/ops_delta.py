@@ -33,6 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .backends import pick
+from .ops_kernels import chunked as kernel_chunked
+from .ops_kernels import delta_step as kernel_delta_step
+
+#: why the kernels cannot run DeltaProduct
+SEVERAL_UPDATES = "several updates per token (DeltaProduct)"
+
 
 def _block_terms(
     q: torch.Tensor,
@@ -80,6 +87,9 @@ def delta_parallel(
     steps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole sequence as one block: returns (o [B, Hk, G, T, E], final state [B, Hk, D, E])."""
+    if state is not None:  # computed in the state's dtype (float32 states of a half-precision model)
+        q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)
+        log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
     w, u, scores, q_state, k_state, carry = _block_terms(q, k, v, log_alpha, beta, erase, steps)
     if state is None:
         return scores @ u.unsqueeze(2), k_state.transpose(-1, -2) @ u
@@ -267,6 +277,12 @@ def delta_chunked(
     with autograd, checkpointing per group keeps them out of the saved activations. ``o`` is a permuted view of
     memory laid out [B, T, Hk, G, E].
     """
+    q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)  # float32 states of a half-precision model
+    log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
+    kernel = pick("chunk_delta", q, k, v, log_alpha, beta, erase, state,
+                  unsupported=SEVERAL_UPDATES if steps > 1 else None)
+    if kernel is not None:
+        return kernel_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
     b, hk, g, t, d = q.shape
     e = v.shape[-1]
     x, c = b * hk, chunk_size * steps
@@ -302,13 +318,24 @@ def delta_step(
     beta: torch.Tensor,
     erase: torch.Tensor,
     state: torch.Tensor,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token (T == 1, its ``steps`` updates in a row): returns (o [B, Hk, G, 1, E], new state)."""
+    """One token (T == 1, its ``steps`` updates in a row): returns (o [B, Hk, G, 1, E], new state).
+
+    ``in_place`` writes the new state into ``state``'s buffer."""
+    q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)
+    log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
+    kernel = pick("delta_step", q, k, v, log_alpha, beta, erase, state,
+                  unsupported=SEVERAL_UPDATES if k.shape[2] > 1 else None)
+    if kernel is not None:
+        return kernel_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
     for j in range(k.shape[2]):
         kj = k[:, :, j : j + 1]  # [B, Hk, 1, D]
         read = kj @ state  # k^T S: [B, Hk, 1, E]
         new = beta[:, :, j, None, None] * v[:, :, j : j + 1] - erase[:, :, j, None, None] * read
-        state = torch.addcmul(
-            log_alpha[:, :, j, None, None].exp() * state, kj.transpose(-1, -2), new
-        )
-    return q @ state.unsqueeze(2), state
+        alpha = log_alpha[:, :, j, None, None].exp()
+        if in_place:
+            state = state.mul_(alpha).addcmul_(kj.transpose(-1, -2), new)
+        else:
+            state = torch.addcmul(alpha * state, kj.transpose(-1, -2), new)
+    return (q[:, :, :, 0] @ state).unsqueeze(3), state  # [B, Hk, G, D] @ [B, Hk, D, E]: no copy of the state

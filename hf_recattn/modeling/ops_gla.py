@@ -18,6 +18,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .backends import pick
+from .ops_kernels import chunked as kernel_chunked
+from .ops_kernels import gated_step as kernel_gated_step
+
 #: tokens per secondary chunk inside a chunk of the chunked form
 SUB_CHUNK = 16
 
@@ -71,8 +75,12 @@ def gla_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise form from the state ``S``: exact inside a chunk, the state carried across chunks.
 
-    Returns (output [B, Hkv, G, T, E], final S).
+    Returns (output [B, Hkv, G, T, E], final S), computed in S's dtype (float32 states of a half-precision model).
     """
+    q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
+    kernel = pick("chunk_linear", q, k, v, log_a, S)
+    if kernel is not None:
+        return kernel_chunked(kernel, q, k, v, S, gk=log_a)
     outs = []
     qs, ks, vs = q.split(chunk_size, dim=3), k.split(chunk_size, dim=2), v.split(chunk_size, dim=2)
     for qc, kc, vc, lc in zip(qs, ks, vs, log_a.split(chunk_size, dim=2), strict=True):
@@ -94,8 +102,17 @@ def gla_chunked(
 
 
 def gla_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor, S: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor, S: torch.Tensor, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token (T == 1): decay the state per key dimension, add k v^T, read it with q."""
-    S = torch.addcmul(S * log_a[:, :, 0, :, None].exp(), k.transpose(-1, -2), v)
-    return torch.matmul(q, S.unsqueeze(2)), S
+    """One token (T == 1): decay the state per key dimension, add k v^T, read it with q (``in_place``: in S's
+    buffer)."""
+    q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
+    kernel = pick("linear_step", q, k, v, log_a, S)
+    if kernel is not None:
+        return kernel_gated_step(kernel, q, k, v, S, in_place, gk=log_a[:, :, 0])
+    decay = log_a[:, :, 0, :, None].exp()
+    if in_place:
+        S = S.mul_(decay).addcmul_(k.transpose(-1, -2), v)
+    else:
+        S = torch.addcmul(S * decay, k.transpose(-1, -2), v)
+    return torch.matmul(q[:, :, :, 0], S).unsqueeze(3), S  # no broadcast copy of S over the groups

@@ -86,15 +86,16 @@ def heinsen_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 def heinsen_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, in_place: bool = False
 ) -> tuple[torch.Tensor, State]:
-    """Seed 001 eqs. 5-6: fold one token into the log-space states, then read them."""
+    """Seed 001 eqs. 5-6: fold one token into the log-space states, then read them (``in_place``: into the
+    state's buffers)."""
+    dtype = state["hz"].dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     kv_pos, kv_neg = _key_value_logs(k, v)
-    new = {
-        "hz": torch.logaddexp(state["hz"], k[:, :, 0]),
-        "hs_pos": torch.logaddexp(state["hs_pos"], kv_pos[:, :, 0]),
-        "hs_neg": torch.logaddexp(state["hs_neg"], kv_neg[:, :, 0]),
-    }
+    terms = {"hz": k[:, :, 0], "hs_pos": kv_pos[:, :, 0], "hs_neg": kv_neg[:, :, 0]}
+    new = {name: torch.logaddexp(state[name], term, out=state[name] if in_place else None)
+           for name, term in terms.items()}
     out = read_out(
         q, new["hz"][:, :, None, None], new["hs_pos"][:, :, None, None], new["hs_neg"][:, :, None, None]
     )
@@ -109,6 +110,7 @@ def heinsen_chunked(
     log-weight) before leaving log space, so nothing overflows and signed values need no split inside a chunk.
     """
     hz, hs_pos, hs_neg = state["hz"], state["hs_pos"], state["hs_neg"]
+    q, k, v = q.to(hz.dtype), k.to(hz.dtype), v.to(hz.dtype)  # float32 states of a half-precision model
     zero = log_zero(q.dtype)
     outs = []
     for start in range(0, q.shape[3], chunk_size):

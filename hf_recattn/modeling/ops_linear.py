@@ -4,6 +4,9 @@ Shapes: ``q`` is ``[B, Hkv, G, T, F]`` (G query heads share a key head), ``k`` i
 ``[B, Hkv, T, E]``. States: ``S`` is ``[B, Hkv, F, E]`` (sum of k v^T), ``z`` is ``[B, Hkv, F]`` (sum of k).
 Padding is the caller's business: zero the feature-mapped keys of padded tokens before calling.
 
+States may be kept in a wider dtype than the inputs (float32 states for a bfloat16 model): the stateful forms
+cast q, k, v and the decay to the state's dtype and return float32 outputs then.
+
 Decay: an optional ``log_g`` [B, Hkv, T] (<= 0) makes every form compute S_t = g_t S_{t-1} + k_t v_t^T (and
 z_t = g_t z_{t-1} + k_t), so key s reaches query t with the weight exp(sum_{s < r <= t} log g_r).
 """
@@ -13,6 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .backends import pick
+from .ops_kernels import linear_chunked as kernel_linear_chunked
+from .ops_kernels import linear_step as kernel_linear_step
 
 
 def _causal(scores: torch.Tensor) -> torch.Tensor:
@@ -57,6 +64,11 @@ def linear_chunked(
 
     Returns (numerator, denominator, final S, final z).
     """
+    q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
+    log_g = None if log_g is None else log_g.to(S.dtype)
+    kernel = pick("chunk_linear", q, k, v, S, z, log_g)
+    if kernel is not None:
+        return kernel_linear_chunked(kernel, q, k, v, S, z, g=log_g)
     nums, dens = [], []
     # split() rather than slicing: its backward joins the chunks' gradients once (slicing would allocate a
     # full-size gradient per chunk, quadratic in the length)
@@ -88,17 +100,32 @@ def linear_step(
     S: torch.Tensor,
     z: torch.Tensor,
     log_g: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token (T == 1): fold k v^T into the state, then read it with q.
+    """One token (T == 1): fold k v^T into the state, then read it with q. ``in_place`` updates S and z in their
+    buffers (see ``mixer_base.writable``) instead of allocating new ones.
 
     Written with addcmul / matmul rather than einsum: a decode step runs this once per layer per token, and
     einsum's reshapes cost more than the arithmetic at these sizes.
     """
+    q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
+    kernel = pick("linear_step", q, k, v, S, z, log_g)
+    if kernel is not None:
+        g = None if log_g is None else log_g[:, :, 0].to(S.dtype)
+        return kernel_linear_step(kernel, q, k, v, S, z, in_place, g=g)
     if log_g is not None:
-        g = log_g[:, :, 0].exp()
-        S, z = S * g[..., None, None], z * g[..., None]
-    S = torch.addcmul(S, k.transpose(-1, -2), v)
-    z = z + k[:, :, 0]
+        g = log_g[:, :, 0].exp().to(S.dtype)
+        if in_place:
+            S.mul_(g[..., None, None])
+            z.mul_(g[..., None])
+        else:
+            S, z = S * g[..., None, None], z * g[..., None]
+    if in_place:
+        S.addcmul_(k.transpose(-1, -2), v)
+        z.add_(k[:, :, 0])
+    else:
+        S = torch.addcmul(S, k.transpose(-1, -2), v)
+        z = z + k[:, :, 0]
     q1 = q[:, :, :, 0]  # [B, Hkv, G, F]
     return torch.matmul(q1, S).unsqueeze(3), torch.matmul(q1, z.unsqueeze(-1)), S, z
 

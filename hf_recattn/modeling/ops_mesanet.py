@@ -194,11 +194,16 @@ def mesa_step(
     g: torch.Tensor,
     solver: str = "exact",
     cg_steps: int = 30,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token (T == 1): returns (o [B, Hk, G, 1, E], new H, new G)."""
+    """One token (T == 1): returns (o [B, Hk, G, 1, E], new H, new G); ``in_place`` writes them into h and g."""
     gamma = log_gamma.exp()[..., None]  # [B, Hk, 1, 1]
     written = (k * beta[..., None]).transpose(-1, -2)  # beta k as a column: [B, Hk, D, 1]
-    h = gamma * h + written @ k
-    g = gamma * g + written @ v
+    if in_place:
+        h = h.mul_(gamma).addcmul_(written, k)
+        g = g.mul_(gamma).addcmul_(written, v)
+    else:  # the same ops out of place (so both give the same floats)
+        h = torch.addcmul(gamma * h, written, k)
+        g = torch.addcmul(gamma * g, written, v)
     x = solve_dense(h[:, :, None], q.transpose(2, 3), lam, solver, cg_steps)  # [B, Hk, 1, G, D]
     return (x[:, :, 0] @ g)[:, :, :, None], h, g

@@ -108,6 +108,7 @@ def taylor_chunked(
     the denominator / count are computed when the state holds ``z`` / ``n``.
     """
     S, z, n = state["S"], state.get("z"), state.get("n")
+    q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)  # float32 states of a half-precision model
     mask = None if key_mask is None else key_mask.to(k.dtype)[:, None, :]  # [B, 1, T]
     nums, dens, cnts = [], [], []
     for start in range(0, q.shape[3], chunk_size):
@@ -141,24 +142,40 @@ def taylor_chunked(
 
 
 def taylor_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, order: int, key_mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: State,
+    order: int,
+    key_mask: torch.Tensor | None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, State]:
-    """One token: fold Phi(k) v^T into the per-order states, then read them with Phi(q) (seed 000, eq. 3)."""
+    """One token: fold Phi(k) v^T into the per-order states, then read them with Phi(q) (seed 000, eq. 3).
+
+    ``in_place`` adds to the state buffers instead of allocating new ones: at order 2 the state is 2,145 x 64
+    floats per key head, and a fresh copy per token costs more than the arithmetic.
+    """
+    S = state["S"]
+    q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     fk = packed_powers(k, order)  # [B, Hkv, 1, P]
-    real = (
-        k.new_ones(k.shape[:3]) if key_mask is None else key_mask.to(k.dtype)[:, None, :].expand(k.shape[:3])
-    )
-    fk = fk * real[..., None]
+    real = None if key_mask is None else key_mask.to(k.dtype)[:, None, :].expand(k.shape[:3])
+    if real is not None:
+        fk = fk * real[..., None]
     fq = packed_powers(q, order)
-    new_state: State = {"S": state["S"] + torch.einsum("bhsp,bhse->bhpe", fk, v)}
-    num = torch.einsum("bhgtp,bhpe->bhgte", fq, new_state["S"])
+    outer = (fk.transpose(-1, -2), v)  # [B, Hkv, P, 1] x [B, Hkv, 1, E]
+    new_state: State = {"S": S.addcmul_(*outer) if in_place else torch.addcmul(S, *outer)}
+    # [B, Hkv, G, P] @ [B, Hkv, P, E]: one batched product per key head (broadcasting S over G would copy it)
+    fq = fq[:, :, :, 0]
+    num = torch.matmul(fq, new_state["S"]).unsqueeze(3)  # [B, Hkv, G, 1, E]
     den = cnt = None
     if "z" in state:
-        new_state["z"] = state["z"] + fk.sum(2)
-        den = torch.einsum("bhgtp,bhp->bhgt", fq, new_state["z"])
+        z = state["z"]
+        new_state["z"] = z.add_(fk[:, :, 0]) if in_place else z + fk[:, :, 0]
+        den = torch.matmul(fq, new_state["z"].unsqueeze(-1))  # [B, Hkv, G, 1]
     if "n" in state:
-        new_state["n"] = state["n"] + real.sum(-1)
-        cnt = new_state["n"][:, :, None, None].expand(q.shape[:4])
+        count = k.new_ones(k.shape[:2]) if real is None else real.sum(-1)
+        new_state["n"] = state["n"].add_(count) if in_place else state["n"] + count
+        cnt = new_state["n"][:, :, None, None].expand(q.shape[:4])  # [B, Hkv, G, 1]
     return num, den, cnt, new_state
 
 
