@@ -121,3 +121,9 @@ def test_forced_kernels_on_the_cpu_need_the_interpreter(monkeypatch: pytest.Monk
     x = torch.zeros(1, 2, 3, 16)
     with use_kernels("triton"), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         backends.pick("chunk_delta", x)
+
+
+def test_heads_wider_than_a_kernel_takes_are_refused_by_name() -> None:
+    q = torch.randn(1, 20, 1, 200)
+    with use_kernels("triton"), pytest.raises(ValueError, match="at most 128"):
+        ops.chunk_delta_rule(q, q, q[..., :16], torch.rand(1, 20, 1))

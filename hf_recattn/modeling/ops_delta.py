@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from .backends import pick
 from .ops_kernels import chunked as kernel_chunked
 from .ops_kernels import delta_step as kernel_delta_step
+from .ops_kernels import too_wide
 
 #: why the kernels cannot run DeltaProduct
 SEVERAL_UPDATES = "several updates per token (DeltaProduct)"
@@ -280,7 +281,7 @@ def delta_chunked(
     q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)  # float32 states of a half-precision model
     log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
     kernel = pick("chunk_delta", q, k, v, log_alpha, beta, erase, state,
-                  unsupported=SEVERAL_UPDATES if steps > 1 else None)
+                  unsupported=SEVERAL_UPDATES if steps > 1 else too_wide("chunk_delta", k, v))
     if kernel is not None:
         return kernel_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
     b, hk, g, t, d = q.shape
@@ -326,7 +327,7 @@ def delta_step(
     q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)
     log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
     kernel = pick("delta_step", q, k, v, log_alpha, beta, erase, state,
-                  unsupported=SEVERAL_UPDATES if k.shape[2] > 1 else None)
+                  unsupported=SEVERAL_UPDATES if k.shape[2] > 1 else too_wide("delta_step", k, v))
     if kernel is not None:
         return kernel_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
     for j in range(k.shape[2]):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .backends import pick
 from .ops_kernels import chunked as kernel_chunked
 from .ops_kernels import gated_step as kernel_gated_step
+from .ops_kernels import too_wide
 
 #: tokens per secondary chunk inside a chunk of the chunked form
 SUB_CHUNK = 16
@@ -78,7 +79,7 @@ def gla_chunked(
     Returns (output [B, Hkv, G, T, E], final S), computed in S's dtype (float32 states of a half-precision model).
     """
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
-    kernel = pick("chunk_linear", q, k, v, log_a, S)
+    kernel = pick("chunk_linear", q, k, v, log_a, S, unsupported=too_wide("chunk_linear", k, v))
     if kernel is not None:
         return kernel_chunked(kernel, q, k, v, S, gk=log_a)
     outs = []
@@ -107,7 +108,7 @@ def gla_step(
     """One token (T == 1): decay the state per key dimension, add k v^T, read it with q (``in_place``: in S's
     buffer)."""
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
-    kernel = pick("linear_step", q, k, v, log_a, S)
+    kernel = pick("linear_step", q, k, v, log_a, S, unsupported=too_wide("linear_step", k, v))
     if kernel is not None:
         return kernel_gated_step(kernel, q, k, v, S, in_place, gk=log_a[:, :, 0])
     decay = log_a[:, :, 0, :, None].exp()

@@ -15,6 +15,14 @@ import torch
 
 #: tokens per chunk of the chunked kernels (a kernel's own choice: the result does not depend on it)
 KERNEL_CHUNK = 64
+#: the widest key / value head each kernel takes (the chunked delta rule's backward needs K <= 128 in shared memory)
+MAX_WIDTH = {"chunk_linear": 256, "chunk_delta": 128, "linear_step": 256, "delta_step": 256}
+
+
+def too_wide(name: str, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernel ``name`` cannot take heads this wide, or None."""
+    limit, widths = MAX_WIDTH[name], (k.shape[-1], v.shape[-1] + (name in ("chunk_linear", "linear_step")))
+    return f"key / value heads of {widths[0]} / {widths[1]} (at most {limit})" if max(widths) > limit else None
 
 
 def _per_head(x: torch.Tensor, groups: int) -> torch.Tensor:
