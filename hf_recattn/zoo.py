@@ -60,6 +60,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "eval_tokens": student.get("eval_tokens"),
         "passkey": passkey.get("accuracy"),
         "teacher_passkey": (teacher.get("passkey") or {}).get("accuracy"),
+        "associative_recall": (student.get("associative_recall") or {}).get("mean_accuracy"),
+        "teacher_associative_recall": (teacher.get("associative_recall") or {}).get("mean_accuracy"),
         "command": f"hf-recattn convert --teacher embedded --recipe {recipe['name']} --budget {budget} "
         f"--output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
@@ -71,15 +73,18 @@ def format_zoo(entries: list[dict[str, Any]]) -> str:
     if not entries:
         return "The zoo is empty (no zoo.json shipped)."
     lines = [
-        "| name | recipe | training tokens | state at 8k | × teacher's KV | perplexity (× teacher) | passkey | card |",
-        "|---|---|---:|---:|---:|---:|---|---|",
+        "| name | recipe | training tokens | state at 8k | × teacher's KV | perplexity (× teacher) | passkey "
+        "| associative recall | card |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|",
     ]
     for e in entries:
         passkey = ", ".join(f"{k}: {v:.0%}" for k, v in (e.get("passkey") or {}).items()) or "-"
+        recall = "-" if e.get("associative_recall") is None else f"{e['associative_recall']:.0%}"
         lines.append(
             f"| {e['name']} | `{e['recipe']}` ({e['budget']}) | {e['training_tokens']:,} | "
             f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | "
-            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {passkey} | [{e['card']}]({e['card']}) |"
+            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {passkey} | {recall} | "
+            f"[{e['card']}]({e['card']}) |"
         )
     return "\n".join(lines)
 

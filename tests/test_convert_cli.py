@@ -10,9 +10,11 @@ import pytest
 import torch
 from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_teacher_folder, write_recipe
 
+from hf_recattn import evaluation
 from hf_recattn.cli import main
 from hf_recattn.conversion import attention_transfer as at
 from hf_recattn.conversion import finetune as ft
+from hf_recattn.data.corpus import load_texts, split_heldout
 
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
 #: window + sinks + a gated delta far part (the hybrid-w64-sink4-gdn recipe in miniature)
@@ -62,11 +64,23 @@ def _args(assets: dict[str, Path], out: Path, recipe: str = "linear", *extra: st
 
 @pytest.mark.parametrize("recipe", ["hybrid", "hybrid_delta"])
 def test_convert_end_to_end_hybrid(
-    recipe: str, assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    recipe: str, assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "run"
     recipe_name = assets[recipe].stem
+    recall_sources: list[object] = []
+    real_evaluate = evaluation.evaluate
+
+    def spy(*args: object, **kwargs: object) -> dict:
+        recall_sources.append(kwargs.get("recall_texts"))
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", spy)
     assert main(_args(assets, out, recipe)) == 0
+    # every model's associative recall plants its facts in the whole held-out documents, not in the blocks
+    heldout = split_heldout(load_texts(str(assets["corpus"])), 0.2, seed=0)[1]  # the tiny recipe's fraction
+    assert len(recall_sources) == 4 and all(source == heldout for source in recall_sources)
     printed = capsys.readouterr().out
     assert "| teacher |" in printed and "| window-only |" in printed and "| far-only |" in printed
     assert "through the window cache" in printed  # the sample went through the recurrent cache

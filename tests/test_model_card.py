@@ -138,12 +138,15 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
         save_checkpoint(run / "model", layers)
         report = fake_report(ppl=ppl)
         report["recipe"]["name"] = name
+        report["student"]["associative_recall"] = {"mean_accuracy": 0.25}
         (run / "report.json").write_text(json.dumps(report))
         runs.append(run)
     entries = build_zoo(runs, tmp_path / "cards", "python scripts/build_zoo.py ...")
     assert [e["recipe"] for e in entries] == ["lin", "hyb"]  # smallest state first
     hyb = entries[1]
     assert hyb["perplexity_ratio"] == 1.1 and hyb["training_tokens"] == 1500
+    assert hyb["associative_recall"] == 0.25 and hyb["teacher_associative_recall"] is None
+    assert "| 25% |" in format_zoo(entries)
     assert hyb["teacher_kv_mib_at_8k"] == round(2 * HKV * HEAD_DIM * 8192 * 2 * 2 / 2**20, 3)
     assert hyb["command"].endswith("--recipe hyb --budget quick --output runs/hyb")
     assert zoo_entries(tmp_path / "cards" / "zoo.json") == entries

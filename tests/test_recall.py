@@ -237,6 +237,36 @@ def test_recall_scoring_copier_gets_all_and_constant_gets_none(scoring: str) -> 
         [r["facts"] for r in perfect["answers"][n]["4"]] for n in ("768", "1024")]  # the same prompts for both
 
 
+class NearCopyLM(CopyLM):
+    """A CopyLM that looks back at most ``reach`` tokens: it recalls the facts planted late, not the early ones."""
+
+    def __init__(self, vocab: int, reach: int) -> None:
+        super().__init__(vocab)
+        self.reach = reach
+
+    def _next(self, history: list[int], t: int) -> int:
+        start = max(t - self.reach, 0)
+        return CopyLM._next(self, history[start:], t - start)
+
+
+def test_recall_metric_module_reproduces_the_greedy_probe() -> None:
+    import evaluate
+
+    from hf_recattn.metrics import path
+
+    tok = tiny_tokenizer()
+    probe = associative_recall_probe(NearCopyLM(len(tok), reach=400), tok, TEXTS, context_lengths=(768, 1024),
+                                     pairs=(1, 4, 16), trials=2, seed=1, scoring="greedy")
+    assert 0.0 < probe["mean_accuracy"] < 1.0  # some queries fail: the metric must tell them apart
+    queries = [(q["answer"], q["value"], int(n), int(pairs)) for n, cells in probe["answers"].items()
+               for pairs, rows in cells.items() for row in rows for q in row["queries"]]
+    answers, codes, lengths, pair_counts = map(list, zip(*queries, strict=True))
+    metric = evaluate.load(path("associative_recall_accuracy")).compute(
+        predictions=answers, references=codes, context_lengths=lengths, pairs=pair_counts)
+    assert metric["accuracy"] == probe["accuracy"]
+    assert metric["mean_accuracy"] == pytest.approx(probe["mean_accuracy"])
+
+
 def test_recall_probe_rejects_bad_input() -> None:
     tok = tiny_tokenizer()
     model = CopyLM(len(tok))

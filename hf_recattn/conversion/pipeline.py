@@ -320,11 +320,11 @@ def _evaluate_all(
     blocks = token_blocks(tokenizer, heldout_texts, ev.block_size, max_tokens=ev.heldout_tokens, seed=0)
     log(f"[5/5] evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
     rows: dict[str, dict[str, Any]] = {}
-    rows["teacher"] = evaluate(teacher, tokenizer, blocks, quick=ev.quick)
+    rows["teacher"] = evaluate(teacher, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
     models = {**variant_models(student), recipe.name: student}
     for name, model in models.items():
         with fastest_forms(model, ev.block_size):  # the perplexity pass; decoding always uses the cache
-            rows[name] = evaluate(model, tokenizer, blocks, quick=ev.quick)
+            rows[name] = evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
     del models
     table = comparison_table(rows)
     log(table)

@@ -2,9 +2,13 @@
 
 * ``heldout_perplexity``: exp(total negative log-likelihood / predicted tokens), token-weighted over blocks;
 * ``passkey_accuracy``: a passkey answer is correct when the key's digits appear in it (whitespace ignored),
-  with the accuracy per context length and their mean.
+  with the accuracy per context length and their mean;
+* ``associative_recall_accuracy``: a query is answered when its answer, whitespace removed, begins with the
+  planted code (the probe's greedy verdict), with the accuracy per context length and number of pairs and the
+  mean over those cells.
 
-They compute exactly what ``hf_recattn.evaluation.perplexity`` and ``passkey_probe`` report, so that results
+They compute exactly what ``hf_recattn.evaluation.perplexity``, ``passkey_probe`` and
+``hf_recattn.recall.associative_recall_probe(scoring="greedy")`` report, so that results
 written into a model card's ``model-index`` can be recomputed with the standard ``evaluate`` interface.
 """
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NAMES = ("heldout_perplexity", "passkey_accuracy")
+NAMES = ("heldout_perplexity", "passkey_accuracy", "associative_recall_accuracy")
 
 
 def path(name: str) -> str:

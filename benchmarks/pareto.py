@@ -1,0 +1,265 @@
+"""State size against quality against recall: the Pareto table of docs/conversion.md, every figure measured here.
+
+For the teacher, training-free swaps of its attention (``--swap NAME=SPEC``) and converted checkpoints
+(``--converted DIR``, a ``hf-recattn convert`` output folder or its ``model/``), on the same tokens:
+
+* cache per sequence at ``--context`` tokens (MiB, fp32: every state element counted at 4 bytes; in a bf16 model
+  keys, values and windows halve while accumulating states stay fp32) and its share of the teacher's KV cache,
+* held-out perplexity on the embedded corpus (the split ``hf-recattn convert`` evaluates on) and on
+  ``--ood`` text files, as ratios to the teacher,
+* passkey retrieval (``--passkey-lengths``, keys at depths 0.1 / 0.5 / 0.9) and associative recall
+  (``--recall-lengths``, 1 / 4 / 16 planted pairs, teacher-forced).
+
+Results go to ``--out`` (JSON, rewritten after every model; a rerun with the same settings skips the models
+already measured), a markdown table is printed, and ``--plot`` draws cache size against perplexity ratio and
+recall (matplotlib).
+
+    L=/usr/share/common-licenses
+    nice python benchmarks/pareto.py --threads 2 \\
+        --swap 'window-64+4-sinks={"mixer": "hybrid", "window": 64, "far": "none", "sink_tokens": 4}' \\
+        --converted runs/hybrid-w64-sink4-hedgehog --ood $L/Apache-2.0 $L/GPL-3 \\
+        --out benchmarks/results/pareto_cpu.json --plot docs/pareto.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from convert_smollm2 import ood_blocks
+
+from hf_recattn import from_llama
+from hf_recattn.conversion.attention_transfer import fastest_forms
+from hf_recattn.conversion.checkpoints import atomic_write_json
+from hf_recattn.conversion.from_llama import recattn_config_from
+from hf_recattn.conversion.teacher import load_teacher
+from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.evaluation import passkey_probe, perplexity
+from hf_recattn.modeling.configuration import RecAttnConfig
+from hf_recattn.modeling.modeling import RecAttnForCausalLM
+from hf_recattn.recall import associative_recall_probe
+from hf_recattn.state_size import state_size_report
+
+BYTES_PER_ELEMENT = 4
+
+
+# ----- the models -------------------------------------------------------------------------------------------
+def parse_swap(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=SPEC``: SPEC is an attention spec as JSON, or ``{"attention": ..., "attention_overrides": ...}``."""
+    name, sep, spec = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--swap {text!r}: expected NAME=SPEC (SPEC a JSON attention spec)")
+    try:
+        value = json.loads(spec)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--swap {name}: SPEC is not JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise SystemExit(f"--swap {name}: SPEC must be a JSON object")
+    if "attention" not in value:
+        value = {"attention": value}
+    unknown = set(value) - {"attention", "attention_overrides"}
+    if unknown:
+        raise SystemExit(f"--swap {name}: unknown keys {sorted(unknown)}")
+    return name, value
+
+
+def converted_folder(path: str) -> tuple[str, Path, dict[str, Any]]:
+    """(name, model folder, facts from the run) for a convert output folder or a model folder."""
+    folder = Path(path)
+    model_dir = folder / "model" if (folder / "model" / "config.json").is_file() else folder
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"--converted {path}: neither it nor its model/ holds a config.json")
+    run_file = model_dir.parent / "run.json"
+    recipe_file = model_dir.parent / "recipe.json"
+    facts: dict[str, Any] = {"folder": str(folder)}
+    name = folder.name
+    if run_file.is_file() and recipe_file.is_file():
+        run, recipe = json.loads(run_file.read_text()), json.loads(recipe_file.read_text())
+        name = f"{run['recipe']} ({run['budget']})"
+        facts["training_tokens"] = int(recipe["stage1"]["tokens"]) + int(recipe["stage2"]["tokens"])
+        facts["recipe"] = run["recipe"]
+    return name, model_dir, facts
+
+
+def cache_mib(config: RecAttnConfig, context: int) -> float:
+    """Every layer's cache per sequence at ``context`` tokens, MiB at BYTES_PER_ELEMENT."""
+    return sum(r.state_elements for r in state_size_report(config, context)) * BYTES_PER_ELEMENT / 2**20
+
+
+# ----- measuring --------------------------------------------------------------------------------------------
+def measure(model: torch.nn.Module, tokenizer: Any, evals: dict[str, torch.Tensor], recall_texts: list[str],
+            args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    recurrent = isinstance(model, RecAttnForCausalLM)
+    for name, blocks in evals.items():
+        if recurrent:
+            with fastest_forms(model, blocks.shape[1]):
+                row[f"perplexity_{name}"] = perplexity(model, blocks, batch_size=2)
+        else:
+            row[f"perplexity_{name}"] = perplexity(model, blocks, batch_size=2)
+    passkey = passkey_probe(model, tokenizer, args.passkey_lengths, trials=args.passkey_trials)
+    row["passkey"] = passkey["accuracy"]
+    row["passkey_answers"] = {k: [a["answer"] for a in v] for k, v in passkey["answers"].items()}
+    recall = associative_recall_probe(model, tokenizer, recall_texts, args.recall_lengths, trials=args.recall_trials)
+    row["associative_recall"] = recall["accuracy"]
+    row["associative_recall_mean"] = recall["mean_accuracy"]
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in ("context", "heldout_tokens", "ood", "ood_tokens", "block_size",
+                                                 "passkey_lengths", "passkey_trials", "recall_lengths",
+                                                 "recall_trials")}
+
+
+# ----- output -----------------------------------------------------------------------------------------------
+def _by_pairs(cells: dict[str, float]) -> list[tuple[str, float]]:
+    """A recall row's cells in the order of their pair counts (the JSON file keeps its keys sorted as text)."""
+    return sorted(cells.items(), key=lambda cell: int(cell[0]))
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = results["models"]
+    teacher = rows["teacher"]
+    evals = [k.removeprefix("perplexity_") for k in teacher if k.startswith("perplexity_")]
+    passkey_lengths = sorted(teacher["passkey"], key=int)
+    recall_lengths = sorted(teacher["associative_recall"], key=int)
+    first = teacher["associative_recall"][recall_lengths[0]] if recall_lengths else {}
+    pairs = "/".join(n for n, _ in _by_pairs(first))
+    head = (["model", f"cache MiB @{results['settings']['context']}", "x teacher KV"]
+            + [f"ppl x teacher ({e})" for e in evals] + [f"passkey {n}" for n in passkey_lengths]
+            + [f"recall {n} ({pairs} pairs)" for n in recall_lengths] + ["training tokens"])
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name, row in sorted(rows.items(), key=lambda item: -item[1]["cache_mib"]):
+        cells = [name, f"{row['cache_mib']:.2f}", f"{row['cache_mib'] / teacher['cache_mib']:.3f}"]
+        cells += [f"{row[f'perplexity_{e}'] / teacher[f'perplexity_{e}']:.3f}" for e in evals]
+        cells += [f"{100 * row['passkey'].get(n, float('nan')):.0f}%" for n in passkey_lengths]
+        cells += ["/".join(f"{100 * v:.0f}" for _, v in _by_pairs(row["associative_recall"].get(n, {}))) + "%"
+                  for n in recall_lengths]
+        cells.append(f"{row['training_tokens']:,}" if row.get("training_tokens") is not None else "0")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: str) -> str:
+    """Cache size against perplexity ratio and against recall; returns what was written or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot"
+    rows = results["models"]
+    teacher = rows["teacher"]
+    evals = [k.removeprefix("perplexity_") for k in teacher if k.startswith("perplexity_")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for e, marker in zip(evals, "os^", strict=False):
+        xs = [row["cache_mib"] for row in rows.values()]
+        ys = [row[f"perplexity_{e}"] / teacher[f"perplexity_{e}"] for row in rows.values()]
+        left.scatter(xs, ys, marker=marker, label=f"held-out perplexity / teacher ({e})")
+    for name, row in rows.items():
+        left.annotate(name, (row["cache_mib"], row[f"perplexity_{evals[0]}"] / teacher[f"perplexity_{evals[0]}"]),
+                      fontsize=7, xytext=(4, 4), textcoords="offset points")
+    left.set(xscale="log", yscale="log", xlabel=f"cache MiB per sequence at {results['settings']['context']} tokens",
+             ylabel="perplexity / teacher")
+    left.axhline(1.0, color="grey", lw=0.5)
+    left.legend(fontsize=8)
+    for name, row in rows.items():
+        passkey = sum(row["passkey"].values()) / max(len(row["passkey"]), 1)
+        right.scatter(row["cache_mib"], 100 * passkey, marker="o", color="C0")
+        right.scatter(row["cache_mib"], 100 * (row["associative_recall_mean"] or 0.0), marker="x", color="C1")
+        if passkey > 0:  # the rest lie on the floor, named in the left panel
+            right.annotate(name, (row["cache_mib"], 100 * passkey), fontsize=7, xytext=(4, -10),
+                           textcoords="offset points")
+    right.scatter([], [], marker="o", color="C0", label="passkey (mean over lengths)")
+    right.scatter([], [], marker="x", color="C1", label="associative recall (mean over cells)")
+    right.set(xscale="log", xlabel=f"cache MiB per sequence at {results['settings']['context']} tokens",
+              ylabel="accuracy %", ylim=(-5, 105))
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"plot: {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", default="embedded")
+    parser.add_argument("--swap", nargs="*", default=[], metavar="NAME=SPEC",
+                        help="training-free variants: the teacher's weights with this attention")
+    parser.add_argument("--converted", nargs="*", default=[], metavar="DIR", help="converted checkpoints")
+    parser.add_argument("--context", type=int, default=8192, help="context of the cache-size column")
+    parser.add_argument("--heldout-tokens", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=512)
+    parser.add_argument("--ood", nargs="*", default=[], metavar="FILE", help="out-of-distribution text files")
+    parser.add_argument("--ood-tokens", type=int, default=4096)
+    parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--passkey-trials", type=int, default=6)
+    parser.add_argument("--recall-lengths", type=int, nargs="+", default=[1024])
+    parser.add_argument("--recall-trials", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="benchmarks/results/pareto.json")
+    parser.add_argument("--plot", default=None, metavar="PNG")
+    args = parser.parse_args(argv)
+    swaps = dict(parse_swap(s) for s in args.swap)
+    converted = [converted_folder(path) for path in args.converted]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"settings": settings(args), "models": {}}
+    if out.is_file():
+        earlier = json.loads(out.read_text())
+        if earlier.get("settings") == results["settings"]:
+            results["models"] = earlier.get("models", {})
+    results.update(command=shlex.join(["python", *sys.argv]), torch=torch.__version__,
+                   threads=torch.get_num_threads(), machine=platform.processor() or platform.machine())
+
+    teacher, tokenizer = load_teacher(args.teacher)
+    teacher.requires_grad_(False)
+    _, heldout_texts = split_heldout(load_texts(), 0.05, seed=0)
+    evals = {"in-distribution": token_blocks(tokenizer, heldout_texts, args.block_size,
+                                             max_tokens=args.heldout_tokens, seed=0)}
+    if args.ood:
+        evals["out-of-distribution"] = ood_blocks(args.ood, tokenizer, args.block_size, args.ood_tokens)
+
+    def record(name: str, model: torch.nn.Module, config: RecAttnConfig, facts: dict[str, Any]) -> None:
+        if name in results["models"]:
+            print(f"{name}: measured earlier", flush=True)
+            return
+        row = {"cache_mib": cache_mib(config, args.context), **facts}
+        row.update(measure(model.eval(), tokenizer, evals, heldout_texts, args))
+        results["models"][name] = row
+        atomic_write_json(out, results)
+        ppl = ", ".join(f"{k.removeprefix('perplexity_')} {v:.2f}" for k, v in row.items() if k.startswith("perp"))
+        print(f"{name}: cache {row['cache_mib']:.2f} MiB, {ppl}, passkey {row['passkey']}, "
+              f"recall {row['associative_recall_mean']:.2f} ({row['seconds']:.0f} s)", flush=True)
+
+    record("teacher", teacher, recattn_config_from(teacher.config, {"mixer": "softmax"}), {"training_tokens": 0})
+    for name, swap in swaps.items():
+        student = from_llama(teacher, swap["attention"], swap.get("attention_overrides"))
+        record(name, student, student.config, {"training_tokens": 0, "attention": swap})
+        del student
+    for name, model_dir, facts in converted:
+        student = RecAttnForCausalLM.from_pretrained(model_dir)
+        record(name, student, student.config, facts)
+        del student
+    atomic_write_json(out, results)  # this command, even when every model was measured earlier
+    print(table(results))
+    if args.plot:
+        print(plot(results, args.plot))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
