@@ -25,23 +25,22 @@ from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 
 @torch.no_grad()
 def attention_maps(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Every layer's attention probabilities [heads, T, T] for one sequence (eager attention)."""
-    model.config._attn_implementation = "eager"
+    """Every layer's attention probabilities [heads, T, T] for one sequence (the model set to eager attention)."""
     return tuple(a[0] for a in model(ids.unsqueeze(0), output_attentions=True).attentions)
 
 
 def copy_scores(model: torch.nn.Module, bos: int, blocks: torch.Tensor, segment: int, gap: int) -> torch.Tensor:
     """[layers, heads]: attention from each token of a repeated segment to its original's successor."""
-    total, pairs = None, blocks.shape[0] // 2
+    pairs = blocks.shape[0] // 2
+    copy_start = 1 + segment + gap
+    queries = torch.arange(copy_start, copy_start + segment - 1)
+    successors = torch.arange(2, segment + 1)
+    scores = []
     for b in range(pairs):
         source, other = blocks[b, :segment], blocks[pairs + b, :gap]
         ids = torch.cat([torch.tensor([bos]), source, other, source])
-        copy_start = 1 + segment + gap
-        queries = torch.arange(copy_start, copy_start + segment - 1)
-        successors = torch.arange(2, segment + 1)
-        scores = torch.stack([a[:, queries, successors].mean(-1) for a in attention_maps(model, ids)])
-        total = scores if total is None else total + scores
-    return total / pairs
+        scores.append(torch.stack([a[:, queries, successors].mean(-1) for a in attention_maps(model, ids)]))
+    return torch.stack(scores).mean(0)
 
 
 def far_mass(model: torch.nn.Module, blocks: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
@@ -50,11 +49,8 @@ def far_mass(model: torch.nn.Module, blocks: torch.Tensor, window: int, sinks: i
     i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
     far = ((i - j) >= window) & (j >= sinks)
     skip = length // 4
-    total = None
-    for ids in blocks:
-        mass = torch.stack([(a * far).sum(-1)[:, skip:].mean(-1) for a in attention_maps(model, ids)])
-        total = mass if total is None else total + mass
-    return total / blocks.shape[0]
+    return torch.stack([torch.stack([(a * far).sum(-1)[:, skip:].mean(-1) for a in attention_maps(model, ids)])
+                        for ids in blocks]).mean(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher, tokenizer = load_teacher(args.teacher)
+    teacher.config._attn_implementation = "eager"  # attention probabilities come back only from eager attention
     _, heldout = split_heldout(load_texts(), 0.05, seed=0)
     short = token_blocks(tokenizer, heldout, max(args.segment, args.gap), max_tokens=None, seed=0)
     if short.shape[0] < 2 * args.pairs:

@@ -24,6 +24,7 @@ recall (matplotlib).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shlex
@@ -100,10 +101,7 @@ def measure(model: torch.nn.Module, tokenizer: Any, evals: dict[str, torch.Tenso
     t0 = time.perf_counter()
     recurrent = isinstance(model, RecAttnForCausalLM)
     for name, blocks in evals.items():
-        if recurrent:
-            with fastest_forms(model, blocks.shape[1]):
-                row[f"perplexity_{name}"] = perplexity(model, blocks, batch_size=2)
-        else:
+        with fastest_forms(model, blocks.shape[1]) if recurrent else contextlib.nullcontext():
             row[f"perplexity_{name}"] = perplexity(model, blocks, batch_size=2)
     passkey = passkey_probe(model, tokenizer, args.passkey_lengths, trials=args.passkey_trials)
     row["passkey"] = passkey["accuracy"]

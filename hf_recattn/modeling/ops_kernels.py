@@ -19,9 +19,10 @@ KERNEL_CHUNK = 64
 MAX_WIDTH = {"chunk_linear": 256, "chunk_delta": 128, "linear_step": 256, "delta_step": 256}
 
 
-def too_wide(name: str, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the kernel ``name`` cannot take heads this wide, or None."""
-    limit, widths = MAX_WIDTH[name], (k.shape[-1], v.shape[-1] + (name in ("chunk_linear", "linear_step")))
+def too_wide(name: str, k: torch.Tensor, v: torch.Tensor, extra_columns: int = 0) -> str | None:
+    """Why the kernel ``name`` cannot take heads this wide, or None. ``extra_columns``: value columns the adapter
+    appends (linear attention's denominator: one column of ones)."""
+    limit, widths = MAX_WIDTH[name], (k.shape[-1], v.shape[-1] + extra_columns)
     return f"key / value heads of {widths[0]} / {widths[1]} (at most {limit})" if max(widths) > limit else None
 
 

@@ -22,6 +22,9 @@ from .ops_kernels import linear_chunked as kernel_linear_chunked
 from .ops_kernels import linear_step as kernel_linear_step
 from .ops_kernels import too_wide
 
+#: the kernels carry the denominator z as one more value column
+DENOMINATOR_COLUMNS = 1
+
 
 def _causal(scores: torch.Tensor) -> torch.Tensor:
     t, s = scores.shape[-2:]
@@ -67,7 +70,8 @@ def linear_chunked(
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     log_g = None if log_g is None else log_g.to(S.dtype)
-    kernel = pick("chunk_linear", q, k, v, S, z, log_g, unsupported=too_wide("chunk_linear", k, v))
+    kernel = pick("chunk_linear", q, k, v, S, z, log_g,
+                  unsupported=too_wide("chunk_linear", k, v, DENOMINATOR_COLUMNS))
     if kernel is not None:
         return kernel_linear_chunked(kernel, q, k, v, S, z, g=log_g)
     nums, dens = [], []
@@ -110,7 +114,8 @@ def linear_step(
     einsum's reshapes cost more than the arithmetic at these sizes.
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
-    kernel = pick("linear_step", q, k, v, S, z, log_g, unsupported=too_wide("linear_step", k, v))
+    kernel = pick("linear_step", q, k, v, S, z, log_g,
+                  unsupported=too_wide("linear_step", k, v, DENOMINATOR_COLUMNS))
     if kernel is not None:
         g = None if log_g is None else log_g[:, :, 0].to(S.dtype)
         return kernel_linear_step(kernel, q, k, v, S, z, in_place, g=g)
