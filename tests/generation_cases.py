@@ -56,6 +56,8 @@ SPECS: list[dict[str, Any]] = [
     {"mixer": "linear", "decay": "retnet"},
     {"mixer": "linear", "feature_map": "identity", "normalize": "layernorm", "decay": "retnet", "gamma_min": 0.5,
      "gamma_max": 0.9},  # the retnet preset with strong decays
+    {"mixer": "retrieval_heads", "heads": [1], "others": {"mixer": "hybrid", "window": 3, "sink_tokens": 1}},
+    {"mixer": "retrieval_heads", "heads": [0], "others": {"mixer": "delta", "rule": "gated"}},
 ]
 
 #: models whose layers use different mixers: (attention, overrides, layers)
@@ -90,7 +92,7 @@ class Case:
         specs = self.attention if isinstance(self.attention, list) else [self.attention]
         specs = [*specs, *(self.overrides or {}).values()]
         names = {s["mixer"] for s in specs}
-        names |= {s["far"]["mixer"] for s in specs if isinstance(s.get("far"), dict)}
+        names |= {s[part]["mixer"] for s in specs for part in ("far", "others") if isinstance(s.get(part), dict)}
         return names
 
 
@@ -128,8 +130,9 @@ def tiny_spec(spec: Any) -> Any:
     cls = MIXERS.get(spec["mixer"])
     if cls is not None and "chunk_size" in cls.all_options() and "chunk_size" not in spec:
         spec["chunk_size"] = 4
-    if isinstance(spec.get("far"), dict):
-        spec["far"] = tiny_spec(spec["far"])
+    for part in ("far", "others"):  # nested specs
+        if isinstance(spec.get(part), dict):
+            spec[part] = tiny_spec(spec[part])
     return spec
 
 

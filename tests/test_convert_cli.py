@@ -4,6 +4,7 @@ interrupt, refusing a folder that holds another run, determinism, and the NaN st
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hybrid": write_recipe(root / "tiny-hybrid.yaml", tiny_recipe_dict(HYBRID)),
         "hybrid_delta": write_recipe(root / "tiny-hybrid-delta.yaml", tiny_recipe_dict(HYBRID_DELTA)),
         "linear": write_recipe(root / "tiny-linear.yaml", tiny_recipe_dict()),
+        "retrieval": write_recipe(root / "tiny-retrieval.yaml", tiny_recipe_dict(
+            HYBRID, retrieval_heads={"max_heads": 1, "context_length": 256, "prompts": 1, "per_round": 1})),
         "fox": write_recipe(  # the fox recipe in miniature: lossless start, no stage 1, gates train in stage 2
             root / "tiny-fox.yaml",
             tiny_recipe_dict({"mixer": "softmax", "forget": "fox"}, stage1={"tokens": 0},
@@ -106,6 +109,29 @@ def test_convert_end_to_end_hybrid(
     assert generated.shape[1] == ids.shape[1] + 4
     # stage checkpoints are cleaned up once the model exists
     assert not (out / "stage1" / "progress").exists() and not (out / "stage2" / "trainer").exists()
+
+
+def test_convert_keeps_retrieval_heads_and_resumes_with_them(
+    assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """After stage 1 the run chooses one KV head, records it, finetunes and saves the model that keeps it; a rerun
+    without the model reads the choice instead of searching again."""
+    out = tmp_path / "run"
+    assert main(_args(assets, out, "retrieval")) == 0
+    chosen = json.loads((out / "retrieval_heads.json").read_text())
+    assert chosen["count"] == 1 and chosen["prompts"] == 2  # a secret number and a recall fact
+    (layer, heads), = chosen["heads"].items()
+    report = json.loads((out / "report.json").read_text())
+    assert report["retrieval_heads"]["heads"] == chosen["heads"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    spec = model.config.layer_spec(int(layer))
+    assert spec["mixer"] == "retrieval_heads" and spec["heads"] == heads and spec["others"]["mixer"] == "hybrid"
+    assert "retrieval heads: choosing at most 1" in capsys.readouterr().out
+    shutil.rmtree(out / "model")
+    assert main(_args(assets, out, "retrieval", "--no-eval")) == 0
+    assert "retrieval heads: chosen earlier, 1 KV heads" in capsys.readouterr().out
 
 
 def test_convert_end_to_end_fox(assets: dict[str, Path], tmp_path: Path) -> None:

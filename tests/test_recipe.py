@@ -104,6 +104,11 @@ def test_wrong_types_and_values(tmp_path: Path) -> None:
     recipe = tiny_recipe_dict()
     recipe["stage2"]["tokens"] = 10  # less than one optimizer step
     assert "stage2.tokens" in _error(tmp_path, recipe)
+    for key, value in (("max_heads", -1), ("per_round", 0), ("context_length", "long")):
+        recipe = tiny_recipe_dict(retrieval_heads={"max_heads": 2, key: value})
+        assert f"retrieval_heads.{key}" in _error(tmp_path, recipe)
+    unknown = tiny_recipe_dict(retrieval_heads={"heads": 3})
+    assert "retrieval_heads: unknown key(s) ['heads']" in _error(tmp_path, unknown)
 
 
 def test_missing_budget_lists_the_available_ones(tmp_path: Path) -> None:
@@ -178,3 +183,9 @@ def test_teacher_mismatches() -> None:
     recipe["eval"]["block_size"] = 10_000
     with pytest.raises(ValueError, match="max_position_embeddings"):
         check_against_teacher(recipe_from_dict(recipe), teacher)
+    too_many = tiny_recipe_dict(retrieval_heads={"max_heads": 91})
+    with pytest.raises(ValueError, match=r"retrieval_heads.max_heads 91 exceeds the teacher's 90 KV heads"):
+        check_against_teacher(recipe_from_dict(too_many), teacher)
+    too_long = tiny_recipe_dict(retrieval_heads={"max_heads": 4, "context_length": 10_000})
+    with pytest.raises(ValueError, match=r"retrieval_heads.context_length 10000 exceeds"):
+        check_against_teacher(recipe_from_dict(too_long), teacher)

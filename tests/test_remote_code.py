@@ -31,6 +31,7 @@ LAYERS = [
     {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms", "chunk_size": 4},
     {"mixer": "linear", "feature_map": "taylor2", "decay": "gated", "sink": True},
     {"mixer": "delta", "rule": "comba", "householder_steps": 2, "feature_map": "hedgehog", "chunk_size": 4},
+    {"mixer": "retrieval_heads", "heads": [1], "others": {"mixer": "hybrid", "window": 3, "sink_tokens": 1}},
 ]
 #: files the runtime needs for these mixers (others may be copied too: every mixer registered in mixers.py)
 RUNTIME_CORE = {
@@ -51,6 +52,8 @@ RUNTIME_CORE = {
     "ops_delta.py",
     "delta_gates.py",
     "short_conv.py",
+    "mixer_retrieval.py",
+    "mixer_hybrid.py",
 }
 
 AUTO_MAP = {
@@ -144,7 +147,8 @@ def test_loads_without_the_package(saved: tuple[Path, RecAttnForCausalLM], tmp_p
     assert report["model_class"].endswith(".modeling.RecAttnForCausalLM")
     assert report["base_class"].endswith(".modeling.RecAttnModel")
     assert report["config_class"].endswith(".configuration.RecAttnConfig")
-    assert report["mixers"] == ["SoftmaxMixer", "SlidingWindowMixer", "LinearMixer", "LinearMixer", "DeltaMixer"]
+    assert report["mixers"] == ["SoftmaxMixer", "SlidingWindowMixer", "LinearMixer", "LinearMixer", "DeltaMixer",
+                                "RetrievalHeadsMixer"]
     resaved = tmp_path / "resaved"
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == AUTO_MAP
     assert RUNTIME_CORE <= {p.name for p in resaved.glob("*.py")}

@@ -1,4 +1,5 @@
-"""The whole conversion: teacher -> student (new attention) -> stage 1 -> stage 2 -> evaluation -> checkpoint.
+"""The whole conversion: teacher -> student (new attention) -> stage 1 -> [retrieval heads] -> stage 2 ->
+evaluation -> checkpoint.
 
 ``convert(...)`` is what ``hf-recattn convert`` runs. Its output folder::
 
@@ -7,6 +8,7 @@
     recipe.json         the resolved recipe
     stage1/progress/    resumable stage-1 checkpoints (step-N, written atomically)
     stage1/result/      the trained mixer parameters and a summary (written once, atomically)
+    retrieval_heads.json  the KV heads that keep exact softmax (recipes with retrieval_heads.max_heads)
     stage2/trainer/     Trainer checkpoints (resume point of stage 2)
     model/              the converted checkpoint (safetensors + tokenizer + model card), written atomically
     report.json         evaluation of teacher and student (and window-only / far-only for hybrids)
@@ -190,6 +192,10 @@ def convert(
             recipe, teacher_model, student, tokenizer, train_texts, output, progress, log, token_blocks
         )
         timings["stage1"] = stage1_summary.get("seconds", 0.0)
+        if recipe.retrieval_heads.max_heads:
+            t0 = time.perf_counter()
+            student = _keep_retrieval_heads(recipe, student, tokenizer, train_texts, output, log)
+            timings["retrieval_heads"] = time.perf_counter() - t0
         s2 = recipe.stage2
         if s2.tokens > 0:
             log(
@@ -229,6 +235,9 @@ def convert(
         "stage1": stage1_summary,
         "stage2": stage2_summary,
     }
+    chosen = _read_json(output / "retrieval_heads.json")
+    if "heads" in chosen:
+        report["retrieval_heads"] = {key: chosen[key] for key in ("heads", "count", "answered", "prompts")}
     if evaluate_models:
         t0 = time.perf_counter()
         report.update(
@@ -303,6 +312,36 @@ def _stage1(
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
     shutil.rmtree(output / "stage1" / "progress", ignore_errors=True)
     return summary
+
+
+def _keep_retrieval_heads(recipe: Recipe, student: torch.nn.Module, tokenizer: Any, train_texts: list[str],
+                          output: Path, log: Log) -> torch.nn.Module:
+    """Choose the KV heads that keep exact softmax on the stage-1 student (or read the choice of an earlier run
+    from ``retrieval_heads.json``) and return the student that keeps them."""
+    from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
+
+    settings = recipe.retrieval_heads
+    path = output / "retrieval_heads.json"
+    chosen = _read_json(path)
+    if "heads" in chosen:
+        heads = {int(layer): list(kv) for layer, kv in chosen["heads"].items()}
+        log(f"[3/5] retrieval heads: chosen earlier, {sum(map(len, heads.values()))} KV heads")
+    else:
+        log(f"[3/5] retrieval heads: choosing at most {settings.max_heads} KV heads on {2 * settings.prompts} recall "
+            f"prompts of {settings.context_length} tokens")
+        try:
+            prompts = recall_objective(tokenizer, train_texts, settings.context_length, settings.prompts,
+                                       seed=recipe.seed)
+        except ValueError as err:
+            raise ValueError(f"{recipe.source}: retrieval_heads.context_length: {err}") from None
+        selection = select_retrieval_heads(student, prompts, settings.max_heads, settings.per_round,
+                                           log=lambda line: log("  " + line))
+        heads = selection.heads
+        atomic_write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
+                                 "answered": selection.answered, "prompts": selection.prompts,
+                                 "rounds": selection.rounds})
+    log("  exact softmax on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))
+    return with_retrieval_heads(student, heads)
 
 
 def _evaluate_all(

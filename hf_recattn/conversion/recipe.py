@@ -99,6 +99,16 @@ class Stage2Settings:
 
 
 @dataclass(frozen=True)
+class RetrievalHeadSettings:
+    """After stage 1, keep exact softmax on the KV heads recall needs (``conversion/retrieval_heads.py``)."""
+
+    max_heads: int = 0  # at most this many KV heads in the whole model; 0 turns the step off
+    context_length: int = 1024  # tokens of each recall prompt the heads are chosen on
+    prompts: int = 2  # prompts of each kind: a secret number, an associative-recall fact (in training text)
+    per_round: int = 2  # heads switched to exact softmax per round of the greedy search
+
+
+@dataclass(frozen=True)
 class EvalSettings:
     """The built-in evaluation after conversion."""
 
@@ -121,6 +131,7 @@ class Recipe:
     stage2: Stage2Settings
     eval: EvalSettings
     attention_overrides: dict[str, Any] | None = None
+    retrieval_heads: RetrievalHeadSettings = field(default_factory=RetrievalHeadSettings)
     description: str = ""
     seed: int = 0
     expects: dict[str, int] = field(default_factory=dict)
@@ -138,6 +149,8 @@ class Recipe:
         values = self.as_dict()
         for key in ("description", "source"):
             values.pop(key)
+        if not self.retrieval_heads.max_heads:  # added later: off leaves older fingerprints as they were
+            values.pop("retrieval_heads")
         for section, keys in _LATER_SETTINGS.items():
             for key in keys:
                 if values[section][key] is None:
@@ -163,9 +176,10 @@ _TOP_KEYS = {
     "stage1",
     "stage2",
     "eval",
+    "retrieval_heads",
     "budgets",
 }
-_BUDGET_KEYS = {"stage1", "stage2", "eval", "seed"}
+_BUDGET_KEYS = {"stage1", "stage2", "eval", "seed", "retrieval_heads"}
 
 
 def recipes_folder() -> Path:
@@ -255,6 +269,7 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
         stage1=_build(Stage1Settings, merged.get("stage1"), f"{source}: stage1"),
         stage2=_build(Stage2Settings, merged.get("stage2"), f"{source}: stage2"),
         eval=_build(EvalSettings, merged.get("eval"), f"{source}: eval"),
+        retrieval_heads=_build(RetrievalHeadSettings, merged.get("retrieval_heads"), f"{source}: retrieval_heads"),
         source=source,
     )
     _check_settings(recipe)
@@ -382,6 +397,10 @@ def _check_settings(recipe: Recipe) -> None:
     for key in ("heldout_tokens", "block_size"):
         _positive(getattr(ev, key), f"{src}: eval.{key}")
     _positive(ev.sample_tokens, f"{src}: eval.sample_tokens", allow_zero=True)
+    rh = recipe.retrieval_heads
+    _positive(rh.max_heads, f"{src}: retrieval_heads.max_heads", allow_zero=True)
+    for key in ("context_length", "prompts", "per_round"):
+        _positive(getattr(rh, key), f"{src}: retrieval_heads.{key}")
     if s1.tokens and s1.tokens < s1.block_size * s1.batch_size:
         raise ValueError(
             f"{src}: stage1.tokens ({s1.tokens}) is less than one batch "
@@ -432,16 +451,20 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
                     f"{src}: stage2.lora.targets: {target!r} matches no module of the student "
                     "(Llama names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)"
                 )
+    kv_heads = config.num_hidden_layers * config.num_key_value_heads
+    if recipe.retrieval_heads.max_heads > kv_heads:
+        raise ValueError(f"{src}: retrieval_heads.max_heads {recipe.retrieval_heads.max_heads} exceeds the teacher's "
+                         f"{kv_heads} KV heads ({config.num_hidden_layers} layers x {config.num_key_value_heads})")
     limit = getattr(teacher_config, "max_position_embeddings", None)
     for key, size in (
         ("stage1", recipe.stage1.block_size),
         ("stage2", recipe.stage2.block_size),
         ("eval", recipe.eval.block_size),
+        ("retrieval_heads", recipe.retrieval_heads.context_length),
     ):
         if limit and size > limit:
-            raise ValueError(
-                f"{src}: {key}.block_size {size} exceeds the teacher's max_position_embeddings {limit}"
-            )
+            what = "context_length" if key == "retrieval_heads" else "block_size"
+            raise ValueError(f"{src}: {key}.{what} {size} exceeds the teacher's max_position_embeddings {limit}")
     if tokenizer is not None and len(tokenizer) > teacher_config.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the teacher's vocab_size is "

@@ -42,8 +42,14 @@ class MixerStateLayer:
 
     @property
     def is_croppable(self) -> bool:
-        """Whether ``crop`` could remove any number of tokens (only a KV state keeps every token)."""
-        return self.kind == "kv"
+        """Whether ``crop`` could remove any number of tokens (a KV state that keeps every token)."""
+        return self.kind == "kv" and self._holds_every_token()
+
+    def _holds_every_token(self) -> bool:
+        """Every tensor keeps one entry per token seen on axis 2 (not a window or a recurrent part)."""
+        if self.state is None:
+            return True
+        return all(t.dim() >= 3 and t.shape[2] == self.seen_tokens for t in self.state.values())
 
     def update(self, state: State, new_tokens: int) -> None:
         self.state = state
@@ -96,12 +102,11 @@ class MixerStateLayer:
     def crop_refusal(self, tokens_to_remove: int) -> str | None:
         """Why ``crop(tokens_to_remove)`` is impossible here, or None when it can be done."""
         target = self._crop_target(tokens_to_remove)
-        if target == self.seen_tokens or self.state is None or self.kind == "kv":
+        if target == self.seen_tokens or self.state is None:
             return None
-        if self.kind == "window" and all(t.dim() >= 3 and t.shape[2] == self.seen_tokens
-                                         for t in self.state.values()):
-            return None  # a window that has not dropped a token yet still holds all of them
-        what = "a recurrent state" if self.kind == "recurrent" else "a window that already dropped tokens"
+        if self.kind != "recurrent" and self._holds_every_token():
+            return None  # a KV cache, or a window that has not dropped a token yet
+        what = "a recurrent state" if self.kind == "recurrent" else "a state whose window already dropped tokens"
         return (
             f"layer {self.layer_idx}: cannot crop {what} from {self.seen_tokens} to {target} tokens: it "
             "has absorbed them and cannot roll back; re-run the prompt up to the wanted length instead"
@@ -110,7 +115,8 @@ class MixerStateLayer:
     def crop(self, tokens_to_remove: int) -> None:
         """Drop tokens: ``crop(-n)`` removes the last n; ``crop(n)``, n > 0, keeps the first n (legacy form).
 
-        Only a KV state, or a window state that has not yet dropped a token, can roll back; others raise.
+        Only a state that holds every token (a KV cache, or a window that has not yet dropped one) can roll back;
+        others (recurrent states, windows, a KV cache beside a window) raise.
         """
         refusal = self.crop_refusal(tokens_to_remove)
         if refusal is not None:

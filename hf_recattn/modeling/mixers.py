@@ -13,6 +13,7 @@ from .mixer_hybrid import HybridMixer
 from .mixer_linear import LinearMixer
 from .mixer_mesanet import MesaMixer
 from .mixer_path import PathMixer
+from .mixer_retrieval import RetrievalHeadsMixer
 from .mixer_softmax import SlidingWindowMixer, SoftmaxMixer
 from .mixer_taylor import TaylorMixer
 from .presets import PRESETS, expand_preset
@@ -26,6 +27,7 @@ MIXERS: dict[str, type[Mixer]] = {
 MIXERS.update({cls.name: cls for cls in (DeltaFormerMixer, PathMixer)})  # seed 002's feedback families
 MIXERS[GLAMixer.name] = GLAMixer  # gated linear attention (a gate per key dimension)
 MIXERS[MesaMixer.name] = MesaMixer  # MesaNet (preset "mesanet")
+MIXERS[RetrievalHeadsMixer.name] = RetrievalHeadsMixer  # exact softmax on a few KV heads, another mixer on the rest
 
 
 def register_mixer(cls: type[Mixer]) -> type[Mixer]:

@@ -1,0 +1,259 @@
+"""Find a converted model's retrieval heads and keep exact softmax on exactly those (``retrieval_heads`` mixer).
+
+``select_retrieval_heads`` blends, in every layer and for every KV head h, the layer's own mixer with exact
+softmax: ``a_h * softmax + (1 - a_h) * mixer`` (a = 0: the model as it is). Starting from a = 0 it repeats: score
+the recall prompts (mean log-probability of the answers, every earlier token given), take the gradient of that
+score with respect to every a still at 0, switch to exact softmax (a = 1) the heads with the largest gradient,
+until every prompt is answered or ``max_heads`` are chosen; then it drops each chosen head again whose removal
+keeps every prompt answered. The gradient is a first-order estimate of what restoring a head gains, so the
+greedy search needs one forward and backward per prompt per round instead of one forward per head.
+
+``with_retrieval_heads`` then builds the model that keeps those heads' whole KV cache: each such layer becomes
+``{"mixer": "retrieval_heads", "heads": [...], "others": <the layer's spec>}`` with the layer's weights (the
+mixer's per-head parameters split between the parts).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..evaluation import fill_tokens, plant
+from ..modeling.mixer_base import Mixer, MixerInputs
+from ..modeling.mixer_retrieval import FULL_SPEC, RetrievalHeadsMixer
+from ..modeling.mixer_softmax import SoftmaxMixer
+from ..recall import Fact, Haystack, RecallPrompt, recall_prompt
+
+HeadSet = dict[int, list[int]]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen KV heads per layer, in the order they were added, and the score after each round."""
+
+    heads: HeadSet
+    rounds: list[dict[str, Any]]
+    answered: int
+    prompts: int
+
+    @property
+    def count(self) -> int:
+        return sum(len(h) for h in self.heads.values())
+
+
+class _Blend(nn.Module):
+    """A layer's mixer blended per KV head with exact softmax: ``a * softmax + (1 - a) * mixer`` (no cache)."""
+
+    def __init__(self, mixer: Mixer, alpha: torch.Tensor, layer_idx: int) -> None:
+        super().__init__()
+        self.inner = mixer
+        self.spec = mixer.spec
+        self.alpha = alpha  # [layers, Hkv]: the selection's blend weights, row ``layer_idx`` for this layer
+        self.layer_idx = layer_idx
+        self.softmax = SoftmaxMixer(FULL_SPEC, mixer.shape, mixer.config)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs,
+                state: Any = None, use_cache: bool = False) -> tuple[torch.Tensor, None]:
+        if use_cache or state is not None:
+            raise ValueError("retrieval-head selection scores whole sequences; it does not use a cache")
+        own, _ = self.inner(q, k, v, inputs)
+        a = self.alpha[self.layer_idx].to(own.dtype).repeat_interleave(self.inner.shape.groups)[:, None]  # [H, 1]
+        if not bool((a > 0).any()) and not self.alpha.requires_grad:
+            return own, None
+        exact = self.softmax.parallel(q, k, v, inputs)
+        return a * exact.to(own.dtype) + (1 - a) * own, None
+
+
+_NEEDLE_HEAD = "Somewhere in the text below is a secret number. Memorize it.\n\n"
+_NEEDLE = "\n\nThe secret number is {value}. Keep it in mind: {value} is the secret number.\n\n"
+_NEEDLE_QUESTION = "\n\nWhich number was the secret one?"
+_NEEDLE_ANSWER = " The secret number is"
+
+
+def needle_prompt(tokenizer: Any, haystack: Haystack, context_length: int, depth: float, seed: str) -> RecallPrompt:
+    """One number hidden in training text at ``depth`` and asked for at the end, as a one-query ``RecallPrompt``:
+    a task of the passkey probe's kind in other words, other text and other numbers."""
+    rng = random.Random(seed)
+    value = str(rng.randrange(10_000, 100_000))
+
+    def encode(text: str, special: bool = False) -> list[int]:
+        return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    prefix, with_value = encode(_NEEDLE_ANSWER), encode(f"{_NEEDLE_ANSWER} {value}")
+    if with_value[: len(prefix)] != prefix:
+        raise ValueError("the tokenizer merges the secret number into the words before it")
+    fact = Fact("secret number", value, tuple(prefix), tuple(with_value[len(prefix):]), tuple(encode(".")))
+    head, needle, question = encode(_NEEDLE_HEAD, True), encode(_NEEDLE.format(value=value)), encode(_NEEDLE_QUESTION)
+    room = context_length - len(head) - len(needle) - len(question) - len(fact.ids)
+    if room < 1:
+        raise ValueError(f"context length {context_length} leaves no room for text around the secret number")
+    filler, starts = fill_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), room)
+    body, (offset,) = plant(filler, starts, [needle], [depth])
+    return RecallPrompt(tuple(head + body + question), (fact,), (len(head) + offset,), (0,))
+
+
+def recall_objective(tokenizer: Any, texts: Sequence[str], context_length: int, prompts: int = 3,
+                     seed: int = 0) -> list[RecallPrompt]:
+    """What the heads are chosen on: ``prompts`` secret numbers hidden in ``texts`` (at depths spread over the
+    context) and as many associative-recall prompts (one fact planted, asked at the end), alternating."""
+    haystack = Haystack(tokenizer, texts)
+    out: list[RecallPrompt] = []
+    for i in range(prompts):
+        depth = (i + 0.5) / prompts
+        out.append(needle_prompt(tokenizer, haystack, context_length, depth, f"retrieval-heads-needle-{seed}-{i}"))
+        out.append(recall_prompt(tokenizer, haystack, context_length, 1, seed=f"retrieval-heads-{seed}-{i}"))
+    return out
+
+
+def _answer_score(model: nn.Module, prompt: RecallPrompt) -> tuple[torch.Tensor, bool]:
+    """Mean log-probability of every answer token, every earlier token given, and whether all are the argmax."""
+    ids = prompt.ids().to(next(model.parameters()).device)
+    positions = torch.tensor([p for span in prompt.answer_spans() for p in span], device=ids.device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, positions - 1].float().log_softmax(-1)
+    target = ids[0, positions]
+    return logits.gather(1, target[:, None]).mean(), bool((logits.argmax(-1) == target).all())
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)
+
+
+def select_retrieval_heads(
+    model: nn.Module,
+    prompts: Sequence[RecallPrompt],
+    max_heads: int,
+    per_round: int = 1,
+    prune: bool = True,
+    log: Callable[[str], None] = print,
+) -> Selection:
+    """Greedy, gradient-guided choice of the KV heads that keep exact softmax (see the module docstring).
+
+    The model is left as it was (its mixers are swapped back and its parameters' ``requires_grad`` restored)."""
+    if max_heads < 1 or per_round < 1 or not prompts:
+        raise ValueError("select_retrieval_heads needs max_heads >= 1, per_round >= 1 and at least one prompt")
+    layers = _layers(model)
+    kv_heads = layers[0].self_attn.mixer.shape.num_kv_heads
+    if max_heads > len(layers) * kv_heads:
+        raise ValueError(f"max_heads={max_heads} exceeds the model's {len(layers) * kv_heads} KV heads")
+    alpha = torch.zeros(len(layers), kv_heads, device=next(model.parameters()).device)
+    originals = [layer.self_attn.mixer for layer in layers]
+    trainable = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    chosen: list[tuple[int, int]] = []
+    rounds: list[dict[str, Any]] = []
+
+    def score(grad: bool) -> tuple[float, int]:
+        total, answered = 0.0, 0
+        alpha.requires_grad_(grad)
+        alpha.grad = None
+        for prompt in prompts:
+            with torch.set_grad_enabled(grad):
+                value, hit = _answer_score(model, prompt)
+                if grad:
+                    (value / len(prompts)).backward()
+            total += value.item()
+            answered += int(hit)
+        return total / len(prompts), answered
+
+    try:
+        model.eval()
+        for p in trainable:
+            p.requires_grad_(False)
+        for i, layer in enumerate(layers):
+            layer.self_attn.mixer = _Blend(originals[i], alpha, i)
+        while True:
+            value, answered = score(grad=True)
+            rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered})
+            log(f"retrieval heads: {len(chosen)} exact, answer log-prob {value:.3f}, {answered}/{len(prompts)} "
+                "answered")
+            if answered == len(prompts) or len(chosen) >= max_heads:
+                break
+            gain = alpha.grad.detach().clone()
+            gain[alpha.detach() > 0] = -float("inf")
+            for flat in torch.topk(gain.flatten(), min(per_round, max_heads - len(chosen))).indices.tolist():
+                head = divmod(flat, kv_heads)
+                alpha.data[head] = 1.0
+                chosen.append(head)
+        if prune and answered == len(prompts):
+            for head in list(chosen):
+                alpha.data[head] = 0.0
+                with torch.no_grad():
+                    value, answered = score(grad=False)
+                if answered == len(prompts):
+                    chosen.remove(head)
+                    log(f"retrieval heads: layer {head[0]} KV head {head[1]} not needed ({len(chosen)} left)")
+                else:
+                    alpha.data[head] = 1.0
+            with torch.no_grad():
+                value, answered = score(grad=False)
+            rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered, "pruned": True})
+    finally:
+        for layer, mixer in zip(layers, originals, strict=True):
+            layer.self_attn.mixer = mixer
+        for p, flag in trainable.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+    heads: HeadSet = {}
+    for layer_idx, head in sorted(chosen):
+        heads.setdefault(layer_idx, []).append(head)
+    return Selection(heads, rounds, answered, len(prompts))
+
+
+# ----- the model that keeps them --------------------------------------------------------------------------
+def _split_parameter(name: str, source: torch.Tensor, target: torch.Tensor, mixer: RetrievalHeadsMixer,
+                     where: str) -> torch.Tensor:
+    """The rows of a per-head parameter that belong to the other heads (dim 0 indexed by query or KV heads,
+    possibly several rows per head); a parameter shared by all heads is copied whole."""
+    if source.shape == target.shape:
+        return source
+    shape = mixer.shape
+    options = []
+    q_rest, kv_rest = mixer.heads["rest"]
+    for count, index in ((shape.num_heads, q_rest), (shape.num_kv_heads, kv_rest)):
+        rows, rest = divmod(source.shape[0], count)
+        if rest == 0 and rows * len(index) == target.shape[0] and source.shape[1:] == target.shape[1:]:
+            options.append(source.view(count, rows, *source.shape[1:])[index].reshape(target.shape))
+    if len(options) == 1 or (len(options) == 2 and torch.equal(options[0], options[1])):
+        return options[0]
+    why = "is ambiguous" if options else "has no rows per head"
+    raise ValueError(f"{where}: cannot split parameter {name!r} {tuple(source.shape)} between the heads: its first "
+                     f"dimension {why} (the other heads' part needs {tuple(target.shape)})")
+
+
+def with_retrieval_heads(model: nn.Module, heads: HeadSet) -> nn.Module:
+    """A copy of ``model`` whose layers in ``heads`` keep exact softmax on those KV heads (their other heads
+    keep the layer's own mixer and weights)."""
+    config = copy.deepcopy(model.config)
+    specs = config.layer_specs()
+    count = len(specs)
+    overrides = {}
+    for layer_idx, kv in heads.items():
+        if not 0 <= layer_idx < count:
+            raise ValueError(f"retrieval heads: layer {layer_idx} does not exist (the model has {count} layers)")
+        if specs[layer_idx]["mixer"] == RetrievalHeadsMixer.name:
+            raise ValueError(f"retrieval heads: layer {layer_idx} already keeps retrieval heads")
+        overrides[str(layer_idx)] = {"mixer": RetrievalHeadsMixer.name, "heads": sorted(kv),
+                                     "others": specs[layer_idx]}
+    config.attention = specs
+    config.attention_overrides = overrides or None
+    student = type(model)(config).to(next(model.parameters()).dtype)
+    state = model.state_dict()
+    own = student.state_dict()
+    for layer_idx in heads:
+        prefix = f"model.layers.{layer_idx}.self_attn.mixer."
+        mixer = student.model.layers[layer_idx].self_attn.mixer
+        for name in [n for n in state if n.startswith(prefix)]:
+            target = prefix + "rest." + name[len(prefix):]
+            state[target] = _split_parameter(name[len(prefix):], state.pop(name), own[target], mixer,
+                                             f"layer {layer_idx}")
+    student.load_state_dict(state, strict=True)
+    if config.tie_word_embeddings:
+        student.tie_weights()
+    student.generation_config = copy.deepcopy(model.generation_config)
+    return student.train(model.training)

@@ -1,0 +1,154 @@
+"""Retrieval heads: exact softmax on a few key/value heads, another mixer on the rest.
+
+In a pretrained softmax model, fetching a fact from far back in the context is the work of a few heads; most
+heads attend locally and lose little when they see only a window (DuoAttention's "retrieval" and "streaming"
+heads, Xiao et al. 2024). This mixer keeps the whole key/value cache for the KV heads listed in ``heads``
+(each brings the query heads of its group) and runs the ``others`` spec, any causal mixer (by default a 64-token
+window with 4 attention sinks), on the remaining KV heads. The cache then grows by ``2 * len(heads) * head_dim``
+elements per token instead of ``2 * num_kv_heads * head_dim``; ``hf_recattn.conversion.retrieval_heads``
+picks the heads from a teacher.
+
+The two parts are the ``softmax`` mixer and the ``others`` mixer built for their share of the heads, so their
+forms, states and proofs are theirs: the parallel form runs each part's uncached form (its own choice of parallel
+or chunked), the chunked and step forms each part's. The state holds the softmax part's tensors under ``full.``
+and the other part's under ``rest.``; ``heads=[]`` is the ``others`` mixer alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .mixer_base import Mixer, MixerInputs, MixerShape, State
+from .mixer_softmax import SoftmaxMixer
+from .options import Option
+
+FULL_PREFIX = "full."
+REST_PREFIX = "rest."
+FULL_SPEC = {"mixer": "softmax", "forget": "none", "alibi_slopes": None, "fox_bias_init": None, "rope": True}
+DEFAULT_OTHERS = {"mixer": "hybrid", "window": 64, "sink_tokens": 4, "far": "none"}
+
+
+def _prefixed(prefix: str, state: State) -> State:
+    return {prefix + name: x for name, x in state.items()}
+
+
+def _part(prefix: str, state: State) -> State:
+    return {name[len(prefix) :]: x for name, x in state.items() if name.startswith(prefix)}
+
+
+class RetrievalHeadsMixer(Mixer):
+    """Exact softmax on the KV heads in ``heads`` (whole context), the ``others`` mixer on the rest."""
+
+    name = "retrieval_heads"
+    options = {
+        "heads": Option((list,), [], "KV head indices that keep exact softmax over the whole context"),
+        "others": Option((dict, str), dict(DEFAULT_OTHERS), "spec of the mixer on the other KV heads"),
+    }
+    state_kind = "kv"  # with heads listed; heads=[] takes the other mixer's kind
+    has_chunked = True
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        from .mixers import validate_spec  # the registry imports this module
+
+        heads = spec["heads"]
+        if any(not isinstance(h, int) or isinstance(h, bool) or h < 0 for h in heads):
+            raise ValueError(f"{where}: option 'heads' takes KV head indices (ints >= 0), got {heads!r}")
+        if len(set(heads)) != len(heads):
+            raise ValueError(f"{where}: option 'heads' lists a KV head twice: {heads!r}")
+        spec["heads"] = sorted(heads)
+        others = validate_spec(spec["others"], f"{where}: option 'others'")
+        if others["mixer"] == cls.name:
+            raise ValueError(f"{where}: option 'others' cannot be another {cls.name!r} mixer")
+        if not others.get("causal", True):
+            raise ValueError(f"{where}: option 'others' must be causal")
+        spec["others"] = others
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        from .mixers import build_mixer  # the registry imports this module
+
+        heads = list(spec["heads"])
+        if heads and heads[-1] >= shape.num_kv_heads:
+            raise ValueError(
+                f"layer {shape.layer_idx} ({self.name}): option 'heads' names KV head {heads[-1]}, but the layer "
+                f"has {shape.num_kv_heads} KV heads (0..{shape.num_kv_heads - 1})"
+            )
+        if len(heads) == shape.num_kv_heads:
+            raise ValueError(
+                f"layer {shape.layer_idx} ({self.name}): option 'heads' lists every KV head; use mixer 'softmax'"
+            )
+        rest = [h for h in range(shape.num_kv_heads) if h not in heads]
+        self.full = SoftmaxMixer(FULL_SPEC, self._shape(len(heads)), config) if heads else None
+        self.rest = build_mixer(spec["others"], self._shape(len(rest)), config)
+        self.state_kind = "kv" if heads else self.rest.state_kind
+        groups = shape.groups
+        order = [h * groups + g for h in heads + rest for g in range(groups)]  # query heads: full part, then rest
+        split = len(heads) * groups
+        # plain lists, not buffers: a checkpoint loaded on the meta device would leave buffers unset
+        self.heads = {"full": (order[:split], heads), "rest": (order[split:], rest)}
+        self._unorder = sorted(range(len(order)), key=order.__getitem__)
+        self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def _index(self, name: str, device: torch.device) -> torch.Tensor:
+        """One of the head index lists as a tensor on ``device`` (made once per device)."""
+        key = (name, device)
+        if key not in self._indices:
+            part, _, which = name.partition(".")
+            values = self._unorder if name == "unorder" else self.heads[part][which == "kv"]
+            self._indices[key] = torch.tensor(values, dtype=torch.long, device=device)
+        return self._indices[key]
+
+    def _shape(self, kv_heads: int) -> MixerShape:
+        s = self.shape
+        return MixerShape(s.hidden_size, kv_heads * s.groups, kv_heads, s.head_dim, s.layer_idx)
+
+    def _split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: str) -> tuple[torch.Tensor, ...]:
+        qi, ki = self._index(f"{part}.q", q.device), self._index(f"{part}.kv", q.device)
+        return q.index_select(1, qi), k.index_select(1, ki), v.index_select(1, ki)
+
+    def _merge(self, full: torch.Tensor | None, rest: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, E] in the layer's head order from the two parts' outputs."""
+        if full is None:
+            return rest
+        dtype = torch.promote_types(full.dtype, rest.dtype)
+        return torch.cat([full.to(dtype), rest.to(dtype)], dim=2).index_select(2, self._index("unorder", rest.device))
+
+    # ----- forms ------------------------------------------------------------------------------------------
+    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+        rest, _ = self.rest(*self._split(q, k, v, "rest"), inputs)
+        full = self.full.parallel(*self._split(q, k, v, "full"), inputs) if self.full is not None else None
+        return self._merge(full, rest)
+
+    def _continue(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
+    ) -> tuple[torch.Tensor, State]:
+        rest, rest_state = getattr(self.rest, form)(*self._split(q, k, v, "rest"), inputs, _part(REST_PREFIX, state))
+        new = _prefixed(REST_PREFIX, rest_state)
+        full = None
+        if self.full is not None:
+            full, full_state = self.full.chunked(*self._split(q, k, v, "full"), inputs, _part(FULL_PREFIX, state))
+            new.update(_prefixed(FULL_PREFIX, full_state))
+        return self._merge(full, rest), new
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._continue(q, k, v, inputs, state, "chunked")
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._continue(q, k, v, inputs, state, "step")
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        state = _prefixed(REST_PREFIX, self.rest.init_state(batch_size, device, dtype))
+        if self.full is not None:
+            state.update(_prefixed(FULL_PREFIX, self.full.init_state(batch_size, device, dtype)))
+        return state
+
+    def state_size(self, context_length: int) -> int:
+        full = self.full.state_size(context_length) if self.full is not None else 0
+        return full + self.rest.state_size(context_length)
