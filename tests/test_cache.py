@@ -102,14 +102,14 @@ def test_crop_window_only_before_it_drops_tokens() -> None:
     layer.crop(-1)
     assert layer.get_seq_length() == 1 and layer.state["k"].shape[2] == 1
     layer.update({"k": torch.rand(1, 2, 3, 4), "v": torch.rand(1, 2, 3, 4)}, 4)  # 5 seen, 3 kept
-    with pytest.raises(ValueError, match="layer 4: cannot crop a window that already dropped tokens"):
+    with pytest.raises(ValueError, match="layer 4: cannot crop a state whose window already dropped tokens"):
         layer.crop(-1)
 
 
 def test_crop_recurrent_is_refused_and_leaves_the_cache_unchanged() -> None:
     cache = _filled_cache()  # kv, window (3 of 5 tokens kept), recurrent
     before = [dict(layer.state) for layer in cache.layers]
-    with pytest.raises(ValueError, match="layer 1: cannot crop a window that already dropped tokens"):
+    with pytest.raises(ValueError, match="layer 1: cannot crop a state whose window already dropped tokens"):
         cache.crop(-1)
     cache.layers.pop(1)
     with pytest.raises(ValueError, match="layer 2: cannot crop a recurrent state from 5 to 4 tokens"):
