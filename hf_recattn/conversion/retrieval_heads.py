@@ -35,7 +35,7 @@ HeadSet = dict[int, list[int]]
 
 @dataclass(frozen=True)
 class Selection:
-    """The chosen KV heads per layer, in the order they were added, and the score after each round."""
+    """The chosen KV heads by layer (sorted), the score after each round, and how many prompts the choice answers."""
 
     heads: HeadSet
     rounds: list[dict[str, Any]]
