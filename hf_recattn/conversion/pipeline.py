@@ -50,6 +50,7 @@ from .recipe import Recipe, check_against_teacher, load_recipe
 
 Log = Callable[[str], None]
 HYBRID = "hybrid"
+RETRIEVAL = "retrieval_heads"
 
 
 # ----- identity ---------------------------------------------------------------------------------------------
@@ -71,7 +72,11 @@ def run_identity(teacher: str, recipe: Recipe, data: str | None) -> dict[str, An
 
 # ----- hybrids: the parts of a hybrid spec, as models of their own ------------------------------------------
 def hybrid_parts(spec: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-    """``{"window-only": spec, "far-only": spec}`` for a hybrid spec, None for any other."""
+    """``{"window-only": spec, "far-only": spec}`` for a hybrid spec (also the hybrid beside retrieval heads,
+    which stay exact in both parts), None for any other."""
+    if spec.get("mixer") == RETRIEVAL and isinstance(spec.get("others"), dict):
+        parts = hybrid_parts(spec["others"])
+        return None if parts is None else {name: {**spec, "others": part} for name, part in parts.items()}
     if spec.get("mixer") != HYBRID:
         return None
     window: dict[str, Any] = {"mixer": "sliding_window", "window": int(spec["window"])}
@@ -103,14 +108,14 @@ def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
         variant = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
         mapped = {}
         for key, value in state.items():
-            if ".mixer." not in key:
+            if ".mixer." not in key or not parts[_layer_of(key)]:
                 mapped[key] = value
-            elif name == "far-only" and ".mixer.far." in key:
-                mapped[key.replace(".mixer.far.", ".mixer.")] = value
-            elif name == "window-only" and parts[_layer_of(key)] and ".mixer.far." not in key:
+                continue
+            hybrid = ".mixer.rest." if specs[_layer_of(key)]["mixer"] == RETRIEVAL else ".mixer."
+            if name == "far-only" and hybrid + "far." in key:
+                mapped[key.replace(hybrid + "far.", hybrid)] = value
+            elif name == "window-only" and hybrid + "far." not in key:
                 mapped[key] = value  # a window part with sinks is a hybrid without far mixer: same names
-            elif not parts[_layer_of(key)]:
-                mapped[key] = value
         result = variant.load_state_dict(mapped, strict=False)
         missing = [k for k in result.missing_keys if k != "lm_head.weight"]
         if missing:
