@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -41,8 +42,6 @@ OBJECTIVES = ("training-text", "passkey-format")
 
 def passkey_format(tokenizer, length: int, prompts: int, seed: int = 1) -> list[RecallPrompt]:  # noqa: ANN001
     """The probe's prompts with other keys, as one-query ``RecallPrompt``s (the answer: the key's tokens)."""
-    import random
-
     rng = random.Random(seed)
     out = []
     for i in range(prompts):

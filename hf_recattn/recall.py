@@ -48,13 +48,14 @@ class Fact:
         return self.prefix + self.answer + self.suffix
 
 
-def fact_ids(tokenizer: Any, name: str, value: str) -> Fact:
-    """The sentence for ``name`` and ``value``, tokenized whole and split where the value begins and ends."""
+def fact_ids(tokenizer: Any, name: str, value: str, stem: str | None = None) -> Fact:
+    """The sentence ``stem VALUE.`` (by default `` The code of NAME is``), tokenized whole and split where the value
+    begins and ends."""
 
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    stem = f" The code of {name} is"
+    stem = f" The code of {name} is" if stem is None else stem
     prefix, with_value, full = encode(stem), encode(f"{stem} {value}"), encode(f"{stem} {value}.")
     if len(with_value) > len(prefix) and with_value[: len(prefix)] == prefix and full[: len(with_value)] == with_value:
         return Fact(name, value, prefix, with_value[len(prefix) :], full[len(with_value) :])

@@ -457,14 +457,13 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
                          f"{kv_heads} KV heads ({config.num_hidden_layers} layers x {config.num_key_value_heads})")
     limit = getattr(teacher_config, "max_position_embeddings", None)
     for key, size in (
-        ("stage1", recipe.stage1.block_size),
-        ("stage2", recipe.stage2.block_size),
-        ("eval", recipe.eval.block_size),
-        ("retrieval_heads", recipe.retrieval_heads.context_length),
+        ("stage1.block_size", recipe.stage1.block_size),
+        ("stage2.block_size", recipe.stage2.block_size),
+        ("eval.block_size", recipe.eval.block_size),
+        ("retrieval_heads.context_length", recipe.retrieval_heads.context_length),
     ):
         if limit and size > limit:
-            what = "context_length" if key == "retrieval_heads" else "block_size"
-            raise ValueError(f"{src}: {key}.{what} {size} exceeds the teacher's max_position_embeddings {limit}")
+            raise ValueError(f"{src}: {key} {size} exceeds the teacher's max_position_embeddings {limit}")
     if tokenizer is not None and len(tokenizer) > teacher_config.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the teacher's vocab_size is "

@@ -28,7 +28,7 @@ from ..evaluation import fill_tokens, plant
 from ..modeling.mixer_base import Mixer, MixerInputs
 from ..modeling.mixer_retrieval import FULL_SPEC, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
-from ..recall import Fact, Haystack, RecallPrompt, recall_prompt
+from ..recall import Haystack, RecallPrompt, fact_ids, recall_prompt
 
 HeadSet = dict[int, list[int]]
 
@@ -85,10 +85,7 @@ def needle_prompt(tokenizer: Any, haystack: Haystack, context_length: int, depth
     def encode(text: str, special: bool = False) -> list[int]:
         return tokenizer(text, add_special_tokens=special)["input_ids"]
 
-    prefix, with_value = encode(_NEEDLE_ANSWER), encode(f"{_NEEDLE_ANSWER} {value}")
-    if with_value[: len(prefix)] != prefix:
-        raise ValueError("the tokenizer merges the secret number into the words before it")
-    fact = Fact("secret number", value, tuple(prefix), tuple(with_value[len(prefix):]), tuple(encode(".")))
+    fact = fact_ids(tokenizer, "secret number", value, stem=_NEEDLE_ANSWER)
     head, needle, question = encode(_NEEDLE_HEAD, True), encode(_NEEDLE.format(value=value)), encode(_NEEDLE_QUESTION)
     room = context_length - len(head) - len(needle) - len(question) - len(fact.ids)
     if room < 1:
@@ -184,14 +181,13 @@ def select_retrieval_heads(
             for head in list(chosen):
                 alpha.data[head] = 0.0
                 with torch.no_grad():
-                    value, answered = score(grad=False)
-                if answered == len(prompts):
+                    without = score(grad=False)
+                if without[1] == len(prompts):
                     chosen.remove(head)
+                    value, answered = without  # the score of the choice in force
                     log(f"retrieval heads: layer {head[0]} KV head {head[1]} not needed ({len(chosen)} left)")
                 else:
                     alpha.data[head] = 1.0
-            with torch.no_grad():
-                value, answered = score(grad=False)
             rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered, "pruned": True})
     finally:
         for layer, mixer in zip(layers, originals, strict=True):
