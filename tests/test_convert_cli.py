@@ -40,7 +40,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hybrid_delta": write_recipe(root / "tiny-hybrid-delta.yaml", tiny_recipe_dict(HYBRID_DELTA)),
         "linear": write_recipe(root / "tiny-linear.yaml", tiny_recipe_dict()),
         "retrieval": write_recipe(root / "tiny-retrieval.yaml", tiny_recipe_dict(
-            HYBRID, retrieval_heads={"max_heads": 1, "context_length": 256, "prompts": 1, "per_round": 1})),
+            HYBRID, retrieval_heads={"max_heads": 1, "context_length": 256, "prompts": 1, "per_round": 1},
+            stage2={"block_size": 512, "batch_size": 1, "tokens": 2048, "retrieval_share": 0.5,
+                    "answer_weight": 20})),
         "fox": write_recipe(  # the fox recipe in miniature: lossless start, no stage 1, gates train in stage 2
             root / "tiny-fox.yaml",
             tiny_recipe_dict({"mixer": "softmax", "forget": "fox"}, stage1={"tokens": 0},
@@ -114,8 +116,8 @@ def test_convert_end_to_end_hybrid(
 def test_convert_keeps_retrieval_heads_and_resumes_with_them(
     assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """After stage 1 the run chooses one KV head, records it, finetunes and saves the model that keeps it; a rerun
-    without the model reads the choice instead of searching again."""
+    """After stage 1 the run chooses one KV head, records it, finetunes (half of the blocks retrieval prompts) and
+    saves the model that keeps it; a rerun without the model reads the choice instead of searching again."""
     out = tmp_path / "run"
     assert main(_args(assets, out, "retrieval")) == 0
     chosen = json.loads((out / "retrieval_heads.json").read_text())
@@ -128,7 +130,9 @@ def test_convert_keeps_retrieval_heads_and_resumes_with_them(
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     spec = model.config.layer_spec(int(layer))
     assert spec["mixer"] == "retrieval_heads" and spec["heads"] == heads and spec["others"]["mixer"] == "hybrid"
-    assert "retrieval heads: choosing at most 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "retrieval heads: choosing at most 1" in printed
+    assert "2 of 4 blocks hide facts in training text" in printed and report["stage2"]["steps"] == 4
     shutil.rmtree(out / "model")
     assert main(_args(assets, out, "retrieval", "--no-eval")) == 0
     assert "retrieval heads: chosen earlier, 1 KV heads" in capsys.readouterr().out

@@ -57,7 +57,8 @@ def _settings(**kw: object) -> Stage2Settings:
 
 # ----- the loss ---------------------------------------------------------------------------------------------
 def _reference_loss(
-    student: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor, mode: str, t: float, w: float
+    student: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor, mode: str, t: float, w: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[float, int]:
     """Per-position float64 loop, written independently of distill_loss_sum."""
     total, count = 0.0, 0
@@ -70,7 +71,8 @@ def _reference_loss(
             ce = float(torch.logsumexp(s, 0) - s[labels[b, i]])
             p = torch.softmax(teacher[b, i].double() / t, 0)
             kl = float((p * (p.log() - torch.log_softmax(s / t, 0))).sum()) * t * t
-            total += {"ce": ce, "kl": kl, "ce+kl": ce + w * kl}[mode]
+            scale = 1.0 if weights is None else float(weights[b, i])
+            total += scale * {"ce": ce, "kl": kl, "ce+kl": ce + w * kl}[mode]
     return total, count
 
 
@@ -84,6 +86,35 @@ def test_distill_loss_sum_matches_a_float64_loop(mode: str) -> None:
     ref_total, ref_count = _reference_loss(student, labels, teacher, mode, 2.0, 0.5)
     assert count == ref_count == 8
     assert float(total) == pytest.approx(ref_total, rel=1e-5)  # fp32 against fp64
+
+
+@pytest.mark.parametrize("mode", ["ce", "kl", "ce+kl"])
+def test_weighted_loss_scales_each_position(mode: str) -> None:
+    """Per-position weights (the answer tokens of retrieval blocks) scale that position's loss; the count of
+    predicted positions does not change."""
+    gen = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(2, 5, 11, generator=gen) * 3, torch.randn(2, 5, 11, generator=gen) * 3
+    labels = torch.randint(0, 11, (2, 5), generator=gen)
+    labels[1, :2] = -100
+    weights = torch.rand(2, 5, generator=gen) * 10
+    total, count = distill_loss_sum(student, labels, teacher, mode, 2.0, 0.5, shift_weights=weights)
+    ref_total, ref_count = _reference_loss(student, labels, teacher, mode, 2.0, 0.5, weights)
+    assert count == ref_count == 8
+    assert float(total) == pytest.approx(ref_total, rel=1e-5)
+    unweighted, _ = distill_loss_sum(student, labels, teacher, mode, 2.0, 0.5)
+    assert float(total) != pytest.approx(float(unweighted), rel=1e-3)  # the weights did something
+
+
+def test_block_dataset_shifts_the_weights_with_the_labels() -> None:
+    blocks = torch.arange(12).view(2, 6)
+    weights = torch.ones(2, 6)
+    weights[1, 4] = 50.0  # the weight of predicting token 4 of block 1
+    item = BlockDataset(blocks, weights=weights)[1]
+    assert item["shift_labels"][3] == blocks[1, 4] and item["shift_weights"][3] == 50.0
+    assert float(item["shift_weights"].sum()) == 5 + 50.0
+    assert "shift_weights" not in BlockDataset(blocks)[0]
+    with pytest.raises(ValueError, match="weights"):
+        BlockDataset(blocks, weights=torch.ones(2, 5))
 
 
 def test_kl_of_identical_distributions_is_zero() -> None:

@@ -166,6 +166,21 @@ def test_mixer_group_settings(tmp_path: Path) -> None:
     assert "stage2.mixer_lr needs stage2.train_mixer" in message
 
 
+def test_retrieval_data_settings(tmp_path: Path) -> None:
+    base = recipe_from_dict(tiny_recipe_dict())
+    assert (base.stage2.retrieval_share, base.stage2.answer_weight) == (None, None)
+    set_ = recipe_from_dict(tiny_recipe_dict(stage2={"retrieval_share": 0.5, "answer_weight": 50}))
+    assert (set_.stage2.retrieval_share, set_.stage2.answer_weight) == (0.5, 50.0)
+    assert set_.fingerprint() != base.fingerprint()
+    for settings, says in (({"retrieval_share": 1.0}, "stage2.retrieval_share must be in [0, 1)"),
+                           ({"retrieval_share": -0.1}, "stage2.retrieval_share must be in [0, 1)"),
+                           ({"answer_weight": 10}, "stage2.answer_weight needs stage2.retrieval_share"),
+                           ({"retrieval_share": 0.5, "answer_weight": 0}, "stage2.answer_weight must be"),
+                           ({"retrieval_share": 0.5, "answer_weight": float("nan")}, "stage2.answer_weight must be")):
+        message = _error(tmp_path, tiny_recipe_dict(stage2=settings))
+        assert says in message, message
+
+
 def test_teacher_mismatches() -> None:
     teacher = smollm2_config()
     with pytest.raises(ValueError, match="expects head_dim=128 but the teacher has head_dim=64"):

@@ -31,13 +31,19 @@ from .recipe import Stage2Settings
 
 # ----- data -------------------------------------------------------------------------------------------------
 class BlockDataset(torch.utils.data.Dataset):
-    """Fixed-length token blocks as causal-LM examples: ``input_ids``, ``labels`` and ``shift_labels``."""
+    """Fixed-length token blocks as causal-LM examples: ``input_ids``, ``labels`` and ``shift_labels``; with
+    ``weights`` ([N, block_size], weight i for the prediction of token i) also ``shift_weights``."""
 
-    def __init__(self, blocks: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, blocks: torch.Tensor, attention_mask: torch.Tensor | None = None, weights: torch.Tensor | None = None
+    ) -> None:
         if blocks.dim() != 2:
             raise ValueError(f"stage 2: blocks must be [N, block_size], got {tuple(blocks.shape)}")
+        if weights is not None and weights.shape != blocks.shape:
+            raise ValueError(f"stage 2: weights {tuple(weights.shape)} must match blocks {tuple(blocks.shape)}")
         self.blocks = blocks.long()
         self.attention_mask = attention_mask
+        self.weights = weights
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
@@ -52,6 +58,9 @@ class BlockDataset(torch.utils.data.Dataset):
             labels = labels.masked_fill(mask == 0, -100)
         item["labels"] = labels
         item["shift_labels"] = torch.cat([labels[1:], labels.new_full((1,), -100)])
+        if self.weights is not None:
+            weights = self.weights[index].float()
+            item["shift_weights"] = torch.cat([weights[1:], weights.new_ones(1)])
         return item
 
 
@@ -63,26 +72,31 @@ def distill_loss_sum(
     loss: str = "ce",
     temperature: float = 1.0,
     kl_weight: float = 1.0,
+    shift_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Summed loss over the predicted positions (``shift_labels != -100``) and their count.
 
     ``ce``: cross-entropy to the next token. ``kl``: ``T^2 * KL(teacher_T || student_T)`` per position, the
-    distributions taken at temperature ``T``. ``ce+kl``: ``ce + kl_weight * kl``.
+    distributions taken at temperature ``T``. ``ce+kl``: ``ce + kl_weight * kl``. ``shift_weights`` (shaped like
+    ``shift_labels``) scales each position's loss; the count stays the number of positions.
     """
     mask = shift_labels != -100
     count = int(mask.sum())
     vocab = student_logits.shape[-1]
     logits = student_logits[mask].float()
+    weights = None if shift_weights is None else shift_weights[mask].float()
     total = logits.new_zeros(())
     if loss in ("ce", "ce+kl"):
-        total = total + F.cross_entropy(logits.view(-1, vocab), shift_labels[mask].view(-1), reduction="sum")
+        ce = F.cross_entropy(logits.view(-1, vocab), shift_labels[mask].view(-1), reduction="none")
+        total = total + (ce if weights is None else ce * weights).sum()
     if loss in ("kl", "ce+kl"):
         if teacher_logits is None:
             raise ValueError(f"stage 2: loss {loss!r} needs the teacher's logits")
         t = temperature
         log_p_teacher = F.log_softmax(teacher_logits[mask].float() / t, dim=-1)
         log_p_student = F.log_softmax(logits / t, dim=-1)
-        kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum() * (t * t)
+        kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1) * (t * t)
+        kl = (kl if weights is None else kl * weights).sum()
         total = total + (kl_weight if loss == "ce+kl" else 1.0) * kl
     elif loss != "ce":
         raise ValueError(f"stage 2: unknown loss {loss!r}; use ce, kl or ce+kl")
@@ -149,7 +163,8 @@ class DistillTrainer(Trainer):
             with torch.no_grad():
                 teacher_logits = self.teacher(**forward, use_cache=False).logits
         total, count = distill_loss_sum(
-            outputs.logits, shift_labels, teacher_logits, self.distill_loss, self.temperature, self.kl_weight
+            outputs.logits, shift_labels, teacher_logits, self.distill_loss, self.temperature, self.kl_weight,
+            inputs.get("shift_weights"),
         )
         if num_items_in_batch is not None:
             denominator = float(num_items_in_batch)
@@ -283,17 +298,19 @@ def finetune(
     stop_after_step: int | None = None,
     pick_forms: bool = True,
     callbacks: list[TrainerCallback] | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[nn.Module, FinetuneResult]:
     """LoRA-finetune ``student`` on ``blocks`` (resuming from Trainer checkpoints in ``output_dir``), merge.
 
     Returns the merged plain model and a summary. ``stop_after_step`` ends the run early at that step with a
     checkpoint (the merged model is still returned). ``pick_forms``: train each mixer in its faster form.
+    ``weights`` ([N, block_size]): the loss weight of each token's prediction (``retrieval_data.py``).
     """
     with warnings.catch_warnings():
         # transformers' own deprecation notice, raised inside its Trainer / peft calls, not by our arguments
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return _finetune(teacher, student, blocks, settings, output_dir, seed, progress, stop_after_step,
-                         pick_forms, callbacks)
+                         pick_forms, callbacks, weights)
 
 
 def _finetune(
@@ -307,6 +324,7 @@ def _finetune(
     stop_after_step: int | None,
     pick_forms: bool,
     callbacks: list[TrainerCallback] | None,
+    weights: torch.Tensor | None,
 ) -> tuple[nn.Module, FinetuneResult]:
     tokens_per_step = settings.batch_size * settings.grad_accum * blocks.shape[1]
     steps = max(1, settings.tokens // tokens_per_step)
@@ -316,7 +334,7 @@ def _finetune(
     trainer = DistillTrainer(
         model=peft_model,
         args=args,
-        train_dataset=BlockDataset(blocks),
+        train_dataset=BlockDataset(blocks, weights=weights),
         data_collator=default_data_collator,
         teacher=teacher if settings.loss != "ce" else None,
         loss=settings.loss,

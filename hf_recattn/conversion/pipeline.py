@@ -210,6 +210,7 @@ def convert(
             blocks = token_blocks(
                 tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens, seed=recipe.seed + 1
             )
+            blocks, weights = _with_retrieval_data(recipe, blocks, tokenizer, train_texts, log)
             student, result = finetune(
                 teacher_model,
                 student,
@@ -218,6 +219,7 @@ def convert(
                 output / "stage2" / "trainer",
                 seed=recipe.seed,
                 progress=progress,
+                weights=weights,
             )
             stage2_summary = result.as_dict()
             stage2_summary["tokens_per_second"] = result.tokens / max(result.seconds, 1e-9)
@@ -347,6 +349,26 @@ def _keep_retrieval_heads(recipe: Recipe, student: torch.nn.Module, tokenizer: A
                                  "rounds": selection.rounds})
     log("  exact softmax on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))
     return with_retrieval_heads(student, heads)
+
+
+def _with_retrieval_data(recipe: Recipe, blocks: torch.Tensor, tokenizer: Any, train_texts: list[str],
+                         log: Log) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stage 2's blocks with ``stage2.retrieval_share`` of them replaced by retrieval prompts built from the
+    training texts (same count and length), and the loss weights; the blocks unchanged without the option."""
+    from .retrieval_data import mix_blocks, retrieval_blocks
+
+    s2 = recipe.stage2
+    count = round((s2.retrieval_share or 0.0) * blocks.shape[0])
+    if count == 0:
+        return blocks, None
+    log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them "
+        f"(answer weight {s2.answer_weight or 1.0:g})")
+    try:
+        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, s2.answer_weight or 1.0,
+                                          seed=recipe.seed)
+    except ValueError as err:
+        raise ValueError(f"{recipe.source}: stage2.retrieval_share: {err}") from None
+    return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)
 
 
 def _evaluate_all(

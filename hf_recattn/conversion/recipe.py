@@ -96,6 +96,9 @@ class Stage2Settings:
     max_grad_norm: float = 1.0
     save_steps: int = 25
     lora: LoraSettings = field(default_factory=LoraSettings)
+    # share of the stage-2 blocks that hide facts in training text and ask for them (``retrieval_data.py``)
+    retrieval_share: float | None = None
+    answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ class Recipe:
 
 
 #: settings added after recipes were in use, default None: not in the fingerprint while they are None
-_LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps")}
+_LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight")}
 
 
 # ----- loading ----------------------------------------------------------------------------------------------
@@ -386,6 +389,13 @@ def _check_settings(recipe: Recipe) -> None:
         if not math.isfinite(value):
             raise ValueError(f"{src}: stage2.{key} must be finite, got {value!r}")
         _positive(value, f"{src}: stage2.{key}")
+    if s2.retrieval_share is not None and not 0 <= s2.retrieval_share < 1:
+        raise ValueError(f"{src}: stage2.retrieval_share must be in [0, 1), got {s2.retrieval_share!r}")
+    if s2.answer_weight is not None:
+        if not s2.retrieval_share:
+            raise ValueError(f"{src}: stage2.answer_weight needs stage2.retrieval_share > 0 (it weights those blocks)")
+        if not (math.isfinite(s2.answer_weight) and s2.answer_weight > 0):
+            raise ValueError(f"{src}: stage2.answer_weight must be a finite number > 0, got {s2.answer_weight!r}")
     if s2.loss not in LOSSES:
         raise ValueError(f"{src}: stage2.loss must be one of {list(LOSSES)}, got {s2.loss!r}")
     _positive(s2.lora.r, f"{src}: stage2.lora.r")
