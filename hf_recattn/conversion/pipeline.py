@@ -361,11 +361,11 @@ def _with_retrieval_data(recipe: Recipe, blocks: torch.Tensor, tokenizer: Any, t
     count = round((s2.retrieval_share or 0.0) * blocks.shape[0])
     if count == 0:
         return blocks, None
+    answer_weight = s2.answer_weight or 1.0
     log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them "
-        f"(answer weight {s2.answer_weight or 1.0:g})")
+        f"(answer weight {answer_weight:g})")
     try:
-        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, s2.answer_weight or 1.0,
-                                          seed=recipe.seed)
+        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, answer_weight, seed=recipe.seed)
     except ValueError as err:
         raise ValueError(f"{recipe.source}: stage2.retrieval_share: {err}") from None
     return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)
