@@ -72,14 +72,11 @@ def mix_blocks(
                          "differ in length")
     total = text_blocks.shape[0] + extra.shape[0]
     # extra block j goes to the slot floor((j + 0.5) * total / count): evenly spaced, never at the same slot
-    slots = {int((j + 0.5) * total / extra.shape[0]): j for j in range(extra.shape[0])}
-    rows, weights, next_text = [], [], 0
-    for slot in range(total):
-        if slot in slots:
-            rows.append(extra[slots[slot]])
-            weights.append(extra_weights[slots[slot]])
-        else:
-            rows.append(text_blocks[next_text])
-            weights.append(torch.ones(text_blocks.shape[1]))
-            next_text += 1
-    return torch.stack(rows), torch.stack(weights)
+    slots = ((torch.arange(extra.shape[0], dtype=torch.float64) + 0.5) * total / extra.shape[0]).long()
+    is_extra = torch.zeros(total, dtype=torch.bool)
+    is_extra[slots] = True
+    rows = text_blocks.new_empty((total, *text_blocks.shape[1:]))
+    rows[is_extra], rows[~is_extra] = extra.to(rows.dtype), text_blocks
+    weights = torch.ones(rows.shape, dtype=extra_weights.dtype)
+    weights[is_extra] = extra_weights
+    return rows, weights
