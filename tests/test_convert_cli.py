@@ -15,7 +15,7 @@ from hf_recattn import evaluation
 from hf_recattn.cli import main
 from hf_recattn.conversion import attention_transfer as at
 from hf_recattn.conversion import finetune as ft
-from hf_recattn.data.corpus import load_texts, split_heldout
+from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
 #: window + sinks + a gated delta far part (the hybrid-w64-sink4-gdn recipe in miniature)
@@ -200,6 +200,53 @@ def test_refuses_a_folder_holding_something_else(
     assert "differs in: recipe_fingerprint, seed" in capsys.readouterr().err
     assert main(_args(assets, other, "linear", "--no-eval", "--seed", "3", "--overwrite")) == 0
     assert json.loads((other / "run.json").read_text())["seed"] == 3
+
+
+def test_continues_from_an_earlier_conversion(
+    assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``init`` starts the student from a converted checkpoint, not from the teacher's copy, and
+    ``stage2.skip_tokens`` trains stage 2 on the corpus text after the first run's."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    first = tmp_path / "first"
+    assert main(_args(assets, first, "linear", "--no-eval")) == 0
+    more = write_recipe(tmp_path / "more.yaml", tiny_recipe_dict(
+        init=str(first / "model"), stage1={"tokens": 0}, stage2={"skip_tokens": 256}))
+    seen: dict[str, object] = {}
+    real_finetune = ft.finetune
+
+    def spy(teacher: object, student: torch.nn.Module, blocks: torch.Tensor, *args: object, **kwargs: object):
+        seen["weights"] = {k: v.clone() for k, v in student.state_dict().items()}
+        seen["blocks"] = blocks.clone()
+        return real_finetune(teacher, student, blocks, *args, **kwargs)
+
+    monkeypatch.setattr(ft, "finetune", spy)
+    assets = {**assets, "more": more}
+    assert main(_args(assets, tmp_path / "more", "more", "--no-eval")) == 0
+    assert "starting from the converted checkpoint" in capsys.readouterr().out
+    saved = load_file(first / "model" / "model.safetensors")
+    assert saved.keys() <= seen["weights"].keys()
+    assert all(torch.equal(seen["weights"][key], value) for key, value in saved.items())
+    tokenizer = AutoTokenizer.from_pretrained(assets["teacher"])
+    train, _ = split_heldout(load_texts(str(assets["corpus"])), 0.2, seed=0)
+    order = token_blocks(tokenizer, train, 32, max_tokens=512, seed=1)  # stage 2's blocks: recipe seed + 1
+    assert torch.equal(seen["blocks"], order[8:])  # 256 skipped tokens = the first run's 8 blocks of 32
+
+
+@pytest.mark.parametrize(("init", "says"), [("model", "layer 0 has attention"),
+                                            ("nowhere", "is not a converted checkpoint folder")])
+def test_init_that_does_not_fit_is_refused_before_taking_the_folder(
+    init: str, says: str, assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    first = tmp_path / "first"
+    assert main(_args(assets, first, "linear", "--no-eval")) == 0
+    bad = write_recipe(tmp_path / "bad.yaml", tiny_recipe_dict(HYBRID, init=str(first / init)))
+    assert main(_args({**assets, "bad": bad}, tmp_path / "out", "bad", "--no-eval")) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and says in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_same_seed_same_model(assets: dict[str, Path], tmp_path: Path) -> None:

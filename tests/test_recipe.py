@@ -61,6 +61,15 @@ def _error(tmp_path: Path, recipe: dict, budget: str = "quick") -> str:
     return message
 
 
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks" / "recipes").glob("*.yaml")),
+                         ids=lambda path: path.stem)
+def test_benchmark_recipes_load_and_fit_smollm2(path: Path) -> None:
+    """The recipes the docs measure (outside the package) stay valid as the recipe schema moves."""
+    for budget in budgets_of(path) or ["default"]:
+        config = check_against_teacher(load_recipe(path, budget), smollm2_config())
+        assert len(config.layer_specs()) == 30
+
+
 def test_unknown_top_level_key(tmp_path: Path) -> None:
     recipe = tiny_recipe_dict()
     recipe["stage3"] = {}
@@ -178,6 +187,21 @@ def test_retrieval_data_settings(tmp_path: Path) -> None:
                            ({"retrieval_share": 0.5, "answer_weight": 0}, "stage2.answer_weight must be"),
                            ({"retrieval_share": 0.5, "answer_weight": float("nan")}, "stage2.answer_weight must be")):
         message = _error(tmp_path, tiny_recipe_dict(stage2=settings))
+        assert says in message, message
+
+
+def test_continuation_settings(tmp_path: Path) -> None:
+    base = recipe_from_dict(tiny_recipe_dict())
+    assert (base.init, base.stage2.skip_tokens) == (None, None)
+    more = recipe_from_dict(tiny_recipe_dict(init="runs/first/model", stage2={"skip_tokens": 256}))
+    assert (more.init, more.stage2.skip_tokens) == ("runs/first/model", 256)
+    assert more.fingerprint() != base.fingerprint()
+    assert recipe_from_dict(tiny_recipe_dict(init="runs/other/model")).fingerprint() != base.fingerprint()
+    for recipe, says in ((tiny_recipe_dict(stage2={"skip_tokens": -32}), "stage2.skip_tokens must be >= 0"),
+                         (tiny_recipe_dict(init=3), "init must be str"),
+                         (tiny_recipe_dict(init="runs/first/model", retrieval_heads={"max_heads": 2}),
+                          "init and retrieval_heads.max_heads do not combine")):
+        message = _error(tmp_path, recipe)
         assert says in message, message
 
 

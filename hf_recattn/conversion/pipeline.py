@@ -1,5 +1,5 @@
-"""The whole conversion: teacher -> student (new attention) -> stage 1 -> [retrieval heads] -> stage 2 ->
-evaluation -> checkpoint.
+"""The whole conversion: teacher -> student (new attention, or the converted checkpoint a recipe's ``init``
+names, to train it further) -> stage 1 -> [retrieval heads] -> stage 2 -> evaluation -> checkpoint.
 
 ``convert(...)`` is what ``hf-recattn convert`` runs. Its output folder::
 
@@ -169,6 +169,8 @@ def convert(
     teacher_model, tokenizer = load_teacher(teacher)
     teacher_model.eval().requires_grad_(False)
     config = check_against_teacher(recipe, teacher_model.config, tokenizer)
+    if recipe.init is not None:
+        _check_init(recipe, config)
     timings["load_teacher"] = time.perf_counter() - t0
     claim_output_folder(output, identity, decision)  # teacher and recipe are fine: now take the folder
     atomic_write_json(output / "recipe.json", recipe.as_dict())
@@ -190,7 +192,11 @@ def convert(
         stage2_summary = _read_json(output / "stage2" / "summary.json")
     else:
         set_seed(recipe.seed)
-        student = from_llama(teacher_model, recipe.attention, recipe.attention_overrides)
+        if recipe.init is not None:
+            student = _load_student(Path(recipe.init).expanduser())
+            log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
+        else:
+            student = from_llama(teacher_model, recipe.attention, recipe.attention_overrides)
         if student.config.layer_specs() != config.layer_specs():
             raise RuntimeError("the student's layer specs differ from the recipe check (a bug)")
         stage1_summary = _stage1(
@@ -207,9 +213,13 @@ def convert(
                 f"[4/5] stage 2: LoRA finetuning, {s2.tokens} tokens, loss {s2.loss} "
                 f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
             )
+            skip = (s2.skip_tokens or 0) // s2.block_size
             blocks = token_blocks(
-                tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens, seed=recipe.seed + 1
-            )
+                tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens + skip * s2.block_size,
+                seed=recipe.seed + 1,
+            )[skip:]
+            if skip:
+                log(f"stage 2: {skip * s2.block_size} tokens of the corpus order skipped (stage2.skip_tokens)")
             blocks, weights = _with_retrieval_data(recipe, blocks, tokenizer, train_texts, log)
             student, result = finetune(
                 teacher_model,
@@ -432,6 +442,26 @@ def sample_through_cache(
         f"{sample['tokens']} tokens):\n  {prompt!r} -> {text!r}"
     )
     return sample
+
+
+def _check_init(recipe: Recipe, config: Any) -> None:
+    """``recipe.init`` must be a converted checkpoint with the recipe's attention (layer by layer) and the
+    teacher's shape: checked from its config before the run takes its output folder."""
+    from ..modeling.configuration import RecAttnConfig
+
+    folder = Path(str(recipe.init)).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{recipe.source}: init {recipe.init!r} is not a converted checkpoint folder (no config.json)")
+    init = RecAttnConfig.from_pretrained(folder)
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
+        if getattr(init, key) != getattr(config, key):
+            have, want = getattr(init, key), getattr(config, key)
+            raise ValueError(f"{recipe.source}: init {recipe.init!r} has {key} {have}, the teacher {want}")
+    for layer, (have, want) in enumerate(zip(init.layer_specs(), config.layer_specs(), strict=True)):
+        if have != want:
+            raise ValueError(
+                f"{recipe.source}: init {recipe.init!r} layer {layer} has attention {have}, the recipe {want}"
+            )
 
 
 def _load_student(folder: Path) -> torch.nn.Module:

@@ -96,6 +96,9 @@ class Stage2Settings:
     max_grad_norm: float = 1.0
     save_steps: int = 25
     lora: LoraSettings = field(default_factory=LoraSettings)
+    #: training tokens of the corpus order passed over before stage 2's blocks begin (a run that continues from
+    #: ``init`` skips the tokens the first run trained on, so that it sees fresh text)
+    skip_tokens: int | None = None
     # share of the stage-2 blocks that hide facts in training text and ask for them (``retrieval_data.py``)
     retrieval_share: float | None = None
     answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
@@ -138,6 +141,8 @@ class Recipe:
     description: str = ""
     seed: int = 0
     expects: dict[str, int] = field(default_factory=dict)
+    #: an earlier converted checkpoint (folder) the student starts from instead of the teacher's copy
+    init: str | None = None
     source: str = "<dict>"
 
     def as_dict(self) -> dict[str, Any]:
@@ -154,6 +159,8 @@ class Recipe:
             values.pop(key)
         if not self.retrieval_heads.max_heads:  # added later: off leaves older fingerprints as they were
             values.pop("retrieval_heads")
+        if self.init is None:  # added later, as above
+            values.pop("init")
         for section, keys in _LATER_SETTINGS.items():
             for key in keys:
                 if values[section][key] is None:
@@ -165,7 +172,7 @@ class Recipe:
 
 
 #: settings added after recipes were in use, default None: not in the fingerprint while they are None
-_LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight")}
+_LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens")}
 
 
 # ----- loading ----------------------------------------------------------------------------------------------
@@ -180,6 +187,7 @@ _TOP_KEYS = {
     "stage2",
     "eval",
     "retrieval_heads",
+    "init",
     "budgets",
 }
 _BUDGET_KEYS = {"stage1", "stage2", "eval", "seed", "retrieval_heads"}
@@ -269,6 +277,7 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
         budget=budget if budgets else "default",
         seed=_typed(merged.get("seed", 0), int, f"{source}: seed"),
         expects=dict(expects),
+        init=_typed(merged["init"], str, f"{source}: init") if merged.get("init") is not None else None,
         stage1=_build(Stage1Settings, merged.get("stage1"), f"{source}: stage1"),
         stage2=_build(Stage2Settings, merged.get("stage2"), f"{source}: stage2"),
         eval=_build(EvalSettings, merged.get("eval"), f"{source}: eval"),
@@ -389,6 +398,13 @@ def _check_settings(recipe: Recipe) -> None:
         if not math.isfinite(value):
             raise ValueError(f"{src}: stage2.{key} must be finite, got {value!r}")
         _positive(value, f"{src}: stage2.{key}")
+    if s2.skip_tokens is not None:
+        _positive(s2.skip_tokens, f"{src}: stage2.skip_tokens", allow_zero=True)
+    if recipe.init is not None and recipe.retrieval_heads.max_heads:
+        raise ValueError(
+            f"{src}: init and retrieval_heads.max_heads do not combine (the heads are chosen on a fresh stage-1 "
+            "student; an init checkpoint keeps the heads it has)"
+        )
     if s2.retrieval_share is not None and not 0 <= s2.retrieval_share < 1:
         raise ValueError(f"{src}: stage2.retrieval_share must be in [0, 1), got {s2.retrieval_share!r}")
     if s2.answer_weight is not None:
