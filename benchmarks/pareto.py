@@ -40,6 +40,7 @@ from hf_recattn import from_llama
 from hf_recattn.conversion.attention_transfer import fastest_forms
 from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.from_llama import recattn_config_from
+from hf_recattn.conversion.recipe import recipe_tokens
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 from hf_recattn.evaluation import passkey_probe, perplexity
@@ -84,7 +85,9 @@ def converted_folder(path: str) -> tuple[str, Path, dict[str, Any]]:
     if run_file.is_file() and recipe_file.is_file():
         run, recipe = json.loads(run_file.read_text()), json.loads(recipe_file.read_text())
         name = f"{run['recipe']} ({run['budget']})"
-        facts["training_tokens"] = int(recipe["stage1"]["tokens"]) + int(recipe["stage2"]["tokens"])
+        report = model_dir.parent / "report.json"  # a run continued from another counts that one's tokens too
+        facts["training_tokens"] = json.loads(report.read_text()).get("training_tokens", recipe_tokens(recipe)) \
+            if report.is_file() else recipe_tokens(recipe)
         facts["recipe"] = run["recipe"]
     return name, model_dir, facts
 

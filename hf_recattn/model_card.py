@@ -193,6 +193,13 @@ def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
         f"- stage 2, finetuning with transformers' Trainer (LoRA, loss `{s2.get('loss', '?')}` against the data "
         f"and the teacher): {s2.get('tokens', 0):,} tokens.",
     ]
+    init = report.get("init")
+    if init:
+        lines[-1] = lines[-1][:-1] + ";"
+        lines.append(
+            f"- continued from the converted checkpoint `{init['checkpoint']}` (recipe `{init.get('recipe')}`, "
+            f"{init['training_tokens']:,} training tokens): {report['training_tokens']:,} training tokens in all."
+        )
     if recipe.get("description"):
         lines += ["", str(recipe["description"]).strip()]
     import yaml

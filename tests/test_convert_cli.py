@@ -233,6 +233,13 @@ def test_continues_from_an_earlier_conversion(
     train, _ = split_heldout(load_texts(str(assets["corpus"])), 0.2, seed=0)
     order = token_blocks(tokenizer, train, 32, max_tokens=512, seed=1)  # stage 2's blocks: recipe seed + 1
     assert torch.equal(seen["blocks"], order[8:])  # 256 skipped tokens = the first run's 8 blocks of 32
+    first_tokens = json.loads((first / "report.json").read_text())["training_tokens"]
+    assert first_tokens == 6 * 4 * 32 + 4 * 2 * 32  # stage 1 + stage 2 of the tiny recipe
+    report = json.loads((tmp_path / "more" / "report.json").read_text())
+    assert report["init"]["training_tokens"] == first_tokens
+    assert report["training_tokens"] == first_tokens + 4 * 2 * 32  # all the tokens behind the checkpoint
+    card = (tmp_path / "more" / "model" / "README.md").read_text()
+    assert f"continued from the converted checkpoint `{first / 'model'}`" in card
 
 
 @pytest.mark.parametrize(("init", "says"), [("model", "layer 0 has attention"),

@@ -46,7 +46,7 @@ from .checkpoints import (
     load_tensors,
     save_tensors,
 )
-from .recipe import Recipe, check_against_teacher, load_recipe
+from .recipe import Recipe, check_against_teacher, load_recipe, recipe_tokens
 
 Log = Callable[[str], None]
 HYBRID = "hybrid"
@@ -252,6 +252,10 @@ def convert(
         "stage1": stage1_summary,
         "stage2": stage2_summary,
     }
+    report["training_tokens"] = recipe.stage1.tokens + recipe.stage2.tokens
+    if recipe.init is not None:
+        report["init"] = _init_facts(recipe.init)
+        report["training_tokens"] += report["init"]["training_tokens"]
     chosen = _read_json(output / "retrieval_heads.json")
     if "heads" in chosen:
         report["retrieval_heads"] = {key: chosen[key] for key in ("heads", "count", "answered", "prompts")}
@@ -462,6 +466,13 @@ def _check_init(recipe: Recipe, config: Any) -> None:
             raise ValueError(
                 f"{recipe.source}: init {recipe.init!r} layer {layer} has attention {have}, the recipe {want}"
             )
+
+
+def _init_facts(init: str) -> dict[str, Any]:
+    """The checkpoint a continuing run starts from and the training tokens behind it (its saved report)."""
+    earlier = _read_json(Path(init).expanduser() / "report.json")
+    tokens = earlier.get("training_tokens", recipe_tokens(earlier.get("recipe") or {}))
+    return {"checkpoint": init, "recipe": (earlier.get("recipe") or {}).get("name"), "training_tokens": int(tokens)}
 
 
 def _load_student(folder: Path) -> torch.nn.Module:

@@ -175,6 +175,11 @@ class Recipe:
 _LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens")}
 
 
+def recipe_tokens(recipe: dict[str, Any]) -> int:
+    """Stage-1 + stage-2 training tokens of a resolved recipe as ``report.json`` stores it (``as_dict``)."""
+    return int((recipe.get("stage1") or {}).get("tokens", 0)) + int((recipe.get("stage2") or {}).get("tokens", 0))
+
+
 # ----- loading ----------------------------------------------------------------------------------------------
 _TOP_KEYS = {
     "name",
