@@ -85,9 +85,10 @@ def converted_folder(path: str) -> tuple[str, Path, dict[str, Any]]:
     if run_file.is_file() and recipe_file.is_file():
         run, recipe = json.loads(run_file.read_text()), json.loads(recipe_file.read_text())
         name = f"{run['recipe']} ({run['budget']})"
-        report = model_dir.parent / "report.json"  # a run continued from another counts that one's tokens too
-        facts["training_tokens"] = json.loads(report.read_text()).get("training_tokens", recipe_tokens(recipe)) \
-            if report.is_file() else recipe_tokens(recipe)
+        report_file = model_dir.parent / "report.json"
+        report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+        # a run continued from another (recipe init) counts that one's tokens too
+        facts["training_tokens"] = report.get("training_tokens", recipe_tokens(recipe))
         facts["recipe"] = run["recipe"]
     return name, model_dir, facts
 

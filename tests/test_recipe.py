@@ -198,6 +198,7 @@ def test_continuation_settings(tmp_path: Path) -> None:
     assert more.fingerprint() != base.fingerprint()
     assert recipe_from_dict(tiny_recipe_dict(init="runs/other/model")).fingerprint() != base.fingerprint()
     for recipe, says in ((tiny_recipe_dict(stage2={"skip_tokens": -32}), "stage2.skip_tokens must be >= 0"),
+                         (tiny_recipe_dict(stage2={"skip_tokens": 40}), "must be a multiple of stage2.block_size"),
                          (tiny_recipe_dict(init=3), "init must be str"),
                          (tiny_recipe_dict(init="runs/first/model", retrieval_heads={"max_heads": 2}),
                           "init and retrieval_heads.max_heads do not combine")):

@@ -213,13 +213,12 @@ def convert(
                 f"[4/5] stage 2: LoRA finetuning, {s2.tokens} tokens, loss {s2.loss} "
                 f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
             )
-            skip = (s2.skip_tokens or 0) // s2.block_size
+            skip = s2.skip_tokens or 0  # a whole number of blocks (recipe check)
             blocks = token_blocks(
-                tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens + skip * s2.block_size,
-                seed=recipe.seed + 1,
-            )[skip:]
+                tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens + skip, seed=recipe.seed + 1
+            )[skip // s2.block_size :]
             if skip:
-                log(f"stage 2: {skip * s2.block_size} tokens of the corpus order skipped (stage2.skip_tokens)")
+                log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
             blocks, weights = _with_retrieval_data(recipe, blocks, tokenizer, train_texts, log)
             student, result = finetune(
                 teacher_model,
@@ -453,19 +452,18 @@ def _check_init(recipe: Recipe, config: Any) -> None:
     teacher's shape: checked from its config before the run takes its output folder."""
     from ..modeling.configuration import RecAttnConfig
 
+    where = f"{recipe.source}: init {recipe.init!r}"
     folder = Path(str(recipe.init)).expanduser()
     if not (folder / "config.json").is_file():
-        raise ValueError(f"{recipe.source}: init {recipe.init!r} is not a converted checkpoint folder (no config.json)")
+        raise ValueError(f"{where} is not a converted checkpoint folder (no config.json)")
     init = RecAttnConfig.from_pretrained(folder)
     for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
-        if getattr(init, key) != getattr(config, key):
-            have, want = getattr(init, key), getattr(config, key)
-            raise ValueError(f"{recipe.source}: init {recipe.init!r} has {key} {have}, the teacher {want}")
+        have, want = getattr(init, key), getattr(config, key)
+        if have != want:
+            raise ValueError(f"{where} has {key} {have}, the teacher {want}")
     for layer, (have, want) in enumerate(zip(init.layer_specs(), config.layer_specs(), strict=True)):
         if have != want:
-            raise ValueError(
-                f"{recipe.source}: init {recipe.init!r} layer {layer} has attention {have}, the recipe {want}"
-            )
+            raise ValueError(f"{where} layer {layer} has attention {have}, the recipe {want}")
 
 
 def _init_facts(init: str) -> dict[str, Any]:

@@ -405,6 +405,9 @@ def _check_settings(recipe: Recipe) -> None:
         _positive(value, f"{src}: stage2.{key}")
     if s2.skip_tokens is not None:
         _positive(s2.skip_tokens, f"{src}: stage2.skip_tokens", allow_zero=True)
+        if s2.skip_tokens % s2.block_size:
+            raise ValueError(f"{src}: stage2.skip_tokens ({s2.skip_tokens}) must be a multiple of stage2.block_size "
+                             f"({s2.block_size}): whole blocks are skipped")
     if recipe.init is not None and recipe.retrieval_heads.max_heads:
         raise ValueError(
             f"{src}: init and retrieval_heads.max_heads do not combine (the heads are chosen on a fresh stage-1 "
