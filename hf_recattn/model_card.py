@@ -184,6 +184,7 @@ def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
         return base + "No conversion report ships with this checkpoint (it was saved or pushed from Python)."
     recipe = report.get("recipe") or {}
     s1, s2 = recipe.get("stage1") or {}, recipe.get("stage2") or {}
+    init = report.get("init")  # a run continued from another converted checkpoint
     lines = [
         f"Converted from `{report.get('teacher', teacher)}` by `hf-recattn convert` with recipe "
         f"`{recipe.get('name', '?')}` (budget `{recipe.get('budget', '?')}`, seed {recipe.get('seed', '?')}) on the "
@@ -191,11 +192,9 @@ def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
         f"- stage 1, attention transfer: {s1.get('tokens', 0):,} tokens (each layer's new attention learns to match "
         "the teacher's attention output);",
         f"- stage 2, finetuning with transformers' Trainer (LoRA, loss `{s2.get('loss', '?')}` against the data "
-        f"and the teacher): {s2.get('tokens', 0):,} tokens.",
+        f"and the teacher): {s2.get('tokens', 0):,} tokens" + (";" if init else "."),
     ]
-    init = report.get("init")
     if init:
-        lines[-1] = lines[-1][:-1] + ";"
         lines.append(
             f"- continued from the converted checkpoint `{init['checkpoint']}` (recipe `{init.get('recipe')}`, "
             f"{init['training_tokens']:,} training tokens): {report['training_tokens']:,} training tokens in all."

@@ -46,7 +46,7 @@ from .checkpoints import (
     load_tensors,
     save_tensors,
 )
-from .recipe import Recipe, check_against_teacher, load_recipe, recipe_tokens
+from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, recipe_tokens
 
 Log = Callable[[str], None]
 HYBRID = "hybrid"
@@ -457,7 +457,7 @@ def _check_init(recipe: Recipe, config: Any) -> None:
     if not (folder / "config.json").is_file():
         raise ValueError(f"{where} is not a converted checkpoint folder (no config.json)")
     init = RecAttnConfig.from_pretrained(folder)
-    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
+    for key in EXPECTABLE:  # the teacher's shape, as a recipe's ``expects`` may pin it
         have, want = getattr(init, key), getattr(config, key)
         if have != want:
             raise ValueError(f"{where} has {key} {have}, the teacher {want}")
