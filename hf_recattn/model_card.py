@@ -178,6 +178,10 @@ def _recall_text(recall: dict[str, Any]) -> str:
             f"{cells or 'no context length fitted the model'}.")
 
 
+def _stage2_method(stage2: dict[str, Any]) -> str:
+    return "every weight" if stage2.get("method") == "full" else "LoRA"
+
+
 def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
     if not report:
         base = f"Made from `{teacher}`. " if teacher else ""
@@ -191,8 +195,8 @@ def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
         f"{_corpus_name(report)}:",
         f"- stage 1, attention transfer: {s1.get('tokens', 0):,} tokens (each layer's new attention learns to match "
         "the teacher's attention output);",
-        f"- stage 2, finetuning with transformers' Trainer (LoRA, loss `{s2.get('loss', '?')}` against the data "
-        f"and the teacher): {s2.get('tokens', 0):,} tokens" + (";" if init else "."),
+        f"- stage 2, finetuning with transformers' Trainer ({_stage2_method(s2)}, loss `{s2.get('loss', '?')}` "
+        f"against the data and the teacher): {s2.get('tokens', 0):,} tokens" + (";" if init else "."),
     ]
     if init:
         lines.append(

@@ -193,6 +193,10 @@ def test_refuses_a_folder_holding_something_else(
     assert main(_args(assets, out, "linear", "--no-eval")) == 2
     assert "already holds files that are not a conversion run" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "mine"
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "gone")
+    assert main(_args(assets, dangling, "linear", "--no-eval")) == 2
+    assert "which does not exist; create that folder or remove the link" in capsys.readouterr().err
 
     other = tmp_path / "other"
     assert main(_args(assets, other, "linear", "--no-eval")) == 0

@@ -1,4 +1,4 @@
-"""Stage 2 (Trainer + LoRA): the loss, gradient-accumulation scaling, merging, resume and the NaN stop."""
+"""Stage 2 (Trainer; LoRA or every weight): the loss, gradient-accumulation scaling, merging, resume, NaN stop."""
 
 from __future__ import annotations
 
@@ -246,9 +246,10 @@ def test_finetune_trains_lora_merges_and_saves(setup, tmp_path: Path) -> None:  
         torch.testing.assert_close(loaded(input_ids=blocks[:1]).logits, merged(input_ids=blocks[:1]).logits)
 
 
-def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("method", [None, "full"])
+def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path, method: str | None) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    settings = _settings(tokens=4 * 2 * 32)
+    settings = _settings(tokens=4 * 2 * 32, method=method, lr=1e-3 if method else 1e-2)
     torch.manual_seed(0)
     reference, _ = finetune(
         teacher, from_llama(teacher, HEDGEHOG), blocks, settings, tmp_path / "a", progress=False
@@ -270,6 +271,30 @@ def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path) -> None
     assert result.resumed_from == 2 and result.steps == 4
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_full_method_trains_every_weight(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """``method: full``: no adapters, every tensor of the student moves, the mixers' own parameters in their own
+    optimizer group when ``mixer_lr`` is set (no ``train_mixer`` needed)."""
+    teacher, blocks = setup
+    student = from_llama(teacher, HEDGEHOG)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    total = sum(p.numel() for p in student.parameters())
+    settings = _settings(method="full", lr=1e-3, mixer_lr=0.125)
+    trained, result = finetune(teacher, student, blocks, settings, tmp_path / "t", progress=False)
+    assert type(trained) is RecAttnForCausalLM and not trained.training
+    assert result.trainable_parameters == total and not any(p.requires_grad for p in trained.parameters())
+    unchanged = sorted(k for k, v in trained.state_dict().items() if torch.equal(v, before[k]))
+    assert not unchanged, unchanged
+    trainer = DistillTrainer(
+        model=student.requires_grad_(True), args=training_arguments(settings, tmp_path / "o", 0, 1, False),
+        train_dataset=BlockDataset(blocks), data_collator=default_data_collator, teacher=teacher, loss="ce+kl",
+        mixer_lr=0.125,
+    )
+    groups = trainer.create_optimizer().param_groups
+    names = {id(p): n for n, p in student.named_parameters()}
+    assert groups[-1]["lr"] == 0.125 and all(".mixer.feature_map." in names[id(p)] for p in groups[-1]["params"])
+    assert sum(p.numel() for g in groups for p in g["params"]) == total  # every weight exactly once
 
 
 def test_nan_loss_stops_stage2(setup, tmp_path: Path) -> None:  # noqa: ANN001

@@ -79,6 +79,16 @@ def test_card_body_tables_and_snippets(checkpoint: Path) -> None:
     assert 'AutoTokenizer.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
     assert 'AutoModelForCausalLM.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
     assert "Passkey retrieval succeeds in 50% of trials" in text and "1,000 tokens" in text
+    assert "finetuning with transformers' Trainer (LoRA, loss" in text
+
+
+def test_card_names_a_full_finetune(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "full")
+    report = fake_report()
+    report["recipe"]["stage2"]["method"] = "full"
+    (folder / "report.json").write_text(json.dumps(report))
+    text = str(build_model_card(folder, "org/tiny-recattn"))
+    assert "finetuning with transformers' Trainer (every weight, loss" in text and "LoRA" not in text
 
 
 def test_state_of_a_recurrent_model_stops_growing(tmp_path: Path) -> None:

@@ -206,6 +206,25 @@ def test_continuation_settings(tmp_path: Path) -> None:
         assert says in message, message
 
 
+def test_stage2_method(tmp_path: Path) -> None:
+    base = recipe_from_dict(tiny_recipe_dict())
+    assert base.stage2.method is None
+    full = tiny_recipe_dict(stage2={"method": "full", "mixer_lr": 1e-3})
+    del full["stage2"]["lora"]
+    recipe = recipe_from_dict(full)
+    assert (recipe.stage2.method, recipe.stage2.mixer_lr) == ("full", 1e-3)  # mixer_lr without train_mixer
+    assert recipe.fingerprint() != base.fingerprint()
+    assert recipe_from_dict(tiny_recipe_dict(stage2={"method": "lora"})).fingerprint() != base.fingerprint()
+    check_against_teacher(recipe, smollm2_config())  # passes: no LoRA targets to check
+    for bad, says in (
+        (tiny_recipe_dict(stage2={"method": "full"}), "stage2.lora: only used with stage2.method: lora"),
+        (tiny_recipe_dict(stage2={"method": "adapters"}), "stage2.method must be one of ['lora', 'full']"),
+        (tiny_recipe_dict(stage2={"mixer_lr": 1e-3}), "needs stage2.train_mixer: true or stage2.method"),
+    ):
+        message = _error(tmp_path, bad)
+        assert says in message, message
+
+
 def test_teacher_mismatches() -> None:
     teacher = smollm2_config()
     with pytest.raises(ValueError, match="expects head_dim=128 but the teacher has head_dim=64"):

@@ -154,6 +154,9 @@ def check_output_folder(output: str | os.PathLike, identity: dict[str, Any], ove
     anything that is not a conversion run is refused (ValueError) unless ``overwrite``.
     """
     output = Path(output)
+    if output.is_symlink() and not output.exists():
+        raise ValueError(f"output {str(output)!r} is a link to {os.readlink(output)!r}, which does not exist; "
+                         "create that folder or remove the link")
     if output.exists() and not output.is_dir():
         raise ValueError(f"output {str(output)!r} exists and is not a folder")
     if not output.is_dir() or not any(output.iterdir()):

@@ -1,4 +1,5 @@
-"""Stage 2 of conversion: LoRA finetuning with transformers' Trainer, cross-entropy and/or KL to the teacher.
+"""Stage 2 of conversion: finetuning with transformers' Trainer (LoRA adapters merged at the end, or every
+weight with ``method: full``), cross-entropy and/or KL to the teacher.
 
 The loss is a *sum* over predicted tokens divided by ``num_items_in_batch``, the number of predicted tokens
 in the whole accumulated batch that Trainer counts before the micro-batches run. The division makes each
@@ -220,6 +221,21 @@ def apply_lora(student: nn.Module, settings: Stage2Settings) -> nn.Module:
     return get_peft_model(student, config)
 
 
+def trainable_student(student: nn.Module, settings: Stage2Settings) -> nn.Module:
+    """The model Trainer trains: ``student`` itself with every weight trainable (``method: full``), or wrapped
+    with LoRA adapters."""
+    if settings.method == "full":
+        return student.requires_grad_(True)
+    return apply_lora(student, settings)
+
+
+def finished_student(trained: nn.Module, settings: Stage2Settings) -> nn.Module:
+    """The plain model after training: adapters merged (LoRA), frozen and in eval mode."""
+    if settings.method == "full":
+        return trained.eval().requires_grad_(False)
+    return merge_lora(trained)
+
+
 def merge_lora(peft_model: nn.Module) -> nn.Module:
     """Fold the adapters into the weights and return the plain model."""
     merged = peft_model.merge_and_unload()
@@ -300,10 +316,11 @@ def finetune(
     callbacks: list[TrainerCallback] | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[nn.Module, FinetuneResult]:
-    """LoRA-finetune ``student`` on ``blocks`` (resuming from Trainer checkpoints in ``output_dir``), merge.
+    """Finetune ``student`` on ``blocks`` (LoRA or every weight, as ``settings.method`` says), resuming from
+    Trainer checkpoints in ``output_dir``.
 
-    Returns the merged plain model and a summary. ``stop_after_step`` ends the run early at that step with a
-    checkpoint (the merged model is still returned). ``pick_forms``: train each mixer in its faster form.
+    Returns the plain model (adapters merged) and a summary. ``stop_after_step`` ends the run early at that
+    step with a checkpoint (the plain model is still returned). ``pick_forms``: train each mixer in its faster form.
     ``weights`` ([N, block_size]): the loss weight of each token's prediction (``retrieval_data.py``).
     """
     with warnings.catch_warnings():
@@ -328,11 +345,12 @@ def _finetune(
 ) -> tuple[nn.Module, FinetuneResult]:
     tokens_per_step = settings.batch_size * settings.grad_accum * blocks.shape[1]
     steps = max(1, settings.tokens // tokens_per_step)
-    peft_model = apply_lora(student, settings)
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    trained = trainable_student(student, settings)
+    trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
+    own_mixer_group = settings.train_mixer or settings.method == "full"
     args = training_arguments(settings, output_dir, seed, steps, progress)
     trainer = DistillTrainer(
-        model=peft_model,
+        model=trained,
         args=args,
         train_dataset=BlockDataset(blocks, weights=weights),
         data_collator=default_data_collator,
@@ -340,8 +358,8 @@ def _finetune(
         loss=settings.loss,
         temperature=settings.temperature,
         kl_weight=settings.kl_weight,
-        mixer_lr=settings.mixer_lr if settings.train_mixer else None,
-        mixer_eps=settings.mixer_eps if settings.train_mixer else None,
+        mixer_lr=settings.mixer_lr if own_mixer_group else None,
+        mixer_eps=settings.mixer_eps if own_mixer_group else None,
         callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
     )
     last = latest_trainer_checkpoint(output_dir)
@@ -357,5 +375,5 @@ def _finetune(
     if final is not None and not math.isfinite(final):
         raise NonFiniteLossError(f"stage 2: the logged loss is {final} at step {trainer.state.global_step}")
     done = trainer.state.global_step
-    merged = merge_lora(peft_model)
-    return merged, FinetuneResult(done, done * tokens_per_step, seconds, final, resumed, trainable, forms)
+    result = FinetuneResult(done, done * tokens_per_step, seconds, final, resumed, trainable, forms)
+    return finished_student(trained, settings), result

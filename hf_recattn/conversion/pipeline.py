@@ -210,7 +210,8 @@ def convert(
         s2 = recipe.stage2
         if s2.tokens > 0:
             log(
-                f"[4/5] stage 2: LoRA finetuning, {s2.tokens} tokens, loss {s2.loss} "
+                f"[4/5] stage 2: {'finetuning every weight' if s2.method == 'full' else 'LoRA finetuning'}, "
+                f"{s2.tokens} tokens, loss {s2.loss} "
                 f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
             )
             skip = s2.skip_tokens or 0  # a whole number of blocks (recipe check)

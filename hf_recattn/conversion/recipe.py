@@ -32,6 +32,8 @@ import yaml
 from ..modeling.mixers import validate_spec
 
 LOSSES = ("ce", "kl", "ce+kl")
+#: what stage 2 trains: LoRA adapters merged at the end, or every weight of the student
+STAGE2_METHODS = ("lora", "full")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 DEFAULT_LORA_TARGETS = ATTENTION_PROJECTIONS
 #: teacher config fields a recipe may pin in ``expects``
@@ -75,7 +77,8 @@ class Stage1Settings:
 
 @dataclass(frozen=True)
 class Stage2Settings:
-    """Finetuning with transformers' Trainer: LoRA adapters, cross-entropy and/or KL to the teacher."""
+    """Finetuning with transformers' Trainer (LoRA adapters or every weight), cross-entropy and/or KL to the
+    teacher."""
 
     tokens: int = 0  # training tokens in total; 0 skips the stage
     lr: float = 1e-4
@@ -96,6 +99,9 @@ class Stage2Settings:
     max_grad_norm: float = 1.0
     save_steps: int = 25
     lora: LoraSettings = field(default_factory=LoraSettings)
+    #: ``lora`` (None: the adapters above, merged at the end) or ``full`` (every weight trains, the mixers'
+    #: own parameters included; ``lora`` is then refused)
+    method: str | None = None
     #: training tokens of the corpus order passed over before stage 2's blocks begin (a run that continues from
     #: ``init`` skips the tokens the first run trained on, so that it sees fresh text)
     skip_tokens: int | None = None
@@ -172,7 +178,9 @@ class Recipe:
 
 
 #: settings added after recipes were in use, default None: not in the fingerprint while they are None
-_LATER_SETTINGS = {"stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens")}
+_LATER_SETTINGS = {
+    "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens", "method")
+}
 
 
 def recipe_tokens(recipe: dict[str, Any]) -> int:
@@ -265,6 +273,9 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
                 f"{source}: budgets.{budget}: unknown key(s) {bad}; known: {sorted(_BUDGET_KEYS)}"
             )
         merged = _deep_merge(merged, chosen)
+    stage2 = merged.get("stage2")
+    if isinstance(stage2, dict) and stage2.get("method") == "full" and "lora" in stage2:
+        raise ValueError(f"{source}: stage2.lora: only used with stage2.method: lora (method is 'full')")
     attention = merged["attention"]
     overrides = merged.get("attention_overrides") or None
     _check_attention(attention, overrides, source)
@@ -398,11 +409,14 @@ def _check_settings(recipe: Recipe) -> None:
         value = getattr(s2, key)
         if value is None:
             continue
-        if not s2.train_mixer:
-            raise ValueError(f"{src}: stage2.{key} needs stage2.train_mixer: true (it sets the mixer's group)")
+        if not (s2.train_mixer or s2.method == "full"):
+            raise ValueError(f"{src}: stage2.{key} needs stage2.train_mixer: true or stage2.method: full "
+                             "(it sets the mixer's group)")
         if not math.isfinite(value):
             raise ValueError(f"{src}: stage2.{key} must be finite, got {value!r}")
         _positive(value, f"{src}: stage2.{key}")
+    if s2.method is not None and s2.method not in STAGE2_METHODS:
+        raise ValueError(f"{src}: stage2.method must be one of {list(STAGE2_METHODS)}, got {s2.method!r}")
     if s2.skip_tokens is not None:
         _positive(s2.skip_tokens, f"{src}: stage2.skip_tokens", allow_zero=True)
         if s2.skip_tokens % s2.block_size:
@@ -477,7 +491,7 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
             skeleton = RecAttnForCausalLM(copy.deepcopy(config))
     except (ValueError, RuntimeError) as err:
         raise ValueError(f"{src}: the attention spec does not fit the teacher: {err}") from None
-    if recipe.stage2.tokens:
+    if recipe.stage2.tokens and recipe.stage2.method != "full":
         names = [n for n, _ in skeleton.named_modules()]
         for target in recipe.stage2.lora.targets:
             if not any(n == target or n.endswith("." + target) for n in names):
