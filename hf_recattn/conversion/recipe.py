@@ -167,6 +167,8 @@ class Recipe:
             values.pop("retrieval_heads")
         if self.init is None:  # added later, as above
             values.pop("init")
+        if values["stage2"]["method"] == "lora":  # the default spelled out: the same run as leaving it unset
+            values["stage2"]["method"] = None
         for section, keys in _LATER_SETTINGS.items():
             for key in keys:
                 if values[section][key] is None:
