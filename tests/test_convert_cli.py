@@ -156,6 +156,16 @@ def test_convert_end_to_end_fox(assets: dict[str, Path], tmp_path: Path) -> None
     assert model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0).shape[1] == 7
 
 
+def test_throughput_counts_only_the_steps_of_this_sitting() -> None:
+    from types import SimpleNamespace
+
+    from hf_recattn.conversion.pipeline import tokens_per_second
+
+    fresh = SimpleNamespace(tokens=1000, steps=10, resumed_from=0, seconds=5.0)
+    resumed = SimpleNamespace(tokens=1000, steps=10, resumed_from=4, seconds=3.0)  # 6 steps of 100 tokens
+    assert tokens_per_second(fresh) == 200.0 and tokens_per_second(resumed) == 200.0
+
+
 def test_resume_after_interrupt_skips_finished_stage(
     assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

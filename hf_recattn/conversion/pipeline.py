@@ -132,6 +132,13 @@ def _layer_of(key: str) -> int:
 
 
 # ----- the pipeline -----------------------------------------------------------------------------------------
+def tokens_per_second(result: Any) -> float:
+    """Throughput of a stage's result (``tokens``, ``steps``, ``resumed_from``, ``seconds``) in this sitting:
+    after a resume, ``seconds`` covers only the steps after ``resumed_from``."""
+    trained = result.tokens * (result.steps - result.resumed_from) / max(result.steps, 1)
+    return trained / max(result.seconds, 1e-9)
+
+
 def convert(
     teacher: str = "embedded",
     recipe: str | Recipe = "hybrid-w64-taylor2",
@@ -232,7 +239,7 @@ def convert(
                 weights=weights,
             )
             stage2_summary = result.as_dict()
-            stage2_summary["tokens_per_second"] = result.tokens / max(result.seconds, 1e-9)
+            stage2_summary["tokens_per_second"] = tokens_per_second(result)
             atomic_write_json(output / "stage2" / "summary.json", stage2_summary)
             timings["stage2"] = result.seconds
         else:
@@ -319,7 +326,7 @@ def _stage1(
         progress=progress,
     )
     summary = result.as_dict()
-    summary["tokens_per_second"] = result.tokens / max(result.seconds, 1e-9)
+    summary["tokens_per_second"] = tokens_per_second(result)
     summary["distinct_tokens"] = int(blocks.numel())
     if result.relative_last:
         rel = list(result.relative_last.values())
