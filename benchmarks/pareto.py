@@ -40,7 +40,7 @@ from hf_recattn import from_llama
 from hf_recattn.conversion.attention_transfer import fastest_forms
 from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.from_llama import recattn_config_from
-from hf_recattn.conversion.recipe import recipe_tokens
+from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 from hf_recattn.evaluation import passkey_probe, perplexity
@@ -87,8 +87,7 @@ def converted_folder(path: str) -> tuple[str, Path, dict[str, Any]]:
         name = f"{run['recipe']} ({run['budget']})"
         report_file = model_dir.parent / "report.json"
         report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-        # a run continued from another (recipe init) counts that one's tokens too
-        facts["training_tokens"] = report.get("training_tokens", recipe_tokens(recipe))
+        facts["training_tokens"] = report_training_tokens(report, recipe)
         facts["recipe"] = run["recipe"]
     return name, model_dir, facts
 

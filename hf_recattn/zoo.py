@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .conversion.recipe import recipe_tokens
+from .conversion.recipe import report_training_tokens
 from .model_card import BYTES_PER_ELEMENT, build_model_card, read_config
 from .state_size import state_size_report
 
@@ -50,7 +50,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "recipe": recipe["name"],
         "teacher": report.get("teacher"),
         "budget": budget,
-        "training_tokens": int(report.get("training_tokens", recipe_tokens(recipe))),
+        "training_tokens": report_training_tokens(report),
         "state_mib_at_8k": round(state / 2**20, 3),
         "teacher_kv_mib_at_8k": round(kv / 2**20, 3),
         "state_fraction_at_8k": round(state / kv, 4),

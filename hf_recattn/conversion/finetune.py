@@ -347,7 +347,6 @@ def _finetune(
     steps = max(1, settings.tokens // tokens_per_step)
     trained = trainable_student(student, settings)
     trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-    own_mixer_group = settings.train_mixer or settings.method == "full"
     args = training_arguments(settings, output_dir, seed, steps, progress)
     trainer = DistillTrainer(
         model=trained,
@@ -358,8 +357,8 @@ def _finetune(
         loss=settings.loss,
         temperature=settings.temperature,
         kl_weight=settings.kl_weight,
-        mixer_lr=settings.mixer_lr if own_mixer_group else None,
-        mixer_eps=settings.mixer_eps if own_mixer_group else None,
+        mixer_lr=settings.mixer_lr if settings.trains_mixer else None,
+        mixer_eps=settings.mixer_eps if settings.trains_mixer else None,
         callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
     )
     last = latest_trainer_checkpoint(output_dir)

@@ -46,7 +46,7 @@ from .checkpoints import (
     load_tensors,
     save_tensors,
 )
-from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, recipe_tokens
+from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, report_training_tokens
 
 Log = Callable[[str], None]
 HYBRID = "hybrid"
@@ -477,8 +477,8 @@ def _check_init(recipe: Recipe, config: Any) -> None:
 def _init_facts(init: str) -> dict[str, Any]:
     """The checkpoint a continuing run starts from and the training tokens behind it (its saved report)."""
     earlier = _read_json(Path(init).expanduser() / "report.json")
-    tokens = earlier.get("training_tokens", recipe_tokens(earlier.get("recipe") or {}))
-    return {"checkpoint": init, "recipe": (earlier.get("recipe") or {}).get("name"), "training_tokens": int(tokens)}
+    return {"checkpoint": init, "recipe": (earlier.get("recipe") or {}).get("name"),
+            "training_tokens": report_training_tokens(earlier)}
 
 
 def _load_student(folder: Path) -> torch.nn.Module:

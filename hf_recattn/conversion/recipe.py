@@ -109,6 +109,11 @@ class Stage2Settings:
     retrieval_share: float | None = None
     answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
 
+    @property
+    def trains_mixer(self) -> bool:
+        """Whether the mixers' own parameters train in stage 2 (asked for, or with every weight)."""
+        return self.train_mixer or self.method == "full"
+
 
 @dataclass(frozen=True)
 class RetrievalHeadSettings:
@@ -185,9 +190,13 @@ _LATER_SETTINGS = {
 }
 
 
-def recipe_tokens(recipe: dict[str, Any]) -> int:
-    """Stage-1 + stage-2 training tokens of a resolved recipe as ``report.json`` stores it (``as_dict``)."""
-    return int((recipe.get("stage1") or {}).get("tokens", 0)) + int((recipe.get("stage2") or {}).get("tokens", 0))
+def report_training_tokens(report: dict[str, Any], recipe: dict[str, Any] | None = None) -> int:
+    """The training tokens behind a converted checkpoint: its ``report.json`` count (which includes those of an
+    ``init`` checkpoint), else the stages of ``recipe`` (default: the report's own recipe)."""
+    if "training_tokens" in report:
+        return int(report["training_tokens"])
+    stages = (report.get("recipe") or {}) if recipe is None else recipe
+    return sum(int((stages.get(stage) or {}).get("tokens", 0)) for stage in ("stage1", "stage2"))
 
 
 # ----- loading ----------------------------------------------------------------------------------------------
@@ -411,7 +420,7 @@ def _check_settings(recipe: Recipe) -> None:
         value = getattr(s2, key)
         if value is None:
             continue
-        if not (s2.train_mixer or s2.method == "full"):
+        if not s2.trains_mixer:
             raise ValueError(f"{src}: stage2.{key} needs stage2.train_mixer: true or stage2.method: full "
                              "(it sets the mixer's group)")
         if not math.isfinite(value):
