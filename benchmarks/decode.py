@@ -9,7 +9,12 @@ context, and the ratio to two floors measured in the same run:
 
 * read floor: one streaming pass over every weight (``sum``), the memory-bound time to read them once;
 * gemv floor: one matrix-vector product per weight matrix (``mv``), the least arithmetic any decoder does per
-  token, at the speed this CPU's BLAS reaches with batch 1.
+  token, at the speed this CPU's BLAS reaches with batch 1 on weights stored as usual (row-major);
+* layout floor: the same products as our decode step runs them over the decode layout (q/k/v and gate/up fused,
+  column-major; ``hf_recattn/modeling/decode_layout.py``), so the ratio to it is the step's own overhead.
+
+Our models decode over the decode layout (what ``generate()`` applies on a CPU); ``--row-major`` adds rows of the
+same models on the usual storage, for the layout's gain in the same run.
 
 Every model, context and floor runs in each of ``--rounds`` rounds (interleaved), so that load from other
 processes on a shared machine hits them alike; medians are over all rounds.
@@ -93,6 +98,7 @@ Step = Callable[[], object]
 class Row:
     label: str
     kind: str
+    dtype: str
     ms: dict[int, float] = field(default_factory=dict)
     nbytes: dict[int, int] = field(default_factory=dict)
 
@@ -136,6 +142,27 @@ def weight_passes(model: torch.nn.Module) -> tuple[dict[str, Step], int]:
     return {"floor:read": read, "floor:gemv": gemv}, sum(p.numel() * p.element_size() for p in params)
 
 
+def layout_pass(model: RecAttnForCausalLM) -> Step:
+    """The weight products of one decode step over the decode layout: fused q/k/v, o, fused gate/up, down, head."""
+    from hf_recattn.modeling.decode_layout import project
+
+    layers = [(block.self_attn, block.mlp) for block in model.model.layers]
+    dtype = model.lm_head.weight.dtype
+    x = torch.randn(1, 1, model.config.hidden_size, dtype=dtype)
+    h = torch.randn(1, 1, model.config.intermediate_size, dtype=dtype)
+    memos = [({}, {}) for _ in layers]
+
+    def run() -> None:
+        for (attn, mlp), (qkv_memo, mlp_memo) in zip(layers, memos, strict=True):
+            project((attn.q_proj, attn.k_proj, attn.v_proj), x, qkv_memo)
+            attn.o_proj(x)
+            project((mlp.gate_proj, mlp.up_proj), x, mlp_memo)
+            mlp.down_proj(h)
+        model.lm_head(x)
+
+    return run
+
+
 def decode_step(model: torch.nn.Module, cache: object, seen: Callable[[], int]) -> Step:
     """One generate()-style decode step: a single token at its position, no padding mask."""
     token = torch.tensor([[17]])
@@ -172,8 +199,10 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 
 
 # ----- hf_recattn models ------------------------------------------------------------------------------------
-def recattn_model(spec: dict, max_positions: int, weights: dict[str, torch.Tensor]) -> RecAttnForCausalLM:
-    """Our model with `spec` in every layer, sharing (not copying) the Llama weights."""
+def recattn_model(spec: dict, max_positions: int, weights: dict[str, torch.Tensor],
+                  row_major: bool = False) -> RecAttnForCausalLM:
+    """Our model with `spec` in every layer, sharing (not copying) `weights`; `row_major` keeps the usual storage
+    (no decode layout)."""
     config = RecAttnConfig(**SHAPE, max_position_embeddings=max_positions, attention=spec)
     config._attn_implementation = "sdpa"
     model = RecAttnForCausalLM(config).eval()
@@ -181,7 +210,16 @@ def recattn_model(spec: dict, max_positions: int, weights: dict[str, torch.Tenso
     if unexpected or any(".mixer." not in name for name in missing):
         raise RuntimeError(f"weights do not map onto {spec}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+    if row_major:
+        model.decode_layout(False)
     return model
+
+
+def laid_out_weights(weights: dict[str, torch.Tensor], max_positions: int) -> dict[str, torch.Tensor]:
+    """The shared weights in the decode layout, once: models loaded from them find it in place (no copies)."""
+    template = recattn_model({"mixer": "linear", "feature_map": "elu"}, max_positions, weights)
+    template.decode_layout()
+    return {key: value for key, value in template.state_dict().items() if ".mixer." not in key}
 
 
 def filled_cache(model: RecAttnForCausalLM, context: int, args: argparse.Namespace) -> RecAttnCache:
@@ -232,21 +270,26 @@ def render(rows: list[Row], contexts: list[int], medians: dict[str, float], weig
            notes: list[str]) -> str:
     base = rows[0]
     read, gemv = medians["floor:read"], medians["floor:gemv"]
+    layouts = {key.split("@")[1]: ms for key, ms in medians.items() if key.startswith("floor:layout@")}
+    speeds = ", ".join(f"layout {ms:.1f} ms ({weight_bytes / ms / 1e6:.1f} GB/s{' ' + d if len(layouts) > 1 else ''})"
+                       for d, ms in layouts.items())
     lines = [
         f"floors ({weight_bytes / 2**20:.0f} MiB of weights): read {read:.1f} ms "
-        f"({weight_bytes / read / 1e6:.1f} GB/s), gemv {gemv:.1f} ms ({weight_bytes / gemv / 1e6:.1f} GB/s)",
+        f"({weight_bytes / read / 1e6:.1f} GB/s), gemv {gemv:.1f} ms ({weight_bytes / gemv / 1e6:.1f} GB/s), {speeds}",
         "",
         f"| model | cache | context | ms/token | cache | x faster than {base.label} | / gemv floor "
-        "| / read floor | vs own first context |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| / layout floor | / read floor | vs own first context |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         first = row.ms[contexts[0]]
+        layout = layouts.get(row.dtype)
         for c in contexts:
             ms = row.ms[c]
             lines.append(
                 f"| {row.label} | {row.kind} | {c} | {ms:.1f} | {_fmt_bytes(row.nbytes[c])} | "
-                f"{base.ms[c] / ms:.2f} | {ms / gemv:.2f} | {ms / read:.2f} | {ms / first - 1:+.0%} |"
+                f"{base.ms[c] / ms:.2f} | {ms / gemv:.2f} | {ms / layout:.2f} | {ms / read:.2f} | "
+                f"{ms / first - 1:+.0%} |"
             )
     lines += ["", *notes]
     return "\n".join(lines)
@@ -267,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-baseline", action="store_true", help="skip transformers' Llama (ratios vs first row)")
     add("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32"],
         help="weight / activation dtypes: each gets its own rows (Llama's included), labelled [bf16]")
+    add("--row-major", action="store_true",
+        help="also time every model on the usual row-major weights (rows labelled [row-major])")
     add("--compiled", action="store_true",
         help="also time every fixed-state model with model.compile_decode() (rows labelled [compiled])")
     add("--quick", action="store_true", help="smoke run: contexts 512 2048, 6 repeats, 2 rounds")
@@ -298,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     steppers: dict[str, Step] = dict(floors)
     keep_alive: list[object] = []
 
-    def add_row(label: str, kind: str, model: torch.nn.Module, cache_for: Callable[[int], object]) -> None:
-        row = Row(label, kind)
+    def add_row(label: str, kind: str, model: torch.nn.Module, cache_for: Callable[[int], object],
+                dtype: str) -> None:
+        row = Row(label, kind, dtype)
         for c in contexts:
             cache = cache_for(c)
             row.nbytes[c] = cache.nbytes() if isinstance(cache, RecAttnCache) else dynamic_cache_bytes(cache)
@@ -310,25 +356,31 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.dtypes:
             dtype, tag = DTYPES[name], "" if name == "fp32" else f" [{name}]"
             base = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
-            shared = {key: value.to(dtype) for key, value in weights.items()}
+            plain = {key: value.to(dtype) for key, value in weights.items()}
+            shared = laid_out_weights(plain, max_positions)
             keep_alive.append(base)
             if not args.no_baseline:
-                add_row(BASELINE + tag, "kv", base, lambda c, base=base: llama_cache(base, c))
+                add_row(BASELINE + tag, "kv", base, lambda c, base=base: llama_cache(base, c), name)
             for label in labels:
                 spec = MIXER_SPECS[label]
                 if spec["mixer"] not in MIXERS and spec["mixer"] not in PRESETS:
                     notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
                     continue
                 model = recattn_model(spec, max_positions, shared).to(dtype)  # the mixers' own parameters too
+                if label == labels[0]:
+                    steppers[f"floor:layout@{name}"] = layout_pass(model)
                 keep_alive.append(model)
                 kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
-                add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args))
-                if args.compiled and kinds != ["kv"]:
-                    twin = recattn_model(spec, max_positions, shared).to(dtype)
-                    twin.compile_decode()
+                add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args), name)
+                twins = {"[row-major]": args.row_major, "[compiled]": args.compiled and kinds != ["kv"]}
+                for suffix in (key for key, wanted in twins.items() if wanted):
+                    twin = recattn_model(spec, max_positions, plain if suffix == "[row-major]" else shared,
+                                         row_major=suffix == "[row-major]").to(dtype)
+                    if suffix == "[compiled]":
+                        twin.compile_decode()
                     keep_alive.append(twin)
-                    add_row(f"{label}{tag} [compiled]", "/".join(kinds), twin,
-                            lambda c, twin=twin: filled_cache(twin, c, args))
+                    add_row(f"{label}{tag} {suffix}", "/".join(kinds), twin,
+                            lambda c, twin=twin: filled_cache(twin, c, args), name)
                 print(f"filled {label}{tag}", flush=True)
         medians = round_robin(steppers, args.repeats, args.warmup, args.rounds)
     for row in rows:

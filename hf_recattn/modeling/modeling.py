@@ -27,6 +27,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache import RecAttnCache
 from .compiled_step import compile_decode
 from .configuration import RecAttnConfig
+from .decode_layout import apply_decode_layout, laid_out, project, restore_row_major
 from .mixer_base import MixerInputs, MixerShape
 from .mixers import build_mixer
 from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
@@ -48,15 +49,15 @@ class RecAttnAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.output_bias)
         shape = MixerShape(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
         self.mixer = build_mixer(config.layer_spec(layer_idx), shape, config)
+        self._fused: dict = {}  # the q/k/v product over the decode layout (decode_layout.py)
 
     def project(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B,H,T,D], k and v [B,Hkv,T,D], rotary-embedded unless the spec says rope=False."""
         b, t, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        projected = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused)
+        q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in projected)
         if self.mixer.spec.get("rope", True):
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -106,13 +107,25 @@ class RecAttnAttention(nn.Module):
         return packing.merge(outputs)
 
 
+class RecAttnMLP(LlamaMLP):
+    """Llama's SwiGLU MLP; gate and up run as one product over the decode layout."""
+
+    def __init__(self, config: RecAttnConfig) -> None:
+        super().__init__(config)
+        self._fused: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = project((self.gate_proj, self.up_proj), x, self._fused)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 class RecAttnDecoderLayer(GradientCheckpointingLayer):
     """The one decoder block: RMSNorm, mixer attention, residual, RMSNorm, SwiGLU MLP, residual."""
 
     def __init__(self, config: RecAttnConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = RecAttnAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = RecAttnMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -386,6 +399,16 @@ class RecAttnModel(RecAttnPreTrainedModel):
         return torch.cat(outputs, dim=1)
 
 
+def _fusable(layer: RecAttnDecoderLayer) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+    """The projections of a decoder layer that share an input: q/k/v, and the MLP's gate/up."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+
+
+def _projections(layer: RecAttnDecoderLayer) -> list[nn.Module]:
+    return [m for group in _fusable(layer) for m in group]
+
+
 def runtime_auto_map() -> dict[str, str]:
     """auto_map entries for trust_remote_code, named after the flat runtime files (``modeling.py`` ...)."""
     config_file = RecAttnConfig.__module__.rsplit(".", 1)[-1]
@@ -411,9 +434,47 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        self._decode_layout_pending = True
 
     def new_cache(self) -> RecAttnCache:
         return self.model.new_cache()
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """Saved from the usual row-major storage (safetensors wants contiguous tensors); the decode layout, if
+        applied, is restored afterwards."""
+        if not laid_out(self):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        self.decode_layout(False)
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.decode_layout()
+
+    def decode_layout(self, enable: bool = True) -> None:
+        """Store the projection weights the way a CPU reads them fastest for one token at a time (q/k/v and
+        gate/up fused, column-major; ``decode_layout.py``), or with ``enable=False`` back in their usual
+        row-major storage. Values and parameters are unchanged. A cached one-token forward without autograd on
+        a CPU (every ``generate()`` step) applies it once by itself; ``enable=False`` also turns that off."""
+        self._decode_layout_pending = False
+        layers = self.model.layers
+        if not enable:
+            modules = [m for layer in layers for m in (*_projections(layer), layer.self_attn.o_proj)]
+            restore_row_major([*modules, self.lm_head, self.model.embed_tokens])
+            return
+        groups = [group for layer in layers for group in _fusable(layer)]
+        apply_decode_layout(groups, [*(layer.self_attn.o_proj for layer in layers), self.lm_head])
+
+    def _maybe_decode_layout(self, input_ids: torch.Tensor | None, past_key_values: Cache | None) -> None:
+        """Apply the decode layout at the first cached one-token step on a CPU (see ``decode_layout``)."""
+        if (
+            self._decode_layout_pending
+            and past_key_values is not None
+            and input_ids is not None
+            and input_ids.shape[-1] == 1
+            and not torch.is_grad_enabled()
+            and self.lm_head.weight.device.type == "cpu"
+        ):
+            self.decode_layout()
 
     def compile_decode(self, enable: bool = True) -> list[int]:
         """Run the decode steps of the fixed-state layers through ``torch.compile`` (off by default: it compiles
@@ -486,6 +547,7 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        self._maybe_decode_layout(input_ids, past_key_values)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
