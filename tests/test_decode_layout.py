@@ -17,7 +17,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from hf_recattn import RecAttnForCausalLM
-from hf_recattn.modeling import decode_layout
 from hf_recattn.modeling.decode_layout import column_major
 
 TOLERANCE = 1e-5  # relative to the largest logit: fp32 products summed in another order
