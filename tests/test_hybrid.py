@@ -381,3 +381,31 @@ def test_sinks_and_far_none_state_size() -> None:
         assert sum(t.numel() for t in state.values()) == 3 * sunk.state_size(1)
         if far_size == 0:
             assert sunk.far is None and plain.state_size(7) == 2 * HKV * D * 5 + 5
+
+
+@pytest.mark.parametrize("far, combine, sinks", [*SINK_CASES, ("linear-elu", "sum", 0), ("taylor2-exact", "shared", 0)])
+def test_one_token_step_is_the_general_block(far: str, combine: str, sinks: int) -> None:
+    """The decode step's shortcut (one token, sinks settled) computes what the general block computes for it: the
+    same window and sink buffers, outputs and far states within float32 rounding; it is taken once sinks settle."""
+    seq_len = 12
+    mixer = make(far, combine, window=3, sink_tokens=sinks)
+    q, k, v, x = data(seq_len, seed=8)
+    mask = left_padded(seq_len, pad=5)
+    general = make(far, combine, window=3, sink_tokens=sinks)
+    general.load_state_dict(mixer.state_dict())
+    general._step_one = lambda *args: pytest.fail("the general block must not take the shortcut")  # type: ignore
+    general.step = lambda q, k, v, inputs, state: general._block(q, k, v, inputs, state, "step")  # type: ignore
+    taken = []
+    shortcut = mixer._step_one
+    mixer._step_one = lambda *args: taken.append(1) or shortcut(*args)  # type: ignore
+    with torch.no_grad():
+        fast, fast_state = run_steps(mixer, q, k, v, x, mask)
+        slow, slow_state = run_steps(general, q, k, v, x, mask)
+    assert len(taken) >= seq_len - 5 - sinks  # every step after the last sink of the padded row
+    assert rel_err(real_rows(fast, mask), real_rows(slow, mask).double()) < 1e-6
+    assert fast_state.keys() == slow_state.keys()
+    for name in fast_state:
+        if name.startswith("far."):
+            assert torch.allclose(fast_state[name], slow_state[name], rtol=1e-6, atol=1e-6), name
+        else:
+            assert torch.equal(fast_state[name], slow_state[name]), name

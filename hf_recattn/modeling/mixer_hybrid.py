@@ -249,38 +249,74 @@ class HybridMixer(Mixer):
         if self.far is None:
             out = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), soft_values))
         else:
-            out = self._with_far(q, keys, values, scores, soft_values, real, inputs, state, new_state, form)
+            leaving = (keys[:, :, :t], values[:, :, :t], real[:, :t])
+            out = self._with_far(q, (k, v), leaving, scores, soft_values, inputs, state, new_state, form)
         new_state.update({"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]})
+        return out, new_state
+
+    def _sinks_settled(self, state: State) -> bool:
+        """Every sink slot filled, so a new token cannot become a sink (checked on the CPU only: on an
+        accelerator the check would wait for the device once per layer and token)."""
+        mask = state["smask"]
+        return mask.device.type == "cpu" and bool(mask.all())
+
+    def _step_one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """``_block`` for one token once the sinks are settled, in fewer ops: the window keeps its last W - 1
+        keys plus the new one (the concatenation is the next state), the oldest key goes to the far part."""
+        b = q.shape[0]
+        hk, g = self.shape.num_kv_heads, self.shape.groups
+        new_real = inputs.token_mask
+        new_real = torch.ones(b, 1, dtype=torch.bool, device=q.device) if new_real is None else new_real.bool()
+        old_k, old_v, old_real = state["wk"], state["wv"], state["wmask"]
+        keys = torch.cat([old_k[:, :, 1:], k], dim=2)  # [B, Hkv, W, D]
+        values = torch.cat([old_v[:, :, 1:], v], dim=2)
+        real = torch.cat([old_real[:, 1:], new_real], dim=1)
+        visible = real.clone()
+        visible[:, -1] = True  # a padded query sees itself, so that no row is empty
+        q1 = q.view(b, hk, g, q.shape[-1])  # one token: [B, Hkv, G, D] against [B, Hkv, W, D], no broadcast copy
+        scores = (q1 @ keys.transpose(-1, -2)).mul_(self.scale)
+        scores = scores.masked_fill_(~visible[:, None, None, :], float("-inf"))[..., None, :]  # [B, Hkv, G, 1, W]
+        soft_values = values
+        new_state: State = {"wk": keys, "wv": values, "wmask": real}
+        if self.sink_tokens:
+            new_state.update({name: state[name] for name in ("sk", "sv", "smask")})
+            sink_scores = (q1 @ state["sk"].transpose(-1, -2)).mul_(self.scale)[..., None, :]
+            scores = torch.cat([sink_scores, scores], dim=-1)
+            soft_values = torch.cat([state["sv"], values], dim=2)
+        if self.far is None:
+            out = ungroup_output(torch.softmax(scores, dim=-1) @ soft_values[:, :, None])
+        else:
+            leaving = (old_k[:, :, :1], old_v[:, :, :1], old_real[:, :1])
+            out = self._with_far(q, (k, v), leaving, scores, soft_values, inputs, state, new_state, "step")
         return out, new_state
 
     def _with_far(
         self,
         q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        entering: tuple[torch.Tensor, torch.Tensor],
+        leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         scores: torch.Tensor,
         soft_values: torch.Tensor,
-        real: torch.Tensor,
         inputs: MixerInputs,
         state: State,
         new_state: State,
         form: str,
     ) -> torch.Tensor:
         """Combine the softmax part (``scores`` over ``soft_values``: sinks, then window) with the far part, which
-        reads the window's ``keys`` / ``values`` that leave it; the far state moves into ``new_state``."""
-        t = q.shape[2]
+        reads the T keys / values ``leaving`` the window (with their real-token mask), or, a delta far part, the T
+        ``entering`` it; the far state moves into ``new_state``."""
         hk, g = self.shape.num_kv_heads, self.shape.groups
-        # far part: query j reads keys W+T indices <= j, i.e. the far state plus the keys that left the window
-        far_inputs = MixerInputs(
-            hidden_states=inputs.hidden_states, padding_mask=real[:, :t], past_length=inputs.past_length
-        )
         far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
         if isinstance(self.far, DeltaMixer):  # every new token, as it arrives
-            return self._with_delta_far(q, keys[:, :, -t:], values[:, :, -t:], scores, soft_values, inputs,
-                                        far_state, new_state, form)
-        num_f, den_f, cnt_f, far_state = self._far_terms(
-            q, keys[:, :, :t], values[:, :, :t], far_inputs, far_state, form
+            return self._with_delta_far(q, *entering, scores, soft_values, inputs, far_state, new_state, form)
+        # far part: query j reads keys W+T indices <= j, i.e. the far state plus the keys that left the window
+        old_k, old_v, old_real = leaving
+        far_inputs = MixerInputs(
+            hidden_states=inputs.hidden_states, padding_mask=old_real, past_length=inputs.past_length
         )
+        num_f, den_f, cnt_f, far_state = self._far_terms(q, old_k, old_v, far_inputs, far_state, form)
         if far_state is not None:
             new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
         mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
@@ -355,6 +391,8 @@ class HybridMixer(Mixer):
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
+        if q.shape[2] == 1 and (not self.sink_tokens or self._sinks_settled(state)):
+            return self._step_one(q, k, v, inputs, state)
         return self._block(q, k, v, inputs, state, "step")
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:

@@ -50,19 +50,24 @@ def conjugate_gradient(
     r = rhs - matvec(x)
     z = r * inv
     p = z
-    rz = (r * z).sum(-1, keepdim=True)
-    for i in range(steps):
+    rz = _dot(r, z)
+    for i in range(steps):  # addcmul: a decode step runs this per layer and token
         ap = matvec(p)
-        alpha = rz / (p * ap).sum(-1, keepdim=True).clamp_min(tiny)
-        x = x + alpha * p
+        alpha = rz / _dot(p, ap).clamp_min(tiny)
+        x = torch.addcmul(x, alpha, p)
         if i == steps - 1:
             break
-        r = r - alpha * ap
+        r = torch.addcmul(r, alpha, ap, value=-1.0)
         z = r * inv
-        rz_new = (r * z).sum(-1, keepdim=True)
-        p = z + (rz_new / rz.clamp_min(tiny)) * p
+        rz_new = _dot(r, z)
+        p = torch.addcmul(z, rz_new / rz.clamp_min(tiny), p)
         rz = rz_new
     return x
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Dot products over the last dim, kept as a trailing dim of size 1."""
+    return (a * b).sum(-1, keepdim=True)
 
 
 def solve_dense(h: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, solver: str, cg_steps: int) -> torch.Tensor:
@@ -73,7 +78,7 @@ def solve_dense(h: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, solver: str
         chol = torch.linalg.cholesky(h[..., None, :, :] + torch.diag_embed(lam))
         return torch.cholesky_solve(q[..., None], chol)[..., 0]
     diag = h.diagonal(dim1=-2, dim2=-1)[..., None, :] + lam
-    return conjugate_gradient(lambda p: p @ h + lam * p, q, diag, cg_steps)
+    return conjugate_gradient(lambda p: torch.addcmul(p @ h, lam, p), q, diag, cg_steps)
 
 
 def _decay_weights(log_gamma: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
