@@ -10,11 +10,13 @@ context, and the ratio to two floors measured in the same run:
 * read floor: one streaming pass over every weight (``sum``), the memory-bound time to read them once;
 * gemv floor: one matrix-vector product per weight matrix (``mv``), the least arithmetic any decoder does per
   token, at the speed this CPU's BLAS reaches with batch 1 on weights stored as usual (row-major);
-* layout floor: the same products as our decode step runs them over the decode layout (q/k/v and gate/up fused,
-  column-major; ``hf_recattn/modeling/decode_layout.py``), so the ratio to it is the step's own overhead.
+* layout floor: the same products as our decode step runs them: in float32 over the decode layout (q/k/v and
+  gate/up fused, column-major; ``hf_recattn/modeling/decode_layout.py``), in bfloat16 over the usual storage, so
+  the ratio to it is the step's own overhead.
 
-Our models decode over the decode layout (what ``generate()`` applies on a CPU); ``--row-major`` adds rows of the
-same models on the usual storage, for the layout's gain in the same run.
+Our float32 models decode over the decode layout (what ``generate()`` applies to a float32 model on a CPU; in
+bfloat16 it does not pay on this CPU and is not applied); ``--row-major`` adds float32 rows of the same models on
+the usual storage, for the layout's gain in the same run.
 
 Every model, context and floor runs in each of ``--rounds`` rounds (interleaved), so that load from other
 processes on a shared machine hits them alike; medians are over all rounds.
@@ -143,7 +145,7 @@ def weight_passes(model: torch.nn.Module) -> tuple[dict[str, Step], int]:
 
 
 def layout_pass(model: RecAttnForCausalLM) -> Step:
-    """The weight products of one decode step over the decode layout: fused q/k/v, o, fused gate/up, down, head."""
+    """The weight products of one decode step as the model stores them: q/k/v, o, gate/up, down, head."""
     from hf_recattn.modeling.decode_layout import project
 
     layers = [(block.self_attn, block.mlp) for block in model.model.layers]
@@ -356,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.dtypes:
             dtype, tag = DTYPES[name], "" if name == "fp32" else f" [{name}]"
             base = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
-            plain = {key: value.to(dtype) for key, value in weights.items()}
-            shared = laid_out_weights(plain, max_positions)
+            with torch.inference_mode(False), torch.no_grad():  # views of inference tensors cannot be weights
+                plain = {key: value.to(dtype) for key, value in weights.items()}
+                # the layout is what generate() applies to a float32 model; bfloat16 models keep the usual storage
+                shared = laid_out_weights(plain, max_positions) if dtype == torch.float32 else plain
             keep_alive.append(base)
             if not args.no_baseline:
                 add_row(BASELINE + tag, "kv", base, lambda c, base=base: llama_cache(base, c), name)
@@ -372,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                 keep_alive.append(model)
                 kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
                 add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args), name)
-                twins = {"[row-major]": args.row_major, "[compiled]": args.compiled and kinds != ["kv"]}
+                twins = {"[row-major]": args.row_major and shared is not plain,
+                         "[compiled]": args.compiled and kinds != ["kv"]}
                 for suffix in (key for key, wanted in twins.items() if wanted):
                     twin = recattn_model(spec, max_positions, plain if suffix == "[row-major]" else shared,
                                          row_major=suffix == "[row-major]").to(dtype)

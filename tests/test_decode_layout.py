@@ -149,6 +149,11 @@ def test_generate_applies_the_layout_and_keeps_the_tokens() -> None:
     assert column_major(model.model.layers[0].mlp.gate_proj.weight)
     assert not column_major(twin.model.layers[0].mlp.gate_proj.weight)
     assert torch.equal(tokens, expected)
+    half = copy.deepcopy(twin).to(torch.bfloat16)
+    half._decode_layout_pending = True  # as a freshly built model: only its dtype keeps the layout off
+    with torch.no_grad():
+        half.generate(ids, **kwargs)
+    assert not column_major(half.model.layers[0].mlp.gate_proj.weight), "bfloat16 reads no faster column-major"
 
 
 def test_save_reload_and_restore(tmp_path) -> None:  # noqa: ANN001

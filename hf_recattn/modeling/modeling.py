@@ -453,8 +453,9 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
     def decode_layout(self, enable: bool = True) -> None:
         """Store the projection weights the way a CPU reads them fastest for one token at a time (q/k/v and
         gate/up fused, column-major; ``decode_layout.py``), or with ``enable=False`` back in their usual
-        row-major storage. Values and parameters are unchanged. A cached one-token forward without autograd on
-        a CPU (every ``generate()`` step) applies it once by itself; ``enable=False`` also turns that off."""
+        row-major storage. Values and parameters are unchanged. A cached one-token forward without autograd of a
+        float32 model on a CPU (every ``generate()`` step) applies it once by itself; ``enable=False`` also turns
+        that off. It pays in float32 only: this CPU's bfloat16 products are no faster over column-major weights."""
         self._decode_layout_pending = False
         layers = self.model.layers
         if not enable:
@@ -465,7 +466,8 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         apply_decode_layout(groups, [*(layer.self_attn.o_proj for layer in layers), self.lm_head])
 
     def _maybe_decode_layout(self, input_ids: torch.Tensor | None, past_key_values: Cache | None) -> None:
-        """Apply the decode layout at the first cached one-token step on a CPU (see ``decode_layout``)."""
+        """Apply the decode layout at the first cached one-token step of a float32 model on a CPU (see
+        ``decode_layout``)."""
         if (
             self._decode_layout_pending
             and past_key_values is not None
@@ -473,6 +475,7 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
             and input_ids.shape[-1] == 1
             and not torch.is_grad_enabled()
             and self.lm_head.weight.device.type == "cpu"
+            and self.lm_head.weight.dtype == torch.float32  # half precision reads no faster column-major here
         ):
             self.decode_layout()
 
