@@ -49,6 +49,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_recattn import RecAttnCache, RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.modeling.decode_layout import project
 from hf_recattn.modeling.mixers import MIXERS
 from hf_recattn.modeling.presets import PRESETS
 
@@ -146,8 +147,6 @@ def weight_passes(model: torch.nn.Module) -> tuple[dict[str, Step], int]:
 
 def layout_pass(model: RecAttnForCausalLM) -> Step:
     """The weight products of one decode step as the model stores them: q/k/v, o, gate/up, down, head."""
-    from hf_recattn.modeling.decode_layout import project
-
     layers = [(block.self_attn, block.mlp) for block in model.model.layers]
     dtype = model.lm_head.weight.dtype
     x = torch.randn(1, 1, model.config.hidden_size, dtype=dtype)

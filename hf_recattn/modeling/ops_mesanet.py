@@ -51,7 +51,7 @@ def conjugate_gradient(
     z = r * inv
     p = z
     rz = _dot(r, z)
-    for i in range(steps):  # addcmul: a decode step runs this per layer and token
+    for i in range(steps):  # fused updates (addcmul): a decode step runs this loop per layer and token
         ap = matvec(p)
         alpha = rz / _dot(p, ap).clamp_min(tiny)
         x = torch.addcmul(x, alpha, p)
