@@ -6,7 +6,6 @@ parameters per query head and one per key head.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -19,6 +18,17 @@ FEATURE_MAPS = ("identity", "elu", "relu", "cosine", "exp", "hedgehog", "taylor2
 
 #: keys are clamped here before exp so that sums over long contexts stay finite in fp32
 EXP_KEY_CLAMP = 40.0
+
+
+def _taylor2_indices(d: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where taylor2's features [1, x, x_i^2 / sqrt(2), x_i x_j (i < j)] take their two factors from
+    [1, x, x / sqrt(2)] (length 1 + 2d): two gathers and one product build them (fewer ops than slicing)."""
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    plain = torch.arange(1, d + 1, device=device)
+    rows, cols = torch.triu_indices(d, d, offset=1, device=device)
+    left = torch.cat([one, one.expand(d), plain, rows + 1])
+    right = torch.cat([one, plain, plain + d, cols + 1])
+    return left, right
 
 
 def _per_head(param: torch.Tensor, x: torch.Tensor, is_query: bool) -> torch.Tensor:
@@ -48,9 +58,9 @@ class FeatureMap(nn.Module):
             self.q_weight = nn.Parameter(eye.repeat(shape.num_heads, 1, 1))
             self.k_weight = nn.Parameter(eye.repeat(shape.num_kv_heads, 1, 1))
         if kind == "taylor2":
-            rows, cols = torch.triu_indices(d, d, offset=1)
-            self.register_buffer("_pair_rows", rows, persistent=False)
-            self.register_buffer("_pair_cols", cols, persistent=False)
+            left, right = _taylor2_indices(d, None)
+            self.register_buffer("_left", left, persistent=False)
+            self.register_buffer("_right", right, persistent=False)
 
     @property
     def out_dim(self) -> int:
@@ -61,13 +71,12 @@ class FeatureMap(nn.Module):
         """Start as the plain map: temperature 1, hedgehog projections the identity (``init`` skips loaded
         ones).
 
-        Also (re)fills taylor2's pair indices, which are not saved and so are never loaded.
+        Also (re)fills taylor2's gather indices, which are not saved and so are never loaded.
         """
         if self.kind == "taylor2":  # non-persistent buffers: from_pretrained leaves them uninitialized (meta)
-            d = self.shape.head_dim
-            rows, cols = torch.triu_indices(d, d, offset=1, device=self._pair_rows.device)
-            init.copy_(self._pair_rows, rows)
-            init.copy_(self._pair_cols, cols)
+            left, right = _taylor2_indices(self.shape.head_dim, self._left.device)
+            init.copy_(self._left, left)
+            init.copy_(self._right, right)
         if self.kind == "cosine":
             init.zeros_(self.log_temperature)
         elif self.kind == "hedgehog":
@@ -97,9 +106,9 @@ class FeatureMap(nn.Module):
             weight = _per_head(self.q_weight if is_query else self.k_weight, x, is_query)
             proj = torch.einsum("...td,...de->...te", x, weight)
             return torch.cat([torch.softmax(proj, -1), torch.softmax(-proj, -1)], dim=-1)
-        # taylor2: phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(d), squares packed symmetrically
+        # taylor2: phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(d), squares packed symmetrically:
+        # [1, x, x_i^2 / sqrt(2), x_i x_j (i < j)], every entry one product of two entries of [1, x, x / sqrt(2)]
         x = x * self.shape.head_dim**-0.25
-        ones = torch.ones_like(x[..., :1])
-        squares = x * x / math.sqrt(2.0)
-        pairs = x[..., self._pair_rows] * x[..., self._pair_cols]
-        return torch.cat([ones, x, squares, pairs], dim=-1)
+        factors = torch.cat([torch.ones_like(x[..., :1]), x, x * 2.0**-0.5], dim=-1)
+        shape = (*x.shape[:-1], self._left.numel())
+        return factors.gather(-1, self._left.expand(shape)) * factors.gather(-1, self._right.expand(shape))
