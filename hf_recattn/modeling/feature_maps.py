@@ -104,8 +104,10 @@ class FeatureMap(nn.Module):
             return torch.exp(x.clamp(max=EXP_KEY_CLAMP))
         if kind == "hedgehog":
             weight = _per_head(self.q_weight if is_query else self.k_weight, x, is_query)
-            proj = torch.einsum("...td,...de->...te", x, weight)
-            return torch.cat([torch.softmax(proj, -1), torch.softmax(-proj, -1)], dim=-1)
+            proj = torch.matmul(x, weight)  # [..., T, D] @ [..., D, D]
+            # [softmax(proj), softmax(-proj)]: one softmax over both halves, viewed as two rows of D
+            both = torch.cat([proj, -proj], dim=-1).view(*proj.shape[:-1], 2, proj.shape[-1])
+            return both.softmax(-1).flatten(-2)
         # taylor2: phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(d), squares packed symmetrically:
         # [1, x, x_i^2 / sqrt(2), x_i x_j (i < j)], every entry one product of two entries of [1, x, x / sqrt(2)]
         x = x * self.shape.head_dim**-0.25

@@ -263,34 +263,61 @@ class HybridMixer(Mixer):
     def _step_one(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        """``_block`` for one token once the sinks are settled, in fewer ops: the window keeps its last W - 1
-        keys plus the new one (the concatenation is the next state), the oldest key goes to the far part."""
-        b = q.shape[0]
+        """``_block`` for one token once the sinks are settled, in fewer ops: the sinks, the window's last W - 1
+        keys and the new one are concatenated once into one buffer, whose slices are the next state (settled
+        sinks are all visible, so only window slots are masked); the oldest key goes to the far part."""
+        b, n = q.shape[0], self.sink_tokens
         hk, g = self.shape.num_kv_heads, self.shape.groups
-        new_real = inputs.token_mask
-        new_real = torch.ones(b, 1, dtype=torch.bool, device=q.device) if new_real is None else new_real.bool()
+        mask = inputs.token_mask
+        new_real = torch.ones(b, 1, dtype=torch.bool, device=q.device) if mask is None else mask.bool()
         old_k, old_v, old_real = state["wk"], state["wv"], state["wmask"]
-        keys = torch.cat([old_k[:, :, 1:], k], dim=2)  # [B, Hkv, W, D]
-        values = torch.cat([old_v[:, :, 1:], v], dim=2)
-        real = torch.cat([old_real[:, 1:], new_real], dim=1)
-        visible = real.clone()
-        visible[:, -1] = True  # a padded query sees itself, so that no row is empty
-        q1 = q.view(b, hk, g, q.shape[-1])  # one token: [B, Hkv, G, D] against [B, Hkv, W, D], no broadcast copy
-        scores = (q1 @ keys.transpose(-1, -2)).mul_(self.scale)
-        scores = scores.masked_fill_(~visible[:, None, None, :], float("-inf"))[..., None, :]  # [B, Hkv, G, 1, W]
-        soft_values = values
-        new_state: State = {"wk": keys, "wv": values, "wmask": real}
-        if self.sink_tokens:
-            new_state.update({name: state[name] for name in ("sk", "sv", "smask")})
-            sink_scores = (q1 @ state["sk"].transpose(-1, -2)).mul_(self.scale)[..., None, :]
-            scores = torch.cat([sink_scores, scores], dim=-1)
-            soft_values = torch.cat([state["sv"], values], dim=2)
+        sink_k, sink_v = ([state["sk"]], [state["sv"]]) if n else ([], [])
+        keys = torch.cat([*sink_k, old_k[:, :, 1:], k], dim=2)  # [B, Hkv, N + W, D]
+        values = torch.cat([*sink_v, old_v[:, :, 1:], v], dim=2)
+        real = torch.cat([old_real[:, 1:], new_real], dim=1)  # [B, W]
+        hidden = ~real
+        if mask is not None:
+            hidden[:, -1] = False  # a padded query sees itself, so that no row is empty
+        q1 = q.view(b, hk, g, q.shape[-1])  # one token: [B, Hkv, G, D] against [B, Hkv, N + W, D]
+        scores = (q1 @ keys.transpose(-1, -2)).mul_(self.scale)  # [B, Hkv, G, N + W]
+        scores[..., n:].masked_fill_(hidden[:, None, None, :], float("-inf"))
+        new_state: State = {"wk": keys[:, :, n:], "wv": values[:, :, n:], "wmask": real}
+        if n:
+            new_state.update({"sk": keys[:, :, :n], "sv": values[:, :, :n], "smask": state["smask"]})
         if self.far is None:
-            out = ungroup_output(torch.softmax(scores, dim=-1) @ soft_values[:, :, None])
-        else:
-            leaving = (old_k[:, :, :1], old_v[:, :, :1], old_real[:, :1])
-            out = self._with_far(q, (k, v), leaving, scores, soft_values, inputs, state, new_state, "step")
-        return out, new_state
+            return ungroup_output((torch.softmax(scores, dim=-1) @ values)[:, :, :, None]), new_state
+        leaving = (old_k[:, :, :1], old_v[:, :, :1], old_real[:, :1])
+        if self.combine == "shared":
+            return self._shared_one(q, leaving, scores, values, inputs, state, new_state), new_state
+        scores = scores[..., None, :]  # [B, Hkv, G, 1, N + W]
+        return self._with_far(q, (k, v), leaving, scores, values, inputs, state, new_state, "step"), new_state
+
+    def _shared_one(
+        self,
+        q: torch.Tensor,
+        leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        scores: torch.Tensor,
+        values: torch.Tensor,
+        inputs: MixerInputs,
+        state: State,
+        new_state: State,
+    ) -> torch.Tensor:
+        """combine='shared' for one token in fewer ops than ``_with_far``: the softmax is shifted by
+        -log g, so the far entry's logit is log den_far - lambda (log((1-g)/g) = -lambda), and its weight divides
+        into the far numerator (a far part with no mass, den_far <= 0, gets logit -inf and weight 0)."""
+        old_k, old_v, old_real = leaving
+        far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
+        far_inputs = MixerInputs(
+            hidden_states=inputs.hidden_states, padding_mask=old_real, past_length=inputs.past_length
+        )
+        num_f, den_f, _, far_state = self._far_terms(q, old_k, old_v, far_inputs, far_state, "step")
+        new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        den = den_f[..., 0, None]  # [B, Hkv, G, 1]
+        far_logit = den.clamp_min(0.0).log() - self.mix_logit.view(*den.shape[1:3], 1)
+        p = torch.softmax(torch.cat([scores, far_logit], dim=-1), dim=-1)  # [B, Hkv, G, N + W + 1]
+        near = (p[..., :-1] @ values)[:, :, :, None]  # [B, Hkv, G, 1, E]
+        far_weight = p[..., -1:, None] / den[..., None].clamp_min(torch.finfo(den.dtype).tiny)
+        return ungroup_output(torch.addcmul(near, far_weight, num_f))
 
     def _with_far(
         self,
