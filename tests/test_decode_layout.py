@@ -20,7 +20,8 @@ from hf_recattn import RecAttnForCausalLM
 from hf_recattn.modeling.decode_layout import column_major
 
 TOLERANCE = 1e-5  # relative to the largest logit: fp32 products summed in another order
-CASE = next(case for case in all_cases() if case.id.startswith("delta"))
+CASE = next(case for case in all_cases() if case.id.startswith("delta"))  # its output gate reads the layer input
+PRODUCT = next(case for case in all_cases() if "householder_steps=2" in case.id)  # extra keys / values too
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +46,11 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert ((a - b).abs().max() / b.abs().max()).item() < TOLERANCE
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_layout_keeps_parameters_values_and_logits(bias: bool) -> None:
-    model = tiny_model(CASE)
+@pytest.mark.parametrize(
+    "case, bias", [(CASE, False), (CASE, True), (PRODUCT, False)], ids=["no-bias", "bias", "deltaproduct"]
+)
+def test_layout_keeps_parameters_values_and_logits(case: object, bias: bool) -> None:
+    model = tiny_model(case)
     model = _biased(model) if bias else model
     ids, mask = left_padded_batch()
     tied = model.lm_head.weight is model.model.embed_tokens.weight
@@ -68,8 +71,11 @@ def test_layout_keeps_parameters_values_and_logits(bias: bool) -> None:
     _close(after, before)
 
 
-def test_each_fused_group_runs_as_one_product(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_model(CASE)
+@pytest.mark.parametrize("case", [CASE, PRODUCT], ids=lambda case: case.id)
+def test_each_fused_group_runs_as_one_product(case: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v with the mixer's own input weights (output gate, DeltaProduct's extra keys / values) as one
+    product, gate/up as another; none of them read on its own."""
+    model = tiny_model(case)
     model.decode_layout()
     calls: list[tuple[int, int]] = []
     real = F.linear
@@ -84,10 +90,13 @@ def test_each_fused_group_runs_as_one_product(monkeypatch: pytest.MonkeyPatch) -
     fused, separate = [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-            width = sum(m.out_features for m in group)
-            fused.append((width, group[0].weight.data_ptr()))
-            separate += [(m.out_features, m.weight.data_ptr()) for m in group]
+        extra = attn.mixer.input_weights()
+        assert extra
+        for linears, weights in (((attn.q_proj, attn.k_proj, attn.v_proj), extra), ((mlp.gate_proj, mlp.up_proj), [])):
+            width = sum(m.out_features for m in linears) + sum(w.shape[0] for w in weights)
+            fused.append((width, linears[0].weight.data_ptr()))
+            separate += [(m.out_features, m.weight.data_ptr()) for m in linears]
+            separate += [(w.shape[0], w.data_ptr()) for w in weights]
     assert all(calls.count(call) == 1 for call in fused)
     assert not set(separate) & set(calls)
 

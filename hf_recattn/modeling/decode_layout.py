@@ -16,6 +16,10 @@ keep working and no weight is held twice. A fused product is used only while the
 views of one buffer (checked by address on every call, so a parameter replaced later simply runs unfused),
 and only on plain ``nn.Linear`` modules (never on a PEFT-wrapped one, whose adapter must run). Values are the
 same function; float rounding may differ from the row-major product in the last bits.
+
+A mixer may read the layer input through weights of its own (``Mixer.input_weights``: DeltaProduct's extra
+keys and values, the delta family's output gate); those join the q/k/v buffer, and the layer hands their outputs
+to the mixer (``MixerInputs.projected``).
 """
 
 from __future__ import annotations
@@ -54,59 +58,76 @@ def _plain(linears: Sequence[nn.Module]) -> bool:
     return all(type(m) is nn.Linear for m in linears)
 
 
-def fuse(linears: Sequence[nn.Linear]) -> bool:
-    """Move the weights (and biases) of linears that share an input into one column-major buffer, side by side
-    (a no-op when they already are); False when one of them is not a plain ``nn.Linear``."""
+Projection = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight [out, in], bias [out] or None)
+
+
+def _pairs(linears: Sequence[nn.Module], extra: Sequence[torch.Tensor]) -> list[Projection]:
+    """(weight, bias) of the linears, then the extra bias-free weights (dropped when the linears have biases)."""
+    pairs: list[Projection] = [(m.weight, m.bias) for m in linears]
+    if all(b is None for _, b in pairs):
+        pairs += [(w, None) for w in extra]
+    return pairs
+
+
+def fuse(linears: Sequence[nn.Linear], extra: Sequence[torch.Tensor] = ()) -> bool:
+    """Move the weights (and biases) of linears that share an input, then any ``extra`` weights [out, in] read
+    from the same input, into one column-major buffer, side by side (a no-op when they already are); False when
+    one of the linears is not a plain ``nn.Linear``. Extra weights join only bias-free linears."""
     if not _plain(linears):
         return False
-    if _adjacent(linears) is not None:
+    pairs = _pairs(linears, extra)
+    if _adjacent(pairs) is not None:
         return True
-    first = linears[0].weight
-    total = sum(m.out_features for m in linears)
+    first = pairs[0][0]
+    total = sum(w.shape[0] for w, _ in pairs)
     buffer = _fresh((first.shape[1], total), first)
-    bias_buffer = _fresh((total,), first) if linears[0].bias is not None else None
+    bias_buffer = _fresh((total,), first) if pairs[0][1] is not None else None
     start = 0
-    for m in linears:
-        width = m.out_features
+    for weight, bias in pairs:
+        width = weight.shape[0]
         part = buffer[:, start : start + width]
-        part.copy_(m.weight.detach().t())
-        _rebind(m.weight, part.t())
+        part.copy_(weight.detach().t())
+        _rebind(weight, part.t())
         if bias_buffer is not None:
             bias_part = bias_buffer[start : start + width]
-            bias_part.copy_(m.bias.detach())
-            _rebind(m.bias, bias_part)
+            bias_part.copy_(bias.detach())
+            _rebind(bias, bias_part)
         start += width
     return True
 
 
-def project(linears: Sequence[nn.Linear], x: torch.Tensor, memo: dict) -> list[torch.Tensor]:
+def project(
+    linears: Sequence[nn.Linear], x: torch.Tensor, memo: dict, extra: Sequence[torch.Tensor] = ()
+) -> list[torch.Tensor]:
     """Each linear's output for the shared input ``x``: one product over the fused buffer while the layout
-    holds and no weight is being trained, else one product each. ``memo`` (a dict the caller keeps) caches
-    the fused view between calls, keyed by the weights' addresses."""
+    holds and no weight is being trained, else one product each. Over the fused buffer the ``extra`` weights'
+    outputs follow (``x @ w.T`` each); unfused they are left out, for their owner to compute. ``memo`` (a dict
+    the caller keeps) caches the fused view between calls, keyed by the weights' addresses."""
+    pairs = _pairs(linears, extra)
     training = torch.is_grad_enabled() and any(
-        m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad) for m in linears
+        w.requires_grad or (b is not None and b.requires_grad) for w, b in pairs
     )
-    fused = None if training or not _plain(linears) else _fused_view(linears, memo)
+    fused = None if training or not _plain(linears) else _fused_view(pairs, memo)
     if fused is None:
         return [m(x) for m in linears]
-    return list(F.linear(x, *fused).split([m.out_features for m in linears], dim=-1))
+    return list(F.linear(x, *fused).split([w.shape[0] for w, _ in pairs], dim=-1))
 
 
-def _fused_view(linears: Sequence[nn.Linear], memo: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    key = tuple(m.weight.data_ptr() for m in linears)
+def _fused_view(pairs: list[Projection], memo: dict) -> Projection | None:
+    key = tuple(w.data_ptr() for w, _ in pairs)
     if memo.get("key") != key:
-        memo["key"], memo["view"] = key, _adjacent(linears)
+        memo["key"], memo["view"] = key, _adjacent(pairs)
     return memo["view"]
 
 
-def _adjacent(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight [N, in], bias [N] or None) viewing the fused buffer, or None when the modules are not laid out
+def _adjacent(pairs: list[Projection]) -> Projection | None:
+    """(weight [N, in], bias [N] or None) viewing the fused buffer, or None when the weights are not laid out
     side by side in one column-major buffer."""
-    widths = [m.out_features for m in linears]
-    weight = _side_by_side([m.weight for m in linears], widths, column=True)
+    widths = [w.shape[0] for w, _ in pairs]
+    weight = _side_by_side([w for w, _ in pairs], widths, column=True)
     if weight is None:
         return None
-    biases = [m.bias for m in linears]
+    biases = [b for _, b in pairs]
     if all(b is None for b in biases):
         return weight, None
     if any(b is None for b in biases):
@@ -141,21 +162,23 @@ def _to_column_major(linear: nn.Module) -> None:
     _rebind(weight, buffer.t())
 
 
-def apply_decode_layout(groups: Sequence[Sequence[nn.Linear]], singles: Sequence[nn.Module]) -> None:
-    """Fuse every group and store every single module column-major."""
-    for group in groups:
-        fuse(group)
+def apply_decode_layout(
+    groups: Sequence[tuple[Sequence[nn.Linear], Sequence[torch.Tensor]]], singles: Sequence[nn.Module]
+) -> None:
+    """Fuse every group (linears sharing an input, and extra weights read from it) and store every single
+    module column-major."""
+    for linears, extra in groups:
+        fuse(linears, extra)
     for module in singles:
         _to_column_major(module)
 
 
 def restore_row_major(modules: Sequence[nn.Module]) -> None:
-    """Give every listed module's weight (and bias) its own contiguous row-major storage again (a no-op for
-    those that have it)."""
+    """Give every parameter of the listed modules (their submodules' included) its own contiguous row-major
+    storage again (a no-op for those that have it)."""
     for module in modules:
-        for name in ("weight", "bias"):
-            param = getattr(module, name, None)
-            if isinstance(param, nn.Parameter) and not _owns_contiguous(param):
+        for param in module.parameters():
+            if not _owns_contiguous(param):
                 with torch.inference_mode(False):
                     _rebind(param, param.detach().clone(memory_format=torch.contiguous_format))
 

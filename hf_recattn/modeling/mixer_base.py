@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .options import Option, resolve_options
@@ -59,6 +60,15 @@ class MixerInputs:
     hidden_states: torch.Tensor  # [B, T, C] the (normed) layer input, for gates and projections
     padding_mask: torch.Tensor | None = None  # [B, past + T] bool, True marks real tokens; None: all real
     past_length: int = 0  # tokens already folded into the state
+    #: the mixer's own input products computed with q/k/v (decode layout), by ``id`` of the weight; see ``linear``
+    projected: dict[int, torch.Tensor] | None = None
+
+    def linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """hidden_states @ weight.T for one of the mixer's ``input_weights``: the layer's product when it has it,
+        else computed here."""
+        if self.projected is not None and id(weight) in self.projected:
+            return self.projected[id(weight)]
+        return F.linear(self.hidden_states, weight.to(self.hidden_states.dtype))
 
     @property
     def token_mask(self) -> torch.Tensor | None:
@@ -143,6 +153,7 @@ class Mixer(nn.Module):
                 hidden_states=inputs.hidden_states[:, i : i + 1],
                 padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + i + 1],
                 past_length=inputs.past_length + i,
+                projected=None,  # products of all T tokens: the step computes its own
             )
             out, state = self.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], one, state)
             outs.append(out)
@@ -159,6 +170,11 @@ class Mixer(nn.Module):
     def state_size(self, context_length: int) -> int:
         """Number of state elements per sequence held after `context_length` tokens."""
         raise NotImplementedError
+
+    def input_weights(self) -> list[nn.Parameter]:
+        """Weights [out, hidden] this mixer multiplies the layer input by (bias-free, read through
+        ``MixerInputs.linear``): the decode layout computes them in the layer's q/k/v product. None by default."""
+        return []
 
     # ----- dispatch --------------------------------------------------------------------------------------
     def forward(

@@ -118,6 +118,10 @@ class DeltaMixer(Mixer):
         if hasattr(self, "gate_weight"):
             init.normal_(self.gate_weight, 0.0, self.initializer_range)
 
+    def input_weights(self) -> list[nn.Parameter]:
+        """DeltaProduct's extra keys / values and the output gate, both read from the layer input."""
+        return [getattr(self, name) for name in ("extra_kv_weight", "gate_weight") if hasattr(self, name)]
+
     # ----- shared pieces ------------------------------------------------------------------------------------
     def _prepare(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
@@ -126,14 +130,13 @@ class DeltaMixer(Mixer):
         and the new convolution states."""
         b, h, t, d = q.shape
         hk, n = self.shape.num_kv_heads, self.steps
-        x = inputs.hidden_states
         streams = {
             "conv_q": q.transpose(1, 2).reshape(b, t, h * d),
             "conv_k": k.transpose(1, 2).reshape(b, t, hk * d),
             "conv_v": v.transpose(1, 2).reshape(b, t, hk * d),
         }
         if n > 1:
-            extra_k, extra_v = F.linear(x, self.extra_kv_weight.to(x.dtype)).chunk(2, dim=-1)
+            extra_k, extra_v = inputs.linear(self.extra_kv_weight).chunk(2, dim=-1)
             streams["conv_k"] = torch.cat([streams["conv_k"], extra_k], dim=-1)
             streams["conv_v"] = torch.cat([streams["conv_v"], extra_v], dim=-1)
         mask = inputs.token_mask
@@ -165,8 +168,7 @@ class DeltaMixer(Mixer):
         hk, n = self.shape.num_kv_heads, self.steps
         parts = [q.reshape(b, h * d), k.reshape(b, hk * d)]
         if n > 1:
-            x = inputs.hidden_states
-            extra_k, extra_v = F.linear(x, self.extra_kv_weight.to(x.dtype)).reshape(b, -1).chunk(2, dim=-1)
+            extra_k, extra_v = inputs.linear(self.extra_kv_weight).reshape(b, -1).chunk(2, dim=-1)
             parts += [extra_k, v.reshape(b, hk * d), extra_v]
         else:
             parts.append(v.reshape(b, hk * d))
@@ -205,13 +207,13 @@ class DeltaMixer(Mixer):
         f = x.shape[-1]
         return F.rms_norm(x, (f,), eps=self.eps / f) * f**-0.5
 
-    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _finish(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
         if self.output_norm is not None:
             o = self.output_norm(o)
         o = ungroup_output(o)
         if hasattr(self, "gate_weight"):
-            gate = F.silu(F.linear(x, self.gate_weight.to(x.dtype)))
+            gate = F.silu(inputs.linear(self.gate_weight))
             o = o * gate.view(*o.shape)
         return o
 
@@ -233,7 +235,7 @@ class DeltaMixer(Mixer):
         else:
             o, final = delta_step(qg, kd, vd, log_alpha, beta, erase, start, in_place=writable(start))
         new_state["S"] = final
-        return self._finish(o, inputs.hidden_states), new_state
+        return self._finish(o, inputs), new_state
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(

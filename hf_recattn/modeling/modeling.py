@@ -55,13 +55,22 @@ class RecAttnAttention(nn.Module):
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B,H,T,D], k and v [B,Hkv,T,D], rotary-embedded unless the spec says rope=False."""
+        q, k, v, _ = self._project(hidden_states, position_embeddings)
+        return q, k, v
+
+    def _project(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """``project``, plus the mixer's own input products when the decode layout computed them with q/k/v
+        (keyed by ``id`` of the weight; empty otherwise)."""
         b, t, _ = hidden_states.shape
-        projected = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused)
-        q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in projected)
+        extra = self.mixer.input_weights()
+        outputs = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused, extra)
+        q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in outputs[:3])
         if self.mixer.spec.get("rope", True):
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        return q, k, v, dict(zip(map(id, extra), outputs[3:], strict=False))  # no products unless fused
 
     def forward(
         self,
@@ -72,7 +81,7 @@ class RecAttnAttention(nn.Module):
         packing: PackedDocuments | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        q, k, v = self.project(hidden_states, position_embeddings)
+        q, k, v, projected = self._project(hidden_states, position_embeddings)
         if packing is not None:
             mixed = self._mix_documents(q, k, v, hidden_states, packing).flatten(2)
             return self.o_proj(mixed.to(hidden_states.dtype))
@@ -81,6 +90,7 @@ class RecAttnAttention(nn.Module):
             hidden_states=hidden_states,
             padding_mask=padding_mask,
             past_length=layer.get_seq_length() if layer is not None else 0,
+            projected=projected or None,
         )
         out, state = self.mixer(
             q, k, v, inputs, state=layer.state if layer else None, use_cache=layer is not None
@@ -399,14 +409,15 @@ class RecAttnModel(RecAttnPreTrainedModel):
         return torch.cat(outputs, dim=1)
 
 
-def _fusable(layer: RecAttnDecoderLayer) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
-    """The projections of a decoder layer that share an input: q/k/v, and the MLP's gate/up."""
+def _fusable(layer: RecAttnDecoderLayer) -> list[tuple[tuple[nn.Module, ...], list[nn.Parameter]]]:
+    """The projections of a decoder layer that share an input: q/k/v with the mixer's own input weights, and the
+    MLP's gate/up."""
     attn, mlp = layer.self_attn, layer.mlp
-    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+    return [((attn.q_proj, attn.k_proj, attn.v_proj), attn.mixer.input_weights()), ((mlp.gate_proj, mlp.up_proj), [])]
 
 
 def _projections(layer: RecAttnDecoderLayer) -> list[nn.Module]:
-    return [m for group in _fusable(layer) for m in group]
+    return [m for linears, _ in _fusable(layer) for m in linears]
 
 
 def runtime_auto_map() -> dict[str, str]:
@@ -459,7 +470,9 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         self._decode_layout_pending = False
         layers = self.model.layers
         if not enable:
-            modules = [m for layer in layers for m in (*_projections(layer), layer.self_attn.o_proj)]
+            modules = [
+                m for layer in layers for m in (*_projections(layer), layer.self_attn.o_proj, layer.self_attn.mixer)
+            ]
             restore_row_major([*modules, self.lm_head, self.model.embed_tokens])
             return
         groups = [group for layer in layers for group in _fusable(layer)]
