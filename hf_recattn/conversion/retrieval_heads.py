@@ -58,6 +58,9 @@ class _Blend(nn.Module):
         self.layer_idx = layer_idx
         self.softmax = SoftmaxMixer(FULL_SPEC, mixer.shape, mixer.config)
 
+    def input_weights(self) -> list[nn.Parameter]:
+        return self.inner.input_weights()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs,
                 state: Any = None, use_cache: bool = False) -> tuple[torch.Tensor, None]:
         if use_cache or state is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from .mixer_base import Mixer, MixerInputs, MixerShape, State
 from .mixer_softmax import SoftmaxMixer
@@ -91,6 +92,10 @@ class RetrievalHeadsMixer(Mixer):
         self.heads = {"full": (order[:split], heads), "rest": (order[split:], rest)}
         self._unorder = sorted(range(len(order)), key=order.__getitem__)
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def input_weights(self) -> list[nn.Parameter]:
+        """The ``others`` mixer's (it reads the same layer input)."""
+        return self.rest.input_weights()
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
         """One of the head index lists as a tensor on ``device`` (made once per device)."""
