@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
@@ -14,12 +15,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -31,6 +27,28 @@ from .decode_layout import apply_decode_layout, laid_out, project, restore_row_m
 from .mixer_base import MixerInputs, MixerShape
 from .mixers import build_mixer
 from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
+
+
+def rotate_queries_and_keys(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's rotary embedding of q [B, H, T, D] and k [B, Hkv, T, D] (cos / sin [B, T, D]), run once over both
+    heads stacked: the same elementwise arithmetic as transformers' ``apply_rotary_pos_emb``, half the ops."""
+    both = torch.cat([q, k], dim=1)
+    half = both.shape[-1] // 2
+    rotated = torch.cat([-both[..., half:], both[..., :half]], dim=-1)
+    out = both * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
+class RecAttnRMSNorm(LlamaRMSNorm):
+    """Llama's RMSNorm (same weights and formula); in float32 one fused op (torch's ``rms_norm``, which sums the
+    squares in another order: equal within float32 rounding)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
 
 
 class RecAttnAttention(nn.Module):
@@ -69,7 +87,7 @@ class RecAttnAttention(nn.Module):
         q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in outputs[:3])
         if self.mixer.spec.get("rope", True):
             cos, sin = position_embeddings
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = rotate_queries_and_keys(q, k, cos, sin)
         return q, k, v, dict(zip(map(id, extra), outputs[3:], strict=False))  # no products unless fused
 
     def forward(
@@ -136,8 +154,8 @@ class RecAttnDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = RecAttnAttention(config, layer_idx)
         self.mlp = RecAttnMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RecAttnRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RecAttnRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -278,7 +296,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(RecAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RecAttnRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
