@@ -90,7 +90,7 @@ def test_each_fused_group_runs_as_one_product(case: object, monkeypatch: pytest.
     fused, separate = [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        extra = attn.mixer.input_weights()
+        extra = list(attn.mixer.input_weights().values())
         assert extra
         for linears, weights in (((attn.q_proj, attn.k_proj, attn.v_proj), extra), ((mlp.gate_proj, mlp.up_proj), [])):
             width = sum(m.out_features for m in linears) + sum(w.shape[0] for w in weights)

@@ -58,7 +58,7 @@ class _Blend(nn.Module):
         self.layer_idx = layer_idx
         self.softmax = SoftmaxMixer(FULL_SPEC, mixer.shape, mixer.config)
 
-    def input_weights(self) -> list[nn.Parameter]:
+    def input_weights(self) -> dict[str, nn.Parameter]:
         return self.inner.input_weights()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs,

@@ -60,14 +60,15 @@ class MixerInputs:
     hidden_states: torch.Tensor  # [B, T, C] the (normed) layer input, for gates and projections
     padding_mask: torch.Tensor | None = None  # [B, past + T] bool, True marks real tokens; None: all real
     past_length: int = 0  # tokens already folded into the state
-    #: the mixer's own input products computed with q/k/v (decode layout), by ``id`` of the weight; see ``linear``
-    projected: dict[int, torch.Tensor] | None = None
+    #: the mixer's own input products computed with q/k/v (decode layout), by the weight's name in
+    #: ``Mixer.input_weights``; see ``linear``
+    projected: dict[str, torch.Tensor] | None = None
 
-    def linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """hidden_states @ weight.T for one of the mixer's ``input_weights``: the layer's product when it has it,
+    def linear(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """hidden_states @ weight.T for the mixer's input weight ``name``: the layer's product when it has it,
         else computed here."""
-        if self.projected is not None and id(weight) in self.projected:
-            return self.projected[id(weight)]
+        if self.projected is not None and name in self.projected:
+            return self.projected[name]
         return F.linear(self.hidden_states, weight.to(self.hidden_states.dtype))
 
     @property
@@ -171,10 +172,11 @@ class Mixer(nn.Module):
         """Number of state elements per sequence held after `context_length` tokens."""
         raise NotImplementedError
 
-    def input_weights(self) -> list[nn.Parameter]:
+    def input_weights(self) -> dict[str, nn.Parameter]:
         """Weights [out, hidden] this mixer multiplies the layer input by (bias-free, read through
-        ``MixerInputs.linear``): the decode layout computes them in the layer's q/k/v product. None by default."""
-        return []
+        ``MixerInputs.linear`` under these names): the decode layout computes them in the layer's q/k/v product.
+        None by default."""
+        return {}
 
     # ----- dispatch --------------------------------------------------------------------------------------
     def forward(

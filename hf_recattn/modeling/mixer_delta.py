@@ -118,9 +118,10 @@ class DeltaMixer(Mixer):
         if hasattr(self, "gate_weight"):
             init.normal_(self.gate_weight, 0.0, self.initializer_range)
 
-    def input_weights(self) -> list[nn.Parameter]:
+    def input_weights(self) -> dict[str, nn.Parameter]:
         """DeltaProduct's extra keys / values and the output gate, both read from the layer input."""
-        return [getattr(self, name) for name in ("extra_kv_weight", "gate_weight") if hasattr(self, name)]
+        names = {"extra_kv": "extra_kv_weight", "output_gate": "gate_weight"}
+        return {name: getattr(self, attr) for name, attr in names.items() if hasattr(self, attr)}
 
     # ----- shared pieces ------------------------------------------------------------------------------------
     def _prepare(
@@ -136,7 +137,7 @@ class DeltaMixer(Mixer):
             "conv_v": v.transpose(1, 2).reshape(b, t, hk * d),
         }
         if n > 1:
-            extra_k, extra_v = inputs.linear(self.extra_kv_weight).chunk(2, dim=-1)
+            extra_k, extra_v = inputs.linear("extra_kv", self.extra_kv_weight).chunk(2, dim=-1)
             streams["conv_k"] = torch.cat([streams["conv_k"], extra_k], dim=-1)
             streams["conv_v"] = torch.cat([streams["conv_v"], extra_v], dim=-1)
         mask = inputs.token_mask
@@ -168,7 +169,7 @@ class DeltaMixer(Mixer):
         hk, n = self.shape.num_kv_heads, self.steps
         parts = [q.reshape(b, h * d), k.reshape(b, hk * d)]
         if n > 1:
-            extra_k, extra_v = inputs.linear(self.extra_kv_weight).reshape(b, -1).chunk(2, dim=-1)
+            extra_k, extra_v = inputs.linear("extra_kv", self.extra_kv_weight).reshape(b, -1).chunk(2, dim=-1)
             parts += [extra_k, v.reshape(b, hk * d), extra_v]
         else:
             parts.append(v.reshape(b, hk * d))
@@ -213,7 +214,7 @@ class DeltaMixer(Mixer):
             o = self.output_norm(o)
         o = ungroup_output(o)
         if hasattr(self, "gate_weight"):
-            gate = F.silu(inputs.linear(self.gate_weight))
+            gate = F.silu(inputs.linear("output_gate", self.gate_weight))
             o = o * gate.view(*o.shape)
         return o
 

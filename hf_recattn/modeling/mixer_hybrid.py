@@ -153,9 +153,9 @@ class HybridMixer(Mixer):
                 self.far = LinearMixer(far, shape, config)
         self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), self._logit_init()))
 
-    def input_weights(self) -> list[nn.Parameter]:
+    def input_weights(self) -> dict[str, nn.Parameter]:
         """The far mixer's (a delta far part reads the layer input through its own weights)."""
-        return [] if self.far is None else self.far.input_weights()
+        return {} if self.far is None else self.far.input_weights()
 
     def _logit_init(self) -> float:
         return math.log(self.mix_init / (1.0 - self.mix_init))

@@ -93,7 +93,7 @@ class RetrievalHeadsMixer(Mixer):
         self._unorder = sorted(range(len(order)), key=order.__getitem__)
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
 
-    def input_weights(self) -> list[nn.Parameter]:
+    def input_weights(self) -> dict[str, nn.Parameter]:
         """The ``others`` mixer's (it reads the same layer input)."""
         return self.rest.input_weights()
 

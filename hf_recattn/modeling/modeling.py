@@ -80,15 +80,15 @@ class RecAttnAttention(nn.Module):
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """``project``, plus the mixer's own input products when the decode layout computed them with q/k/v
-        (keyed by ``id`` of the weight; empty otherwise)."""
+        (by name, see ``Mixer.input_weights``; empty otherwise)."""
         b, t, _ = hidden_states.shape
         extra = self.mixer.input_weights()
-        outputs = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused, extra)
+        outputs = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused, list(extra.values()))
         q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in outputs[:3])
         if self.mixer.spec.get("rope", True):
             cos, sin = position_embeddings
             q, k = rotate_queries_and_keys(q, k, cos, sin)
-        return q, k, v, dict(zip(map(id, extra), outputs[3:], strict=False))  # no products unless fused
+        return q, k, v, dict(zip(extra, outputs[3:], strict=False))  # no products unless fused
 
     def forward(
         self,
@@ -431,7 +431,8 @@ def _fusable(layer: RecAttnDecoderLayer) -> list[tuple[tuple[nn.Module, ...], li
     """The projections of a decoder layer that share an input: q/k/v with the mixer's own input weights, and the
     MLP's gate/up."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [((attn.q_proj, attn.k_proj, attn.v_proj), attn.mixer.input_weights()), ((mlp.gate_proj, mlp.up_proj), [])]
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    return [(qkv, list(attn.mixer.input_weights().values())), ((mlp.gate_proj, mlp.up_proj), [])]
 
 
 def _projections(layer: RecAttnDecoderLayer) -> list[nn.Module]:
