@@ -22,6 +22,7 @@ from hf_recattn.modeling.decode_layout import column_major
 TOLERANCE = 1e-5  # relative to the largest logit: fp32 products summed in another order
 CASE = next(case for case in all_cases() if case.id.startswith("delta"))  # its output gate reads the layer input
 PRODUCT = next(case for case in all_cases() if "householder_steps=2" in case.id)  # extra keys / values too
+MESA_GATED = next(case for case in all_cases() if case.id.startswith("mesa") and "output_gate=True" in case.id)
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +72,7 @@ def test_layout_keeps_parameters_values_and_logits(case: object, bias: bool) -> 
     _close(after, before)
 
 
-@pytest.mark.parametrize("case", [CASE, PRODUCT], ids=lambda case: case.id)
+@pytest.mark.parametrize("case", [CASE, PRODUCT, MESA_GATED], ids=lambda case: case.id)
 def test_each_fused_group_runs_as_one_product(case: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k/v with the mixer's own input weights (output gate, DeltaProduct's extra keys / values) as one
     product, gate/up as another; none of them read on its own."""

@@ -127,7 +127,8 @@ class GLAMixer(Mixer):
         and log gates zero on padded tokens."""
         x = inputs.hidden_states
         b, t, _ = x.shape
-        logits = F.linear(F.linear(x, self.gate_down.to(x.dtype)), self.gate_up.to(x.dtype), self.gate_bias.to(x.dtype))
+        low_rank = inputs.linear("gate_down", self.gate_down)
+        logits = F.linear(low_rank, self.gate_up.to(x.dtype), self.gate_bias.to(x.dtype))
         log_a = (F.logsigmoid(logits) / self.temperature).view(b, t, self.shape.num_kv_heads, -1).transpose(1, 2)
         mask = inputs.token_mask
         if mask is not None:
@@ -136,35 +137,42 @@ class GLAMixer(Mixer):
             k = k * keep.to(k.dtype)
         return group_queries(q, self.shape.num_kv_heads) * self.scale, k, log_a
 
-    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _finish(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         """o [B, Hkv, G, T, E] -> [B, T, H, E], through the output norm and gate."""
         if self.output_norm is not None:
             o = self.output_norm(o)
         o = ungroup_output(o)
         if hasattr(self, "gate_weight"):
-            o = o * F.silu(F.linear(x, self.gate_weight.to(x.dtype))).view(*o.shape)
+            o = o * F.silu(inputs.linear("output_gate", self.gate_weight)).view(*o.shape)
         return o
+
+    def input_weights(self) -> dict[str, nn.Parameter]:
+        """The gate's low-rank down projection and the output gate, both read from the layer input."""
+        weights = {"gate_down": self.gate_down}
+        if hasattr(self, "gate_weight"):
+            weights["output_gate"] = self.gate_weight
+        return weights
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
         qg, k, log_a = self._prepare(q, k, inputs)
-        return self._finish(gla_parallel(qg, k, v, log_a), inputs.hidden_states)
+        return self._finish(gla_parallel(qg, k, v, log_a), inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, k, log_a = self._prepare(q, k, inputs)
         o, S = gla_chunked(qg, k, v, log_a, state["S"], self.chunk_size)
-        return self._finish(o, inputs.hidden_states), {"S": S}
+        return self._finish(o, inputs), {"S": S}
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, k, log_a = self._prepare(q, k, inputs)
         o, S = gla_step(qg, k, v, log_a, state["S"], in_place=writable(state["S"]))
-        return self._finish(o, inputs.hidden_states), {"S": S}
+        return self._finish(o, inputs), {"S": S}
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim

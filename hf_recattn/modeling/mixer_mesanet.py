@@ -213,17 +213,21 @@ class MesaMixer(Mixer):
                 in_place = h0 is state["H"] and g0 is state["G"] and writable(h0, g0)
                 o, h, g = mesa_step(qg, kd, vd, log_gamma, beta, lam, h0, g0, *args, in_place=in_place)
             new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
-        return self._finish(o.to(dtype), inputs.hidden_states), new_state
+        return self._finish(o.to(dtype), inputs), new_state
 
-    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _finish(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
         if self.output_norm is not None:
             o = self.output_norm(o)
         o = ungroup_output(o)
         if hasattr(self, "gate_weight"):
-            gate = F.silu(F.linear(x, self.gate_weight.to(x.dtype)))
+            gate = F.silu(inputs.linear("output_gate", self.gate_weight))
             o = o * gate.view(*o.shape)
         return o
+
+    def input_weights(self) -> dict[str, nn.Parameter]:
+        """The output gate, read from the layer input."""
+        return {"output_gate": self.gate_weight} if hasattr(self, "gate_weight") else {}
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(

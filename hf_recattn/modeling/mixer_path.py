@@ -74,12 +74,16 @@ class PathMixer(ContinuingMixer):
             init.normal_(self.beta_weight, 0.0, self.initializer_range)
             init.zeros_(self.beta_bias)
 
+    def input_weights(self) -> dict[str, nn.Parameter]:
+        """The Householder directions' projection, read from the layer input."""
+        return {"householder": self.w_weight}
+
     def householders(self, inputs: MixerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit w [B, Hk, T, D] and b [B, Hk, T] of the current tokens (b = 0 on padded ones)."""
         x = inputs.hidden_states
         bsz, t, _ = x.shape
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
-        w = F.linear(x, self.w_weight.to(x.dtype)).view(bsz, t, hk, d).transpose(1, 2)
+        w = inputs.linear("householder", self.w_weight).view(bsz, t, hk, d).transpose(1, 2)
         w = F.rms_norm(w, (d,), eps=self.eps / d) * d**-0.5  # w / sqrt(|w|^2 + eps)
         b = 2.0 * torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))
         mask = inputs.token_mask
