@@ -1,6 +1,6 @@
 """hf_recattn: recurrent forms of attention as Hugging Face Transformers models."""
 
-from .modeling.cache import RecAttnCache
+from .modeling.cache import RecAttnCache, cache_of
 from .modeling.configuration import RecAttnConfig
 from .modeling.mixer_base import Mixer, MixerInputs, MixerShape
 from .modeling.mixers import MIXERS, register_mixer
@@ -24,6 +24,7 @@ __all__ = [
     "RecAttnForCausalLM",
     "RecAttnModel",
     "RecAttnPreTrainedModel",
+    "cache_of",
     "from_llama",
     "register_mixer",
     "state_size_report",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .modeling.cache import cache_of
 from .modeling.configuration import RecAttnConfig
 from .modeling.modeling import RecAttnForCausalLM
 
@@ -50,5 +51,5 @@ def run_demo(new_tokens: int = 16) -> None:
         same = bool(torch.equal(out.sequences, plain))
         label = ", ".join(f"{k}={v}" for k, v in spec.items())
         print(
-            f"{label:<44} {out.past_key_values.nbytes():>11}  {str(same):<16}  {out.sequences[0, -6:].tolist()}"
+            f"{label:<44} {cache_of(out).nbytes():>11}  {str(same):<16}  {out.sequences[0, -6:].tolist()}"
         )

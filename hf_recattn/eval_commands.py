@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .modeling.cache import cache_of
+
 if TYPE_CHECKING:
     from .evaluation import RecallSizes
 
@@ -108,5 +110,5 @@ def run_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     new = out.sequences.shape[1] - ids.shape[1]
     print(f"[{ids.shape[1]} prompt + {new} new tokens in {seconds:.1f} s; "
-          f"cache {cache_nbytes(out.past_key_values) / 2**20:.2f} MiB]", file=sys.stderr)
+          f"cache {cache_nbytes(cache_of(out)) / 2**20:.2f} MiB]", file=sys.stderr)
     return 0

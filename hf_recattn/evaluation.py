@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .modeling.cache import CACHE_NAME, cache_of
+
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -345,16 +347,16 @@ def decode_stats(model: Any, context_length: int = 2048, steps: int = 16, seed: 
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
         prefill_s = time.perf_counter() - start
-        cache = out.past_key_values
+        cache = cache_of(out)
         cache_bytes = cache_nbytes(cache)
         token = out.logits[:, -1:].argmax(-1)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, use_cache=True, **{CACHE_NAME: cache})
             token = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
-            cache = out.past_key_values
+            cache = cache_of(out)
     finally:
         model.train(was_training)
     return {

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .evaluation import _device, fill_tokens, max_positions, plant, sentence_pieces, token_pieces
+from .modeling.cache import CACHE_NAME, cache_of
 
 RECALL_LENGTHS = (1024, 4096)
 RECALL_PAIRS = (1, 4, 16)
@@ -207,7 +208,7 @@ def teacher_forced_answers(model: Any, prompt: RecallPrompt) -> list[list[int]]:
     ids = prompt.ids().to(_device(model))
     split = len(prompt.context)
     first = model(input_ids=ids[:, :split], use_cache=True, logits_to_keep=1)
-    rest = model(input_ids=ids[:, split:], past_key_values=first.past_key_values, use_cache=True)
+    rest = model(input_ids=ids[:, split:], use_cache=True, **{CACHE_NAME: cache_of(first)})
     predicted = torch.cat([first.logits[0, -1:], rest.logits[0, :-1]]).argmax(-1).tolist()
     return [[predicted[p - split] for p in span] for span in prompt.answer_spans()]
 
@@ -233,8 +234,8 @@ def greedy_answers(model: Any, prompt: RecallPrompt) -> list[list[int]]:
 def _forward(model: Any, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
     """The last position's logits after ``ids`` and the cache holding them."""
     tokens = torch.tensor([ids], dtype=torch.long, device=_device(model))
-    out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1], out.past_key_values
+    out = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
+    return out.logits[0, -1], cache_of(out)
 
 
 def score_prompt(model: Any, tokenizer: Any, prompt: RecallPrompt, scoring: str = "teacher_forced") -> dict[str, Any]:

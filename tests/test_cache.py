@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generation_cases import Case, case_params, kinds, left_padded_batch, one_thread, tiny_model
+from generation_cases import Case, all_cases, case_params, kinds, left_padded_batch, one_thread, tiny_model
 
-from hf_recattn import RecAttnCache
-from hf_recattn.modeling.cache import MixerStateLayer
+from hf_recattn import RecAttnCache, cache_of
+from hf_recattn.modeling.cache import CACHE_NAME, MixerStateLayer
 
 CASES = case_params()
 
@@ -200,3 +200,19 @@ def test_state_bytes_after_64_and_4096_tokens(case: Case) -> None:
             assert b == a, f"layer {i} ({kind}): {a} bytes after 64 tokens, {b} after 4096"
         mixer = model.model.layers[i].self_attn.mixer
         assert sum(t.numel() for t in cache.layers[i].state.values()) == mixer.state_size(4096), f"layer {i}"
+
+
+def test_the_cache_is_taken_under_either_name() -> None:
+    """transformers up to 5.23 hands the cache to a forward as ``past_key_values``, 5.24 as ``cache``: both fill
+    the given cache, the output carries it under this release's name, and both at once are refused."""
+    model = tiny_model(next(case for case in all_cases() if case.id == "linear(feature_map=elu)"))
+    ids = torch.tensor([[3, 8, 5, 2]])
+    old, new = model.new_cache(), model.new_cache()
+    with torch.no_grad():
+        by_old = model(ids, past_key_values=old, use_cache=True)
+        by_new = model(ids, cache=new, use_cache=True)
+        assert cache_of(by_old) is old and cache_of(by_new) is new and getattr(by_new, CACHE_NAME) is new
+        assert new.get_seq_length() == old.get_seq_length() == ids.shape[1]
+        assert torch.equal(by_old.logits, by_new.logits)
+        with pytest.raises(ValueError, match="pass the cache once"):
+            model(ids, past_key_values=model.new_cache(), cache=model.new_cache())

@@ -26,6 +26,7 @@ from hf_recattn.cli import main
 from hf_recattn.data.corpus import token_blocks
 from hf_recattn.evaluation import RecallSizes, comparison_table, evaluate, passkey_probe, passkey_prompt
 from hf_recattn.model_card import build_model_card
+from hf_recattn.modeling.cache import CACHE_NAME
 from hf_recattn.recall import (
     Haystack,
     associative_recall_probe,
@@ -78,15 +79,15 @@ class CopyLM(torch.nn.Module):
                 best, best_len = history[j + 1], length
         return best
 
-    def forward(self, input_ids: torch.Tensor, past_key_values: list[int] | None = None, use_cache: bool = False,
-                logits_to_keep: int = 0, **kwargs: Any) -> SimpleNamespace:
-        history = list(past_key_values or []) + input_ids[0].tolist()
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False, logits_to_keep: int = 0,
+                **kwargs: Any) -> SimpleNamespace:
+        history = list(kwargs.get(CACHE_NAME) or []) + input_ids[0].tolist()  # the cache, under transformers' name
         keep = input_ids.shape[1] if logits_to_keep == 0 else logits_to_keep
         positions = range(len(history) - keep, len(history))
         logits = torch.zeros(1, keep, self.vocab)
         for row, t in enumerate(positions):
             logits[0, row, self._next(history, t)] = 1.0
-        return SimpleNamespace(logits=logits, past_key_values=history)
+        return SimpleNamespace(logits=logits, **{CACHE_NAME: history})
 
 
 class ConstantLM(CopyLM):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import set_seed
 
+from ..modeling.cache import CACHE_NAME
 from .attention_transfer import (
     TransferResult,
     attention_transfer,
@@ -434,7 +435,7 @@ def sample_through_cache(
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
+        **{CACHE_NAME: cache},
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=pad if (pad := tokenizer.pad_token_id) is not None else tokenizer.eos_token_id,

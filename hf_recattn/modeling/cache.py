@@ -8,13 +8,33 @@ stores, reorders, repeats and selects them, so a new family needs no code here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .mixer_base import State
 
 KINDS = ("kv", "window", "recurrent")
+
+#: what transformers calls a model's cache, as forward / generate() argument and as output field:
+#: ``past_key_values`` up to 5.23, ``cache`` from 5.24
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_of(outputs: Any) -> Cache | None:
+    """The cache a forward or ``generate()`` returned, under this transformers release's name for it."""
+    return getattr(outputs, CACHE_NAME, None)
+
+
+def passed_cache(past_key_values: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
+    """The cache handed to a forward as ``past_key_values`` or as ``cache`` (taken out of ``kwargs``); both at
+    once is an error."""
+    cache = kwargs.pop("cache", None)
+    if past_key_values is not None and cache is not None and cache is not past_key_values:
+        raise ValueError("pass the cache once: as cache or as past_key_values, not both")
+    return past_key_values if past_key_values is not None else cache
 
 
 class MixerStateLayer:

@@ -20,7 +20,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache import RecAttnCache
+from .cache import CACHE_NAME, RecAttnCache, cache_of, passed_cache
 from .compiled_step import compile_decode
 from .configuration import RecAttnConfig
 from .decode_layout import apply_decode_layout, laid_out, project, restore_row_major
@@ -342,6 +342,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
+        past_key_values = passed_cache(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -371,7 +372,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
                                                     kwargs)
         else:
             hidden_states = self._layers(hidden_states, position_embeddings, padding_mask, cache, packing, kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache})
 
     def _layers(
         self,
@@ -524,12 +525,12 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         if generation_config.cache_implementation is not None:
             raise ValueError(
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
-                "hf_recattn models decode with their own RecAttnCache (pass "
-                "past_key_values=model.new_cache() or nothing)"
+                f"hf_recattn models decode with their own RecAttnCache (pass {CACHE_NAME}=model.new_cache() or "
+                "nothing)"
             )
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if generation_config.use_cache is not False and (cache is None or _is_empty_foreign_cache(cache)):
-            model_kwargs["past_key_values"] = self.new_cache()
+            model_kwargs[CACHE_NAME] = self.new_cache()
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
@@ -538,7 +539,7 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs
     ):
         """Also repeat the rows of a cache passed in (continuing with num_beams or num_return_sequences)."""
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if expand_size > 1 and isinstance(cache, RecAttnCache) and input_ids is not None:
             if cache.max_batch_size == input_ids.shape[0]:
                 cache.batch_repeat_interleave(expand_size)
@@ -582,6 +583,7 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        past_key_values = passed_cache(past_key_values, kwargs)
         self._maybe_decode_layout(input_ids, past_key_values)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -603,6 +605,6 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            **{CACHE_NAME: cache_of(outputs)},
         )
