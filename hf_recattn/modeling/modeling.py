@@ -78,7 +78,7 @@ class RecAttnAttention(nn.Module):
 
     def _project(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``project``, plus the mixer's own input products when the decode layout computed them with q/k/v
         (by name, see ``Mixer.input_weights``; empty otherwise)."""
         b, t, _ = hidden_states.shape
