@@ -17,9 +17,9 @@ views of one buffer (checked by address on every call, so a parameter replaced l
 and only on plain ``nn.Linear`` modules (never on a PEFT-wrapped one, whose adapter must run). Values are the
 same function; float rounding may differ from the row-major product in the last bits.
 
-A mixer may read the layer input through weights of its own (``Mixer.input_weights``: DeltaProduct's extra
-keys and values, the delta family's output gate); those join the q/k/v buffer, and the layer hands their outputs
-to the mixer (``MixerInputs.projected``).
+A mixer may read the layer input through bias-free weights of its own (``Mixer.input_weights``: output gates,
+DeltaProduct's extra keys and values, GLA's gate projection, PaTH's Householder directions); those join the q/k/v
+buffer, and the layer hands their outputs to the mixer (``MixerInputs.projected``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _plain(linears: Sequence[nn.Module]) -> bool:
     return all(type(m) is nn.Linear for m in linears)
 
 
-Projection = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight [out, in], bias [out] or None)
+Projection = tuple[torch.Tensor, torch.Tensor | None]  # (weight [out, in], bias [out] or None)
 
 
 def _pairs(linears: Sequence[nn.Module], extra: Sequence[torch.Tensor]) -> list[Projection]:

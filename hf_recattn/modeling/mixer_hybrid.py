@@ -88,6 +88,11 @@ def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
     return None
 
 
+def _far_state(state: State) -> State:
+    """The far mixer's part of a hybrid state, without the prefix."""
+    return {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
+
+
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if x is None else x.to(dtype)
 
@@ -183,6 +188,27 @@ class HybridMixer(Mixer):
         else:
             num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], far.chunk_size)
         return num.to(q.dtype), den.to(q.dtype), None, {"S": S, "z": z}
+
+    def _far_sums(
+        self,
+        q: torch.Tensor,
+        leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        inputs: MixerInputs,
+        state: State,
+        new_state: State,
+        form: str,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, MixerInputs]:
+        """The far part's (numerator, denominator, count) for queries q over its state plus the keys / values
+        ``leaving`` the window (query j reads keys W+T indices <= j), and the inputs it read them with; its next
+        state moves into ``new_state``."""
+        old_k, old_v, old_real = leaving
+        far_inputs = MixerInputs(
+            hidden_states=inputs.hidden_states, padding_mask=old_real, past_length=inputs.past_length
+        )
+        num, den, cnt, far_state = self._far_terms(q, old_k, old_v, far_inputs, _far_state(state), form)
+        if far_state is not None:
+            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        return num, den, cnt, far_inputs
 
     def _far_finish(
         self, num: torch.Tensor, den: torch.Tensor | None, cnt: torch.Tensor | None, inputs: MixerInputs
@@ -309,13 +335,7 @@ class HybridMixer(Mixer):
         """combine='shared' for one token in fewer ops than ``_with_far``: the softmax is shifted by
         -log g, so the far entry's logit is log den_far - lambda (log((1-g)/g) = -lambda), and its weight divides
         into the far numerator (a far part with no mass, den_far <= 0, gets logit -inf and weight 0)."""
-        old_k, old_v, old_real = leaving
-        far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
-        far_inputs = MixerInputs(
-            hidden_states=inputs.hidden_states, padding_mask=old_real, past_length=inputs.past_length
-        )
-        num_f, den_f, _, far_state = self._far_terms(q, old_k, old_v, far_inputs, far_state, "step")
-        new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        num_f, den_f, _, _ = self._far_sums(q, leaving, inputs, state, new_state, "step")
         den = den_f[..., 0, None]  # [B, Hkv, G, 1]
         far_logit = den.clamp_min(0.0).log() - self.mix_logit.view(*den.shape[1:3], 1)
         p = torch.softmax(torch.cat([scores, far_logit], dim=-1), dim=-1)  # [B, Hkv, G, N + W + 1]
@@ -339,17 +359,10 @@ class HybridMixer(Mixer):
         reads the T keys / values ``leaving`` the window (with their real-token mask), or, a delta far part, the T
         ``entering`` it; the far state moves into ``new_state``."""
         hk, g = self.shape.num_kv_heads, self.shape.groups
-        far_state = {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
         if isinstance(self.far, DeltaMixer):  # every new token, as it arrives
+            far_state = _far_state(state)
             return self._with_delta_far(q, *entering, scores, soft_values, inputs, far_state, new_state, form)
-        # far part: query j reads keys W+T indices <= j, i.e. the far state plus the keys that left the window
-        old_k, old_v, old_real = leaving
-        far_inputs = MixerInputs(
-            hidden_states=inputs.hidden_states, padding_mask=old_real, past_length=inputs.past_length
-        )
-        num_f, den_f, cnt_f, far_state = self._far_terms(q, old_k, old_v, far_inputs, far_state, form)
-        if far_state is not None:
-            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        num_f, den_f, cnt_f, far_inputs = self._far_sums(q, leaving, inputs, state, new_state, form)
         mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
         if self.combine == "shared":
             has_far = den_f > 0
