@@ -18,7 +18,7 @@ from hf_recattn.modeling.mixer_base import writable
 
 CASES = case_params()
 #: state entries that are running sums over every token (the rest are copies of inputs: KV, windows, convs)
-ACCUMULATORS = {"S", "z", "n", "H", "G", "hz", "hs_pos", "hs_neg"}
+ACCUMULATORS = {"S", "z", "n", "H", "G", "hz", "mean"}
 
 
 def _accumulates(case: Case) -> bool:

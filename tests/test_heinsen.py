@@ -1,4 +1,4 @@
-"""The heinsen mixer (seed 001): log-space states, signed values, extreme logits, every form vs float64."""
+"""The heinsen mixer (seed 001): log-space sums, signed values, extreme logits, every form vs float64."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from reference_recurrent_softmax import cache_mismatch, heinsen_attention, real_
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
+from hf_recattn.modeling.ops_heinsen import chunk_log_weights
 
 H, HKV, D, C = 4, 2, 8, 16
 PAD = 3
@@ -138,28 +139,40 @@ def test_chunked_and_steps_match_parallel(seq_len: int) -> None:
     assert rel_err(real_rows(chunked, mask), parallel) < 1e-5
     assert rel_err(real_rows(stepped, mask), parallel) < 1e-5
     assert rel_err(real_rows(mixer(q, k, v, inputs)[0], mask), parallel) < 1e-5  # forward picks chunked
-    for name in ("hz", "hs_pos", "hs_neg"):
+    for name in ("hz", "mean"):
         assert torch.allclose(chunk_state[name], step_state[name], rtol=1e-5, atol=1e-4)
 
 
-def test_state_is_log_space_and_fixed_size() -> None:
+def test_state_is_log_normalizer_and_relative_value_sums_of_fixed_size() -> None:
     mixer = make()
     q, k, v, x = data(6, dtype=torch.float64, seed=8)
     mask = left_padded(6)
     _, state = run_steps(mixer, q, k, v, x, mask)
-    assert {n: tuple(t.shape) for n, t in state.items()} == {
-        "hz": (2, HKV, D),
-        "hs_pos": (2, HKV, D, D),
-        "hs_neg": (2, HKV, D, D),
-    }
-    assert mixer.state_size(10) == mixer.state_size(10**6) == HKV * (2 * D * D + D)
-    # H^Z = log sum over real keys of exp(k), H^S+- = log sum exp(k) max(+-v, 0) (+ a negligible delta);
-    # row 1 skips its 3 padded keys
+    assert {n: tuple(t.shape) for n, t in state.items()} == {"hz": (2, HKV, D), "mean": (2, HKV, D, D)}
+    assert mixer.state_size(10) == mixer.state_size(10**6) == HKV * (D * D + D)
+    # H^Z = log sum over real keys of exp(k), M = sum exp(k - H^Z) v; row 1 skips its 3 padded keys
     for b, first in ((0, 0), (1, PAD)):
         ks, vs = k[b, :, first:], v[b, :, first:]
-        assert torch.allclose(state["hz"][b], torch.logsumexp(ks, dim=1))
-        for name, part in (("hs_pos", vs.clamp_min(0)), ("hs_neg", (-vs).clamp_min(0))):
-            assert torch.allclose(state[name][b].exp(), torch.einsum("hsd,hse->hde", ks.exp(), part))
+        hz = torch.logsumexp(ks, dim=1)
+        assert torch.allclose(state["hz"][b], hz)
+        assert torch.allclose(state["mean"][b], torch.einsum("hsd,hse->hde", (ks - hz[:, None]).exp(), vs))
+
+
+def test_chunk_weights_take_the_exact_form_where_the_product_would_underflow() -> None:
+    """Pairs whose factored sum is below 1e-30 switch the chunk to the all-pairs log-sum-exp; both agree
+    where the product is safe."""
+    gen = torch.Generator().manual_seed(9)
+    q, k = torch.randn(1, 1, 2, 4, D, generator=gen), torch.randn(1, 1, 4, D, generator=gen)
+    visible = torch.ones(4, 4, dtype=torch.bool).tril()
+    exact = torch.logsumexp(q[..., :, None, :] + k[:, :, None, None], dim=-1)
+    assert torch.allclose(chunk_log_weights(q, k, visible), exact, rtol=1e-6, atol=1e-5)
+    q[..., 0, 0], q[..., 0, 1:] = 0.0, -200.0  # query 0 lives in dimension 0 ...
+    k[..., 0, 0], k[..., 0, 1:] = -200.0, 0.0  # ... where key 0 has nothing: its one visible sum is exp(-200)
+    exact = torch.logsumexp(q[..., :, None, :] + k[:, :, None, None], dim=-1)
+    got = chunk_log_weights(q, k, visible)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got[..., 0, 0], exact[..., 0, 0])
+    assert torch.allclose(got, exact, rtol=1e-6, atol=1e-5)
 
 
 def test_bidirectional_has_no_recurrent_form() -> None:

@@ -298,7 +298,7 @@ def test_state_size_report_covers_the_new_mixers() -> None:
     rows = state_size_report(config, 1000)
     d, hk, kv_per_token = 32, 2, 2 * 2 * 32
     taylor2 = hk * math.comb(d + 2, 2) * (d + 1)
-    heinsen = hk * (2 * d * d + d)
+    heinsen = hk * (d * d + d)
     hybrid = 2 * hk * d * 16 + 16 + hk * d * (d + 1)
     assert [(r.mixer, r.kind, r.state_elements) for r in rows] == [
         ("taylor", "recurrent", taylor2),

@@ -1,7 +1,7 @@
 """Heinsen's attention (seed 001): Softmax(log(exp(Q) exp(K)^T)) V with log-space states of constant size.
 
-The kernel exp(s q) . exp(s k) is positive, so the output is a weighted average of values, computed without
-leaving log space until the last step (see ops_heinsen for the states and how signed values are handled).
+The kernel exp(s q) . exp(s k) is positive, so the output is a weighted average of values; every sum of
+exponentials is kept as a logarithm or relative to one (see ops_heinsen for the states and signed values).
 It stays finite and accurate in fp32 with q and k entries far beyond where exp overflows (tested at +-80).
 """
 
@@ -16,7 +16,7 @@ from .ops_heinsen import (
     heinsen_chunked,
     heinsen_parallel,
     heinsen_step,
-    init_log_state,
+    init_heinsen_state,
     mask_keys,
     shift_queries,
 )
@@ -24,7 +24,8 @@ from .options import Option
 
 
 class HeinsenMixer(Mixer):
-    """Log-space attention with the kernel exp(q) . exp(k); states H^Z [D] and H^S+- [D, E] per KV head."""
+    """Log-space attention with the kernel exp(q) . exp(k); states H^Z [D] (log space) and the value sums
+    relative to it, M [D, E], per KV head."""
 
     name = "heinsen"
     options = {
@@ -76,8 +77,8 @@ class HeinsenMixer(Mixer):
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         d = self.shape.head_dim
-        return init_log_state(batch_size, self.shape.num_kv_heads, d, d, device, state_dtype(dtype))
+        return init_heinsen_state(batch_size, self.shape.num_kv_heads, d, d, device, state_dtype(dtype))
 
     def state_size(self, context_length: int) -> int:
         d = self.shape.head_dim
-        return self.shape.num_kv_heads * (2 * d * d + d)
+        return self.shape.num_kv_heads * (d * d + d)

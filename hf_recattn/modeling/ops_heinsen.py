@@ -2,19 +2,27 @@
 
     o_t = sum_s w_ts v_s / sum_s w_ts,   log w_ts = LSE_i(q_ti + k_si)
 
-The states are log-cumulative sums over keys: H^Z_i = LSE_s(k_si) ([D]) and H^S_ie = LSE_s(k_si + log v_se)
-([D, E]); a query reads them as log S_te = LSE_i(q_ti + H^S_ie) and log Z_t = LSE_i(q_ti + H^Z_i).
-
+The parallel form is the seed's: log-cumulative sums over keys H^Z_i = LSE_s(k_si) ([D]) and
+H^S_ie = LSE_s(k_si + log v_se) ([D, E]), read as log S_te = LSE_i(q_ti + H^S_ie) and log Z_t = LSE_i(q_ti + H^Z_i).
 Signs: log v is real only for v > 0, so values are split into two strictly positive parts v = a - b with
 a = max(v, 0) + delta and b = max(-v, 0) + delta (written (|v| +- v)/2 + delta; delta = sqrt(smallest normal
-float)), each with its own log-space state, and o_t = exp(log S^a_t - log Z_t) - exp(log S^b_t - log Z_t).
+float)), each with its own log-space sum, and o_t = exp(log S^a_t - log Z_t) - exp(log S^b_t - log Z_t).
 Each term is a weighted average of positive numbers, so it stays within [delta, max |v| + delta] however large
 the logits are; delta cancels exactly in the difference, keeps every log finite, and makes the gradient with
 respect to v exact at v = 0 (through |v|' = 0 there; a plain max(v, 0) split would give 0 instead of 1).
 
+The recurrent state (chunked and step forms) keeps H^Z in log space and the value sums relative to it:
+M_ie = sum_s exp(k_si - H^Z_i) v_se = exp(H^S+_ie - H^Z_i) - exp(H^S-_ie - H^Z_i), for every key dimension i an
+average of the values weighted by exp(k_si), so bounded by max |v| whatever the logits, and of either sign
+without a split. A query reads o_t = softmax_i(q_ti + H^Z_i) @ M (the ratio of the seed's two log-sums), one
+[D] softmax and one product instead of D x E exponentials; a new key takes the share sigmoid(k_i - H^Z_i) of
+dimension i. The state is half the size of the two signed log-space sums.
+
 log 0 (the empty sums of the initial state, and padded keys) is the finite ``log_zero(dtype)`` (a quarter of
 the most negative float) rather than -inf: an all -inf log-sum-exp has a NaN gradient, while
-exp(log_zero - anything finite) is exactly 0. Padded keys get k = log_zero, so they add nothing to any sum.
+exp(log_zero - anything finite) is exactly 0. Padded keys get k = log_zero, so they add nothing to any sum (a
+padded key folded into an empty state leaves M holding its value, which the first real key's share of 1
+overwrites).
 
 Queries are shifted by their own maximum entry first (q_t - max_i q_ti, a per-query factor that
 cancels), which keeps the log-sums small and their fp32 rounding low. With |q|, |k| near 80 the log-weights
@@ -22,8 +30,7 @@ reach ~160, where the fp32 spacing is 1.5e-5: expect relative errors of that ord
 moderate logits).
 
 Shapes: queries ``[B, Hkv, G, T, D]``, keys ``[B, Hkv, T, D]`` (both already scaled, keys of padded tokens set
-to log_zero), values ``[B, Hkv, T, E]``. State: ``hz`` ``[B, Hkv, D]``, ``hs_pos`` / ``hs_neg``
-``[B, Hkv, D, E]`` (the sums for a and b).
+to log_zero), values ``[B, Hkv, T, E]``. State: ``hz`` ``[B, Hkv, D]`` and ``mean`` ``[B, Hkv, D, E]``.
 """
 
 from __future__ import annotations
@@ -85,31 +92,63 @@ def heinsen_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return read_out(q, hz[:, :, None], hs_pos[:, :, None], hs_neg[:, :, None])
 
 
+def read_state(q: torch.Tensor, hz: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What queries q [B, Hkv, G, T, D] read from the state: (log Z_t [B, Hkv, G, T], the state's weighted average
+    of values [B, Hkv, G, T, E] = softmax_i(q_ti + H^Z_i) @ M)."""
+    b, hk, g, t, d = q.shape
+    logits = q + hz[:, :, None, None]
+    log_z = torch.logsumexp(logits, dim=-1)
+    average = torch.softmax(logits, dim=-1).view(b, hk, g * t, d) @ mean
+    return log_z, average.view(b, hk, g, t, -1)
+
+
 def heinsen_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, in_place: bool = False
 ) -> tuple[torch.Tensor, State]:
-    """Seed 001 eqs. 5-6: fold one token into the log-space states, then read them (``in_place``: into the
-    state's buffers)."""
-    dtype = state["hz"].dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    kv_pos, kv_neg = _key_value_logs(k, v)
-    terms = {"hz": k[:, :, 0], "hs_pos": kv_pos[:, :, 0], "hs_neg": kv_neg[:, :, 0]}
-    new = {name: torch.logaddexp(state[name], term, out=state[name] if in_place else None)
-           for name, term in terms.items()}
-    out = read_out(
-        q, new["hz"][:, :, None, None], new["hs_pos"][:, :, None, None], new["hs_neg"][:, :, None, None]
-    )
-    return out, new
+    """Seed 001 eqs. 5-6 for one token: fold it into H^Z and M, then read them (``in_place``: into the state's
+    buffers). With d = k - H^Z the new key's share of dimension i is sigmoid(d_i), the old sums keep the rest."""
+    hz, mean = state["hz"], state["mean"]
+    q, k, v = q.to(hz.dtype), k[:, :, 0].to(hz.dtype), v[:, :, 0].to(hz.dtype)
+    gap = k - hz
+    keep, take = torch.sigmoid(-gap)[..., None], torch.sigmoid(gap)[..., None]
+    new_hz = torch.logaddexp(hz, k)
+    if in_place:
+        new_mean = mean.mul_(keep).addcmul_(take, v[:, :, None, :])
+        new_hz = hz.copy_(new_hz)
+    else:
+        new_mean = torch.addcmul(mean * keep, take, v[:, :, None, :])
+    b, hk, g, _, d = q.shape
+    weights = torch.softmax(q.view(b, hk, g, d) + new_hz[:, :, None], dim=-1)
+    out = (weights @ new_mean).view(b, hk, g, 1, -1)
+    return out, {"hz": new_hz, "mean": new_mean}
+
+
+#: a chunk's pairwise weight sums below this (relative to their offsets) lose precision: computed exactly instead
+_SAFE_SUM = 1e-30
+
+
+def chunk_log_weights(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """log w_ts = LSE_i(q_ti + k_si) for queries [B, Hkv, G, C, D] and keys [B, Hkv, C, D]: [B, Hkv, G, C, C].
+
+    One product: with each query and each key shifted by its own largest entry (a_t, b_s),
+    w_ts = exp(a_t + b_s) sum_i exp(q_ti - a_t) exp(k_si - b_s), every factor in (0, 1] and the sum at least
+    the product of the two factors at any one i. Where a visible pair's sum falls below 1e-30 (entries hundreds
+    apart, far beyond trained models) the chunk takes the exact all-pairs log-sum-exp instead."""
+    query_max = q.amax(dim=-1, keepdim=True).detach()
+    key_max = k.amax(dim=-1, keepdim=True).detach()[:, :, None]
+    sums = torch.exp(q - query_max) @ torch.exp(k[:, :, None] - key_max).transpose(-1, -2)
+    if bool(((sums < _SAFE_SUM) & visible).any()):
+        return torch.logsumexp(q[..., :, None, :] + k[:, :, None, None], dim=-1)
+    return torch.log(sums) + query_max + key_max.transpose(-1, -2)
 
 
 def heinsen_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, chunk_size: int
 ) -> tuple[torch.Tensor, State]:
-    """Chunkwise causal form, O(T * chunk * D) memory: exact all-pairs log-weights inside a chunk, the
-    log-space states across chunks. Both parts are brought to a common per-query offset m_t (the largest
-    log-weight) before leaving log space, so nothing overflows and signed values need no split inside a chunk.
-    """
-    hz, hs_pos, hs_neg = state["hz"], state["hs_pos"], state["hs_neg"]
+    """Chunkwise causal form: exact pairwise weights inside a chunk (``chunk_log_weights``), the state across
+    chunks. Both parts are brought to a common per-query offset m_t (the largest log-weight) before leaving
+    log space, so nothing overflows however large the logits are."""
+    hz, mean = state["hz"], state["mean"]
     q, k, v = q.to(hz.dtype), k.to(hz.dtype), v.to(hz.dtype)  # float32 states of a half-precision model
     zero = log_zero(q.dtype)
     outs = []
@@ -120,31 +159,26 @@ def heinsen_chunked(
             v[:, :, start : start + chunk_size],
         )
         c = kc.shape[2]
-        log_w = torch.logsumexp(qc[..., :, None, :] + kc[:, :, None, None, :, :], dim=-1)  # [B, Hkv, G, C, C]
-        keep = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        log_w = log_w.masked_fill(~keep, zero)
-        log_z = torch.logsumexp(qc + hz[:, :, None, None], dim=-1)  # [B, Hkv, G, C]
-        log_pos = torch.logsumexp(qc[..., None] + hs_pos[:, :, None, None], dim=-2)  # [B, Hkv, G, C, E]
-        log_neg = torch.logsumexp(qc[..., None] + hs_neg[:, :, None, None], dim=-2)
-        m = torch.maximum(log_w.amax(-1), log_z).detach()[..., None]
-        w = torch.exp(log_w - m)
-        num = torch.einsum("bhgts,bhse->bhgte", w, vc) + torch.exp(log_pos - m) - torch.exp(log_neg - m)
-        den = w.sum(-1, keepdim=True) + torch.exp(log_z[..., None] - m)
-        outs.append(num / den)
-        kv_pos, kv_neg = _key_value_logs(kc, vc)
-        hz = torch.logaddexp(hz, torch.logsumexp(kc, dim=2))
-        hs_pos = torch.logaddexp(hs_pos, torch.logsumexp(kv_pos, dim=2))
-        hs_neg = torch.logaddexp(hs_neg, torch.logsumexp(kv_neg, dim=2))
-    return torch.cat(outs, dim=3), {"hz": hz, "hs_pos": hs_pos, "hs_neg": hs_neg}
+        visible = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        log_w = chunk_log_weights(qc, kc, visible).masked_fill(~visible, zero)  # [B, Hkv, G, C, C]
+        log_z, average = read_state(qc, hz, mean)
+        m = torch.maximum(log_w.amax(-1), log_z).detach()
+        w = torch.exp(log_w - m[..., None])
+        share = torch.exp(log_z - m)[..., None]
+        num = torch.einsum("bhgts,bhse->bhgte", w, vc) + share * average
+        outs.append(num / (w.sum(-1, keepdim=True) + share))
+        new_hz = torch.logaddexp(hz, torch.logsumexp(kc, dim=2))
+        taken = torch.exp(kc - new_hz[:, :, None]).transpose(-1, -2) @ vc  # [B, Hkv, D, E]
+        mean = torch.exp(hz - new_hz)[..., None] * mean + taken
+        hz = new_hz
+    return torch.cat(outs, dim=3), {"hz": hz, "mean": mean}
 
 
-def init_log_state(
+def init_heinsen_state(
     batch: int, kv_heads: int, d_k: int, d_v: int, device: torch.device, dtype: torch.dtype
 ) -> State:
-    """Empty sums: every entry log 0."""
-    zero = log_zero(dtype)
+    """Empty sums: H^Z = log 0 and M = 0."""
     return {
-        "hz": torch.full((batch, kv_heads, d_k), zero, device=device, dtype=dtype),
-        "hs_pos": torch.full((batch, kv_heads, d_k, d_v), zero, device=device, dtype=dtype),
-        "hs_neg": torch.full((batch, kv_heads, d_k, d_v), zero, device=device, dtype=dtype),
+        "hz": torch.full((batch, kv_heads, d_k), log_zero(dtype), device=device, dtype=dtype),
+        "mean": torch.zeros((batch, kv_heads, d_k, d_v), device=device, dtype=dtype),
     }
