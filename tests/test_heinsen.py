@@ -165,11 +165,11 @@ def test_chunk_weights_take_the_exact_form_where_the_product_would_underflow() -
     q, k = torch.randn(1, 1, 2, 4, D, generator=gen), torch.randn(1, 1, 4, D, generator=gen)
     visible = torch.ones(4, 4, dtype=torch.bool).tril()
     exact = torch.logsumexp(q[..., :, None, :] + k[:, :, None, None], dim=-1)
-    assert torch.allclose(chunk_log_weights(q, k, visible), exact, rtol=1e-6, atol=1e-5)
+    assert torch.allclose(chunk_log_weights(q, k[:, :, None], visible), exact, rtol=1e-6, atol=1e-5)
     q[..., 0, 0], q[..., 0, 1:] = 0.0, -200.0  # query 0 lives in dimension 0 ...
     k[..., 0, 0], k[..., 0, 1:] = -200.0, 0.0  # ... where key 0 has nothing: its one visible sum is exp(-200)
     exact = torch.logsumexp(q[..., :, None, :] + k[:, :, None, None], dim=-1)
-    got = chunk_log_weights(q, k, visible)
+    got = chunk_log_weights(q, k[:, :, None], visible)
     assert torch.isfinite(got).all()
     assert torch.allclose(got[..., 0, 0], exact[..., 0, 0])
     assert torch.allclose(got, exact, rtol=1e-6, atol=1e-5)

@@ -36,6 +36,7 @@ to log_zero), values ``[B, Hkv, T, E]``. State: ``hz`` ``[B, Hkv, D]`` and ``mea
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 State = dict[str, torch.Tensor]
 
@@ -93,13 +94,10 @@ def heinsen_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 def read_state(q: torch.Tensor, hz: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What queries q [B, Hkv, G, T, D] read from the state: (log Z_t [B, Hkv, G, T], the state's weighted average
-    of values [B, Hkv, G, T, E] = softmax_i(q_ti + H^Z_i) @ M)."""
-    b, hk, g, t, d = q.shape
-    logits = q + hz[:, :, None, None]
-    log_z = torch.logsumexp(logits, dim=-1)
-    average = torch.softmax(logits, dim=-1).view(b, hk, g * t, d) @ mean
-    return log_z, average.view(b, hk, g, t, -1)
+    """What queries q [..., T, D] read from a state hz [..., D], mean [..., D, E] (leading dims alike): log Z_t
+    [..., T] and the state's weighted average of values [..., T, E] = softmax_i(q_ti + H^Z_i) @ M."""
+    logits = q + hz[..., None, :]
+    return torch.logsumexp(logits, dim=-1), torch.softmax(logits, dim=-1) @ mean
 
 
 def heinsen_step(
@@ -123,23 +121,47 @@ def heinsen_step(
     return out, {"hz": new_hz, "mean": new_mean}
 
 
-#: a chunk's pairwise weight sums below this (relative to their offsets) lose precision: computed exactly instead
+#: a pairwise weight sum below this (relative to its offsets) loses precision: taken exactly instead
 _SAFE_SUM = 1e-30
 
 
 def chunk_log_weights(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """log w_ts = LSE_i(q_ti + k_si) for queries [B, Hkv, G, C, D] and keys [B, Hkv, C, D]: [B, Hkv, G, C, C].
+    """log w_ts = LSE_i(q_ti + k_si) for queries [..., C, D] and keys [..., C, D] (leading dims broadcast):
+    [..., C, C].
 
     One product: with each query and each key shifted by its own largest entry (a_t, b_s),
     w_ts = exp(a_t + b_s) sum_i exp(q_ti - a_t) exp(k_si - b_s), every factor in (0, 1] and the sum at least
     the product of the two factors at any one i. Where a visible pair's sum falls below 1e-30 (entries hundreds
-    apart, far beyond trained models) the chunk takes the exact all-pairs log-sum-exp instead."""
+    apart, far beyond trained models) the exact all-pairs log-sum-exp replaces the product, one query block
+    at a time."""
     query_max = q.amax(dim=-1, keepdim=True).detach()
-    key_max = k.amax(dim=-1, keepdim=True).detach()[:, :, None]
-    sums = torch.exp(q - query_max) @ torch.exp(k[:, :, None] - key_max).transpose(-1, -2)
-    if bool(((sums < _SAFE_SUM) & visible).any()):
-        return torch.logsumexp(q[..., :, None, :] + k[:, :, None, None], dim=-1)
-    return torch.log(sums) + query_max + key_max.transpose(-1, -2)
+    key_max = k.amax(dim=-1, keepdim=True).detach()
+    sums = torch.exp(q - query_max) @ torch.exp(k - key_max).transpose(-1, -2)
+    if not bool(((sums < _SAFE_SUM) & visible).any()):
+        return torch.log(sums) + query_max + key_max.transpose(-1, -2)
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    q, k = q.expand(*lead, *q.shape[-2:]), k.expand(*lead, *k.shape[-2:])
+    exact = [torch.logsumexp(qb[:, None, :] + kb[None, :, :], dim=-1)
+             for qb, kb in zip(q.flatten(0, -3), k.flatten(0, -3), strict=True)]
+    return torch.stack(exact).view(*q.shape[:-1], k.shape[-2])
+
+
+def _state_passing(
+    hz: torch.Tensor, mean: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state each chunk starts from, for keys [B, Hkv, N, C, D] and values [B, Hkv, N, C, E]: (hz [B, Hkv, N,
+    D], mean [B, Hkv, N, D, E]) at the chunk starts, and the final (hz, mean). Each chunk's own sums are formed
+    at once; only their merging runs chunk by chunk (a few small ops each)."""
+    chunk_hz = torch.logsumexp(k, dim=3)  # [B, Hkv, N, D]
+    chunk_mean = torch.exp(k - chunk_hz[:, :, :, None]).transpose(-1, -2) @ v  # [B, Hkv, N, D, E]
+    starts_hz, starts_mean = [], []
+    for part_hz, part_mean in zip(chunk_hz.unbind(2), chunk_mean.unbind(2), strict=True):
+        starts_hz.append(hz)
+        starts_mean.append(mean)
+        new_hz = torch.logaddexp(hz, part_hz)
+        mean = torch.exp(hz - new_hz)[..., None] * mean + torch.exp(part_hz - new_hz)[..., None] * part_mean
+        hz = new_hz
+    return torch.stack(starts_hz, 2), torch.stack(starts_mean, 2), hz, mean
 
 
 def heinsen_chunked(
@@ -147,31 +169,32 @@ def heinsen_chunked(
 ) -> tuple[torch.Tensor, State]:
     """Chunkwise causal form: exact pairwise weights inside a chunk (``chunk_log_weights``), the state across
     chunks. Both parts are brought to a common per-query offset m_t (the largest log-weight) before leaving
-    log space, so nothing overflows however large the logits are."""
+    log space, so nothing overflows however large the logits are. A padded tail (keys log 0, values and
+    queries 0) completes the last chunk and is dropped."""
     hz, mean = state["hz"], state["mean"]
     q, k, v = q.to(hz.dtype), k.to(hz.dtype), v.to(hz.dtype)  # float32 states of a half-precision model
+    b, hk, g, t, d = q.shape
+    e = v.shape[-1]
+    c = min(chunk_size, t)
+    pad = (-t) % c
     zero = log_zero(q.dtype)
-    outs = []
-    for start in range(0, q.shape[3], chunk_size):
-        qc, kc, vc = (
-            q[:, :, :, start : start + chunk_size],
-            k[:, :, start : start + chunk_size],
-            v[:, :, start : start + chunk_size],
-        )
-        c = kc.shape[2]
-        visible = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        log_w = chunk_log_weights(qc, kc, visible).masked_fill(~visible, zero)  # [B, Hkv, G, C, C]
-        log_z, average = read_state(qc, hz, mean)
-        m = torch.maximum(log_w.amax(-1), log_z).detach()
-        w = torch.exp(log_w - m[..., None])
-        share = torch.exp(log_z - m)[..., None]
-        num = torch.einsum("bhgts,bhse->bhgte", w, vc) + share * average
-        outs.append(num / (w.sum(-1, keepdim=True) + share))
-        new_hz = torch.logaddexp(hz, torch.logsumexp(kc, dim=2))
-        taken = torch.exp(kc - new_hz[:, :, None]).transpose(-1, -2) @ vc  # [B, Hkv, D, E]
-        mean = torch.exp(hz - new_hz)[..., None] * mean + taken
-        hz = new_hz
-    return torch.cat(outs, dim=3), {"hz": hz, "mean": mean}
+    if pad:
+        q, v = F.pad(q, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        k = F.pad(k, (0, 0, 0, pad), value=zero)
+    n = (t + pad) // c
+    # the query heads of a key head side by side in each chunk: [B, Hkv, N, G * C, D]
+    qc = q.view(b, hk, g, n, c, d).transpose(2, 3).reshape(b, hk, n, g * c, d)
+    kc, vc = k.view(b, hk, n, c, d), v.view(b, hk, n, c, e)
+    start_hz, start_mean, hz, mean = _state_passing(hz, mean, kc, vc)
+    visible = torch.ones(c, c, dtype=torch.bool, device=q.device).tril().repeat(g, 1)  # [G * C, C]
+    log_w = chunk_log_weights(qc, kc, visible).masked_fill(~visible, zero)  # [B, Hkv, N, G * C, C]
+    log_z, average = read_state(qc, start_hz, start_mean)
+    m = torch.maximum(log_w.amax(-1), log_z).detach()
+    w = torch.exp(log_w - m[..., None])
+    share = torch.exp(log_z - m)[..., None]
+    out = (w @ vc + share * average) / (w.sum(-1, keepdim=True) + share)
+    out = out.view(b, hk, n, g, c, e).transpose(2, 3).reshape(b, hk, g, n * c, e)
+    return out[:, :, :, :t], {"hz": hz, "mean": mean}
 
 
 def init_heinsen_state(
