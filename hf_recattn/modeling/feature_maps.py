@@ -6,6 +6,7 @@ parameters per query head and one per key head.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -15,6 +16,9 @@ from torch import nn
 from .mixer_base import MixerShape
 
 FEATURE_MAPS = ("identity", "elu", "relu", "cosine", "exp", "hedgehog", "taylor2")
+
+#: rows of x from which taylor2's features are built from slices rather than gathers (a decode step has 1-3)
+_SLICES_FROM = 16
 
 #: keys are clamped here before exp so that sums over long contexts stay finite in fp32
 EXP_KEY_CLAMP = 40.0
@@ -29,6 +33,23 @@ def _taylor2_indices(d: int, device: torch.device | None) -> tuple[torch.Tensor,
     left = torch.cat([one, one.expand(d), plain, rows + 1])
     right = torch.cat([one, plain, plain + d, cols + 1])
     return left, right
+
+
+@lru_cache(maxsize=8)
+def _taylor2_rows(d: int) -> torch.Tensor:
+    i, j = torch.triu_indices(d, d)  # order-2 Taylor's packing: (i, j), i <= j, row by row
+    squares, pairs = i == j, i != j
+    rows_i, _ = torch.triu_indices(d, d, offset=1)
+    position = torch.empty(len(i), dtype=torch.long)
+    position[squares] = 1 + d + i[squares]  # taylor2 keeps the squares first ...
+    position[pairs] = 1 + 2 * d + torch.arange(len(rows_i))  # ... then the products in the same row order
+    return torch.cat([torch.arange(1 + d), position])
+
+
+def taylor2_rows_in_taylor_order(d: int, device: torch.device) -> torch.Tensor:
+    """Indices into taylor2's features [1, x, squares, products] that give order-2 Taylor's packed order
+    [1, x, (i, j) for i <= j row by row] (the same monomials and weights)."""
+    return _taylor2_rows(d).to(device)
 
 
 def _per_head(param: torch.Tensor, x: torch.Tensor, is_query: bool) -> torch.Tensor:
@@ -111,6 +132,10 @@ class FeatureMap(nn.Module):
         # taylor2: phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(d), squares packed symmetrically:
         # [1, x, x_i^2 / sqrt(2), x_i x_j (i < j)], every entry one product of two entries of [1, x, x / sqrt(2)]
         x = x * self.shape.head_dim**-0.25
+        if x.numel() >= _SLICES_FROM * x.shape[-1]:  # many rows: contiguous slices beat the gathers
+            d = x.shape[-1]
+            pairs = [x[..., a : a + 1] * x[..., a + 1 :] for a in range(d - 1)]
+            return torch.cat([torch.ones_like(x[..., :1]), x, x * x * 2.0**-0.5, *pairs], dim=-1)
         factors = torch.cat([torch.ones_like(x[..., :1]), x, x * 2.0**-0.5], dim=-1)
         shape = (*x.shape[:-1], self._left.numel())
         return factors.gather(-1, self._left.expand(shape)) * factors.gather(-1, self._right.expand(shape))

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from .decay import DECAYS, RETNET_GAMMA_MIN, Decay
-from .feature_maps import FEATURE_MAPS, FeatureMap
+from .feature_maps import FEATURE_MAPS, FeatureMap, taylor2_rows_in_taylor_order
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
+from .ops_taylor import taylor_chunked
 from .options import Option
 from .output_norms import OUTPUT_NORMS, OutputNorm
 from .sink import AttentionSink
@@ -130,11 +131,28 @@ class LinearMixer(Mixer):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("chunked")
+        if self.feature_map.kind == "taylor2" and self.decay is None and self.sink is None:
+            return self._taylor2_chunked(q, k, v, inputs, state)
         qf, kf = self.features(q, k, inputs)
         num, den, S, z = linear_chunked(
             qf, kf, v, state["S"], state["z"], self.chunk_size, self._log_decay(inputs)
         )
         return self.finish(*self._with_sink(qf, num, den)), {"S": S, "z": z}
+
+    def _taylor2_chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """The chunked form with taylor2 features, through order-2 Taylor attention's chunked form: the same
+        monomials and weights (phi(q) . phi(k) = T_2(q . k / sqrt(d))) in another order, so the state's rows are
+        permuted in and out. Intra-chunk weights come from q . k and features are built one chunk at a time."""
+        d = self.shape.head_dim
+        order = taylor2_rows_in_taylor_order(d, q.device)
+        scale = d**-0.25
+        qg = group_queries(q, self.shape.num_kv_heads) * scale
+        taylor_state = {"S": state["S"][:, :, order], "z": state["z"][:, :, order]}
+        num, den, _, new = taylor_chunked(qg, k * scale, v, taylor_state, 2, self.chunk_size, inputs.token_mask)
+        back = torch.argsort(order)
+        return self.finish(num, den), {"S": new["S"][:, :, back], "z": new["z"][:, :, back]}
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State

@@ -74,28 +74,38 @@ def linear_chunked(
                   unsupported=too_wide("chunk_linear", k, v, DENOMINATOR_COLUMNS))
     if kernel is not None:
         return kernel_linear_chunked(kernel, q, k, v, S, z, g=log_g)
-    nums, dens = [], []
+    # the denominator rides along as one more value column (of ones): one product reads both, one updates both;
+    # the G query heads of a key head are stacked into one [G * C, F] block, batched over B * Hkv
+    b, hk, g, t, f = q.shape
+    e = v.shape[-1]
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).flatten(0, 1)
+    table = torch.cat([S, z[..., None]], dim=-1).flatten(0, 1)  # [B * Hkv, F, E + 1]
+    outs = []
     # split() rather than slicing: its backward joins the chunks' gradients once (slicing would allocate a
     # full-size gradient per chunk, quadratic in the length)
-    qs, ks, vs = q.split(chunk_size, dim=3), k.split(chunk_size, dim=2), v.split(chunk_size, dim=2)
+    qs, ks, vs = q.split(chunk_size, dim=3), k.flatten(0, 1).split(chunk_size, dim=1), values.split(chunk_size, 1)
     gs = [None] * len(qs) if log_g is None else log_g.split(chunk_size, dim=-1)
     for qc, kc, vc, lc in zip(qs, ks, vs, gs, strict=True):
-        scores = torch.einsum("bhgtf,bhsf->bhgts", qc, kc)
+        c = kc.shape[1]
+        keep = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         if lc is None:
-            intra, q_state, k_state, carry = _causal(scores), qc, kc, None
+            intra_scale, carry = keep.to(q.dtype), None  # [C, C]
+            q_state, k_state = qc, kc
         else:
-            cum = lc.cumsum(-1)  # log decay from the state before the chunk to each token
-            intra = scores * decay_weights(lc)
+            cum = lc.cumsum(-1)  # log decay from the state before the chunk to each token: [B, Hkv, C]
+            intra_scale = (cum[..., :, None] - cum[..., None, :]).masked_fill(~keep, -math.inf).exp()[:, :, None]
             q_state = qc * cum.exp()[:, :, None, :, None]
-            k_state = kc * (cum[..., -1:] - cum).exp()[..., None]  # each key's decay to the chunk's end
-            carry = cum[..., -1].exp()
-        nums.append(torch.einsum("bhgtf,bhfe->bhgte", q_state, S) + torch.einsum("bhgts,bhse->bhgte", intra, vc))
-        dens.append(torch.einsum("bhgtf,bhf->bhgt", q_state, z) + intra.sum(-1))
+            k_state = kc * (cum[..., -1:] - cum).exp().flatten(0, 1)[..., None]  # each key's decay to the chunk end
+            carry = cum[..., -1].exp().flatten(0, 1)[:, None, None]
+        rows = qc.reshape(b * hk, g * c, f)
+        intra = ((rows @ kc.transpose(-1, -2)).view(b, hk, g, c, c) * intra_scale).view(b * hk, g * c, c)
+        outs.append(torch.baddbmm(intra @ vc, q_state.reshape(b * hk, g * c, f), table).view(b, hk, g, c, -1))
         if carry is not None:
-            S, z = S * carry[..., None, None], z * carry[..., None]
-        S = S + torch.einsum("bhsf,bhse->bhfe", k_state, vc)
-        z = z + k_state.sum(2)
-    return torch.cat(nums, dim=3), torch.cat(dens, dim=3), S, z
+            table = table * carry
+        table = torch.baddbmm(table, k_state.transpose(-1, -2), vc)
+    out = torch.cat(outs, dim=3)
+    table = table.view(b, hk, f, e + 1)
+    return out[..., :e], out[..., e], table[..., :e].contiguous(), table[..., e].contiguous()
 
 
 def linear_step(

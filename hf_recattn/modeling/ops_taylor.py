@@ -80,12 +80,42 @@ def _tables_on(
 
 def packed_powers(x: torch.Tensor, order: int) -> torch.Tensor:
     """Phi(x) = [1, phi_1(x), ..., phi_N(x)] over the last dim: ``[..., D] -> [..., C(D+N, N)]``."""
+    if order <= 2 and x.numel() >= _SLICES_FROM * x.shape[-1]:
+        return _packed_squares(x, order)
     parts = [torch.ones_like(x[..., :1])]
     mono = parts[0]  # the plain monomials of the current degree; the 1/sqrt(a!) weights go on each copy
     for parent, last, weight in _tables_on(x.shape[-1], order, x.device, x.dtype):
         mono = mono[..., parent] * x[..., last]
         parts.append(mono * weight)
     return torch.cat(parts, dim=-1)
+
+
+#: rows of x from which ``_packed_squares``' slices beat the packing tables' gathers (a decode step has 1-3)
+_SLICES_FROM = 16
+
+
+@lru_cache(maxsize=64)
+def _square_weights(head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """1 / sqrt(a!) of the degree-2 monomials in packing order: 1 / sqrt(2) for squares, 1 for products."""
+    i, j = torch.triu_indices(head_dim, head_dim)
+    squares = (i == j).to(torch.float64)
+    return (1.0 - squares + squares * 0.5**0.5).to(device=device, dtype=dtype)
+
+
+def _packed_squares(x: torch.Tensor, order: int) -> torch.Tensor:
+    """``packed_powers`` for order <= 2 from contiguous slices: the degree-2 monomials in packing order are
+    x_a * x_b for b >= a, row a after row a - 1 (no index gathers, which cost ~6x more here)."""
+    parts = [torch.ones_like(x[..., :1])]
+    if order >= 1:
+        parts.append(x)
+    if order == 2:
+        d = x.shape[-1]
+        parts += [x[..., a : a + 1] * x[..., a:] for a in range(d)]
+    out = torch.cat(parts, dim=-1)
+    if order == 2:
+        squares = out[..., 1 + x.shape[-1] :]
+        squares.mul_(_square_weights(x.shape[-1], x.device, x.dtype))
+    return out
 
 
 def _causal_keep(t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -105,40 +135,47 @@ def taylor_chunked(
     """Causal chunkwise form: T_N of the score matrix inside a chunk, Phi(q) . state across chunks.
 
     Returns (numerator [B,Hkv,G,T,E], denominator [B,Hkv,G,T] or None, key count [B,Hkv,G,T] or None, state);
-    the denominator / count are computed when the state holds ``z`` / ``n``.
+    the denominator / count are computed when the state holds ``z`` / ``n``. The denominator rides along as one
+    more value column (of ones) and padded keys get zero value rows, so one product per chunk reads both and one
+    updates both; the G query heads of a key head are stacked into one [G * C, P] block.
     """
     S, z, n = state["S"], state.get("z"), state.get("n")
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)  # float32 states of a half-precision model
+    b, hk, g, t, d = q.shape
     mask = None if key_mask is None else key_mask.to(k.dtype)[:, None, :]  # [B, 1, T]
-    nums, dens, cnts = [], [], []
-    for start in range(0, q.shape[3], chunk_size):
-        stop = start + chunk_size
-        qc, kc, vc = q[:, :, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
-        mc = None if mask is None else mask[..., start:stop]
-        keep = _causal_keep(qc.shape[3], kc.shape[2], q.device).to(q.dtype)
-        if mc is not None:
-            keep = keep * mc[:, :, None, None, :]  # [B, 1, 1, C, C]
-        weights = taylor_poly(torch.einsum("bhgtd,bhsd->bhgts", qc, kc), order) * keep
-        fq = packed_powers(qc, order)
-        fk = packed_powers(kc, order)
-        if mc is not None:
-            fk = fk * mc[..., None]
-        nums.append(torch.einsum("bhgtp,bhpe->bhgte", fq, S) + torch.einsum("bhgts,bhse->bhgte", weights, vc))
-        S = S + torch.einsum("bhsp,bhse->bhpe", fk, vc)
-        if z is not None:
-            dens.append(torch.einsum("bhgtp,bhp->bhgt", fq, z) + weights.sum(-1))
-            z = z + fk.sum(2)
+    values = v if z is None else torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if mask is not None:
+        values = values * mask[..., None]
+    table = S if z is None else torch.cat([S, z[..., None]], dim=-1)  # [B, Hkv, P, E'] (E' = E + 1 with z)
+    # batched over B * Hkv from here on
+    table, q, k, values = table.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), values.flatten(0, 1)
+    outs, cnts = [], []
+    # split() rather than slicing: its backward joins the chunks' gradients once
+    chunks = zip(q.split(chunk_size, dim=2), k.split(chunk_size, dim=1), values.split(chunk_size, dim=1),
+                 strict=True)
+    for index, (q_part, kc, vc) in enumerate(chunks):
+        start, c = index * chunk_size, kc.shape[1]
+        stop = start + c
+        qc = q_part.reshape(b * hk, g * c, d)
+        keep = _causal_keep(c, c, q.device).to(q.dtype).repeat(g, 1)  # [G * C, C]
+        weights = taylor_poly(qc @ kc.transpose(-1, -2), order) * keep
+        outs.append(torch.baddbmm(weights @ vc, packed_powers(qc, order), table).view(b, hk, g, c, -1))
+        table = torch.baddbmm(table, packed_powers(kc, order).transpose(-1, -2), vc)
         if n is not None:
-            cnts.append(n[:, :, None, None] + keep.expand_as(weights).sum(-1))
-            n = n + (kc.new_full(kc.shape[:3], 1.0) if mc is None else mc.expand(kc.shape[:3])).sum(-1)
-    new_state: State = {"S": S}
+            real = keep if mask is None else keep * mask[..., start:stop, None].transpose(-1, -2)
+            cnts.append((n[:, :, None] + real.sum(-1)).view(b, hk, g, c))
+            n = n + (c if mask is None else mask[..., start:stop].sum(-1))
+    out = torch.cat(outs, dim=3)
+    table = table.view(b, hk, *table.shape[1:])
+    new_state: State = {"S": table[..., : v.shape[-1]].contiguous()}
+    den = None
     if z is not None:
-        new_state["z"] = z
+        new_state["z"] = table[..., -1].contiguous()
+        den, out = out[..., -1], out[..., :-1]
     if n is not None:
         new_state["n"] = n
-    den = torch.cat(dens, dim=3) if dens else None
     cnt = torch.cat(cnts, dim=3) if cnts else None
-    return torch.cat(nums, dim=3), den, cnt, new_state
+    return out, den, cnt, new_state
 
 
 def taylor_step(
