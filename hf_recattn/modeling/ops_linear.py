@@ -99,7 +99,8 @@ def linear_chunked(
             carry = cum[..., -1].exp().flatten(0, 1)[:, None, None]
         rows = qc.reshape(b * hk, g * c, f)
         intra = ((rows @ kc.transpose(-1, -2)).view(b, hk, g, c, c) * intra_scale).view(b * hk, g * c, c)
-        outs.append(torch.baddbmm(intra @ vc, q_state.reshape(b * hk, g * c, f), table).view(b, hk, g, c, -1))
+        state_rows = rows if q_state is qc else q_state.reshape(b * hk, g * c, f)
+        outs.append(torch.baddbmm(intra @ vc, state_rows, table).view(b, hk, g, c, -1))
         if carry is not None:
             table = table * carry
         table = torch.baddbmm(table, k_state.transpose(-1, -2), vc)
