@@ -142,7 +142,8 @@ def mesa_chunked(
     Inside chunk i with start states (H_i, G_i) and in-chunk cumulative log gate g_t, token t sees
     H_t = e^{g_t} H_i + sum_{s <= t} w_ts k_s k_s^T with w_ts = beta_s e^{g_t - g_s}, likewise G_t; the chunk
     leaves H_{i+1} = e^{g_C} H_i + sum_s w_Cs k_s k_s^T. The start states are passed first (a loop of one small
-    product per chunk), then all chunks are solved and read at once.
+    product per chunk), then the chunks are solved a few at a time (CG's vectors small enough to stay in cache)
+    and read at once.
     """
     b, hk, groups, t, d = q.shape
     e = v.shape[-1]
@@ -173,19 +174,48 @@ def mesa_chunked(
                         lam, solver, cg_steps)
         x = x.view(b, hk, n, c, groups, d).transpose(3, 4)  # [B, Hk, N, G, C, D]
     else:
-        wg, kt = w[:, :, :, None], kc[:, :, :, None]  # broadcast over the query heads
-        lam_b = lam[:, None, :, None, :]  # [Hk, 1, G, 1, D]
-
-        def matvec(p: torch.Tensor) -> torch.Tensor:
-            old = (p.reshape(b, hk, n, groups * c, d) @ h_start).view(p.shape)
-            return start * old + ((p @ kt.transpose(-1, -2)) * wg) @ kt + lam_b * p
-
         diag = start * h_start.diagonal(dim1=-2, dim2=-1)[:, :, :, None, None, :] + (w @ kc.square())[:, :, :, None]
-        x = conjugate_gradient(matvec, qc, diag + lam_b, cg_steps)
+        diag = diag + lam[:, None, :, None, :]
+        per_group = max(1, _CG_GROUP_ELEMENTS // (b * hk * groups * c * d))
+        # split() rather than slicing: its backward joins the groups' gradients once
+        parts = (t.split(per_group, dim=2) for t in (qc, diag, h_start, start, w, kc))
+        x = torch.cat([_chunk_solves(*group, lam, cg_steps) for group in zip(*parts, strict=True)], dim=2)
     out = ((x @ kc[:, :, :, None].transpose(-1, -2)) * w[:, :, :, None]) @ vc[:, :, :, None]
     out = out + start * (x.reshape(b, hk, n, groups * c, d) @ g_start).view(b, hk, n, groups, c, e)
     out = out.transpose(2, 3).reshape(b, hk, groups, n * c, e)[:, :, :, :t]
     return out, h, g
+
+
+#: entries of one CG vector over the chunks solved together (256 KiB of float32: they stay in cache)
+_CG_GROUP_ELEMENTS = 1 << 16
+
+
+def _chunk_solves(
+    q: torch.Tensor,
+    diag: torch.Tensor,
+    h_start: torch.Tensor,
+    start: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    lam: torch.Tensor,
+    cg_steps: int,
+) -> torch.Tensor:
+    """CG for every token of some chunks: q [B, Hk, N, G, C, D], their start states h_start [B, Hk, N, D, D] seen
+    with the weights start = e^{g_t} [B, Hk, N, 1, C, 1], in-chunk weights w [B, Hk, N, C, C] and keys
+    k [B, Hk, N, C, D]; H_t p = e^{g_t} H_start p + sum_s w_ts k_s (k_s . p) + Lambda p, never built."""
+    b, hk, n, groups, c, d = q.shape
+    wg = w[:, :, :, None]  # broadcast over the query heads
+    lam_b = lam[:, None, :, None, :]  # [Hk, 1, G, 1, D]
+    keys_t = k.transpose(-1, -2)
+
+    def matvec(p: torch.Tensor) -> torch.Tensor:
+        rows = p.reshape(b, hk, n, groups * c, d)  # the query heads stacked: no broadcast copies of the keys
+        old = (rows @ h_start).view(p.shape)
+        scores = (rows @ keys_t).view(b, hk, n, groups, c, c) * wg
+        inner = (scores.view(b, hk, n, groups * c, c) @ k).view(p.shape)
+        return torch.addcmul(torch.addcmul(inner, start, old), lam_b, p)
+
+    return conjugate_gradient(matvec, q, diag, cg_steps)
 
 
 def mesa_step(
