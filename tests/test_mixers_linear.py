@@ -11,6 +11,7 @@ import pytest
 import torch
 from reference import linear_attention, real_rows, rel_err
 
+from hf_recattn.modeling.feature_maps import FeatureMap
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
 
@@ -307,3 +308,17 @@ def test_exp_map_is_stable_for_large_inputs(normalize: str) -> None:
         )
         steps.append(o)
     assert rel_err(torch.cat(steps, dim=1), out) <= REL_FORMS
+
+
+def test_taylor2_features_are_the_same_from_slices_and_from_gathers() -> None:
+    """Many rows build taylor2's features from contiguous slices, a decode step's few rows by two gathers; both
+    give phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / sqrt(d)."""
+    d = 8
+    feature_map = FeatureMap("taylor2", MixerShape(32, 4, 2, d, 0))
+    x = torch.randn(2, 2, 20, d, dtype=torch.float64)
+    many = feature_map(x, is_query=False)
+    few = torch.cat([feature_map(x[:, :, i : i + 1], is_query=False) for i in range(20)], dim=2)
+    torch.testing.assert_close(many, few, rtol=0, atol=1e-15)
+    s = (x[:, :, :1] * x).sum(-1) / d**0.5
+    torch.testing.assert_close((many[:, :, :1] * many).sum(-1), 1 + s + s**2 / 2)
+

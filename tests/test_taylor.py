@@ -177,10 +177,11 @@ def test_prefill_then_steps(case: dict) -> None:
 
 
 # ----- packing -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [5, 40], ids=["few-rows", "many-rows"])  # packing tables / contiguous slices
 @pytest.mark.parametrize("d", [1, 3, 8])
 @pytest.mark.parametrize("order", [1, 2, 3, 4])
-def test_packed_powers_give_the_taylor_kernel(d: int, order: int) -> None:
-    q, k = torch.randn(5, d, dtype=torch.float64), torch.randn(5, d, dtype=torch.float64)
+def test_packed_powers_give_the_taylor_kernel(d: int, order: int, rows: int) -> None:
+    q, k = torch.randn(rows, d, dtype=torch.float64), torch.randn(rows, d, dtype=torch.float64)
     fq, fk = packed_powers(q, order), packed_powers(k, order)
     assert fq.shape[-1] == packed_dim(d, order) == sum(math.comb(d + n - 1, n) for n in range(order + 1))
     dot = (q * k).sum(-1)
@@ -191,6 +192,14 @@ def test_packed_powers_give_the_taylor_kernel(d: int, order: int) -> None:
     assert torch.allclose(
         (fq[:, lo:] * fk[:, lo:]).sum(-1), dot**order / math.factorial(order), rtol=1e-12, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_packed_powers_are_the_same_from_slices_and_from_tables(order: int) -> None:
+    """Many rows are built from contiguous slices, a decode step's few rows by the packing tables: same entries."""
+    x = torch.randn(2, 20, 8, dtype=torch.float64)
+    one_row_at_a_time = torch.cat([packed_powers(x[:, i : i + 1], order) for i in range(20)], dim=1)
+    torch.testing.assert_close(packed_powers(x, order), one_row_at_a_time, rtol=0, atol=1e-15)
 
 
 def test_state_is_packed_and_sized() -> None:

@@ -39,10 +39,9 @@ def _taylor2_indices(d: int, device: torch.device | None) -> tuple[torch.Tensor,
 def _taylor2_rows(d: int) -> torch.Tensor:
     i, j = torch.triu_indices(d, d)  # order-2 Taylor's packing: (i, j), i <= j, row by row
     squares, pairs = i == j, i != j
-    rows_i, _ = torch.triu_indices(d, d, offset=1)
     position = torch.empty(len(i), dtype=torch.long)
     position[squares] = 1 + d + i[squares]  # taylor2 keeps the squares first ...
-    position[pairs] = 1 + 2 * d + torch.arange(len(rows_i))  # ... then the products in the same row order
+    position[pairs] = 1 + 2 * d + torch.arange(d * (d - 1) // 2)  # ... then the products in the same row order
     return torch.cat([torch.arange(1 + d), position])
 
 
