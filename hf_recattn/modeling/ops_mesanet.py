@@ -249,8 +249,8 @@ def mesa_step(
 
 def _solve_one_token(h: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, cg_steps: int) -> torch.Tensor:
     """CG for one token's systems, h [B, Hk, D, D], q [B, Hk, G, D]: each query head's H + Lambda built once and
-    every system a row of one 3-D batch (the same iterations as ``solve_dense``, with ~20% less per-op overhead
-    than broadcasting over 5-D shapes)."""
+    every system a row of one 3-D batch (the same iterations as ``solve_dense``; ops on 3-D batches cost less
+    than broadcasting ones over 5-D shapes, which is what a decode step's solve is made of)."""
     d = q.shape[-1]
     systems = (h[:, :, None] + torch.diag_embed(lam)).reshape(-1, d, d)  # [B * Hk * G, D, D]
     diag = systems.diagonal(dim1=-2, dim2=-1).unsqueeze(1)
