@@ -97,14 +97,16 @@ def test_parallel_matches_reference(decay: str, feature_map: str, normalize: str
     assert rel_err(real_rows(plain.parallel(q, k, v, MixerInputs(x, mask)), mask), expected) > 1e-2
 
 
+@pytest.mark.parametrize("form", ["parallel", "chunked"])
 @pytest.mark.parametrize("decay,feature_map,normalize,sink", CASES, ids=CASE_IDS)
-def test_gradients_match_reference(decay: str, feature_map: str, normalize: str, sink: bool) -> None:
-    """float64: gradients of q, k, v, the layer input (gates) and every parameter, left-padded batch."""
+def test_gradients_match_reference(decay: str, feature_map: str, normalize: str, sink: bool, form: str) -> None:
+    """float64: gradients of q, k, v, the layer input (gates) and every parameter, left-padded batch; the chunked
+    form in chunks of 3 (a ragged last one)."""
     seq_len = 7
-    mixer = make_mixer(decay, feature_map, normalize, sink, torch.float64)
+    mixer = make_mixer(decay, feature_map, normalize, sink, torch.float64, chunk_size=3)
     unused = () if decay == "gated" else {"x"}  # only a gate reads the layer input
     checks.assert_gradients_match(mixer, lambda qkvx, mask: reference(mixer, *qkvx, mask), seq_len, REL_GRAD,
-                                  unused=unused)
+                                  form=form, unused=unused)
     names = dict(mixer.named_parameters())
     assert (decay in ("none", "retnet") or "decay.bias" in names) and (decay != "gated" or "decay.weight" in names)
     assert decay != "retnet" or not any(name.startswith("decay.") for name in names)  # no parameters

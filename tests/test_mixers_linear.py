@@ -193,6 +193,28 @@ def test_gradients_match_reference(feature_map: str, normalize: str, causal: boo
     assert got[1][1, :, :PAD].abs().max() == 0 and got[2][1, :, :PAD].abs().max() == 0
 
 
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_chunked_gradients_match_parallel(feature_map: str) -> None:
+    """float64: the chunked form (chunks of 3, a ragged last one, left padding) has the parallel form's gradients
+    for q, k, v and every mixer parameter."""
+    seq_len = 8
+    mixer = make_mixer(feature_map, "denominator", torch.float64, chunk_size=3)
+    q, k, v = make_qkv(feature_map, seq_len, torch.float64)
+    mask = left_padding(seq_len)
+    tensors = [q, k, v, *(p for _, p in sorted(mixer.named_parameters()))]
+    for t in tensors[:3]:
+        t.requires_grad_()
+    hidden = torch.randn(BATCH, seq_len, HIDDEN, dtype=torch.float64)
+    inputs = MixerInputs(hidden_states=hidden, padding_mask=mask)
+    chunked = _grads(
+        lambda: real_rows(mixer.chunked(q, k, v, inputs, mixer.init_state(BATCH, q.device, q.dtype))[0], mask),
+        tensors,
+    )
+    parallel = _grads(lambda: real_rows(mixer.parallel(q, k, v, inputs), mask), tensors)
+    for got, want in zip(chunked, parallel, strict=True):
+        assert rel_err(got, want) <= REL_GRAD
+
+
 # ----- forms: chunked, step, prefill + steps -----------------------------------------------------------
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
 @pytest.mark.parametrize("seq_len", [8, 11], ids=["multiple", "ragged"])
