@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .decay import DECAYS, RETNET_GAMMA_MIN, Decay
-from .feature_maps import FEATURE_MAPS, FeatureMap, taylor2_rows_in_taylor_order
+from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
 from .ops_taylor import taylor_chunked
@@ -142,17 +142,13 @@ class LinearMixer(Mixer):
     def _taylor2_chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        """The chunked form with taylor2 features, through order-2 Taylor attention's chunked form: the same
-        monomials and weights (phi(q) . phi(k) = T_2(q . k / sqrt(d))) in another order, so the state's rows are
-        permuted in and out. Intra-chunk weights come from q . k and features are built one chunk at a time."""
-        d = self.shape.head_dim
-        order = taylor2_rows_in_taylor_order(d, q.device)
-        scale = d**-0.25
+        """The chunked form with taylor2 features, through order-2 Taylor attention's chunked form: taylor2 is
+        order-2 Taylor's feature map of x / d^(1/4) (phi(q) . phi(k) = T_2(q . k / sqrt(d))), so the states are
+        the same. Intra-chunk weights come from q . k and features are built one chunk at a time."""
+        scale = self.shape.head_dim**-0.25
         qg = group_queries(q, self.shape.num_kv_heads) * scale
-        taylor_state = {"S": state["S"][:, :, order], "z": state["z"][:, :, order]}
-        num, den, _, new = taylor_chunked(qg, k * scale, v, taylor_state, 2, self.chunk_size, inputs.token_mask)
-        back = torch.argsort(order)
-        return self.finish(num, den), {"S": new["S"][:, :, back], "z": new["z"][:, :, back]}
+        num, den, _, new = taylor_chunked(qg, k * scale, v, state, 2, self.chunk_size, inputs.token_mask)
+        return self.finish(num, den), new
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State

@@ -80,7 +80,7 @@ def _tables_on(
 
 def packed_powers(x: torch.Tensor, order: int) -> torch.Tensor:
     """Phi(x) = [1, phi_1(x), ..., phi_N(x)] over the last dim: ``[..., D] -> [..., C(D+N, N)]``."""
-    if order <= 2 and x.numel() >= _SLICES_FROM * x.shape[-1]:
+    if order <= 2:
         return _packed_squares(x, order)
     parts = [torch.ones_like(x[..., :1])]
     mono = parts[0]  # the plain monomials of the current degree; the 1/sqrt(a!) weights go on each copy
@@ -90,7 +90,7 @@ def packed_powers(x: torch.Tensor, order: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-#: rows of x from which ``_packed_squares``' slices beat the packing tables' gathers (a decode step has 1-3)
+#: rows of x from which ``_packed_squares`` builds degree 2 from slices rather than gathers (a decode step has 1-3)
 _SLICES_FROM = 16
 
 
@@ -102,19 +102,33 @@ def _square_weights(head_dim: int, device: torch.device, dtype: torch.dtype) -> 
     return (1.0 - squares + squares * 0.5**0.5).to(device=device, dtype=dtype)
 
 
+@lru_cache(maxsize=64)
+def _square_factors(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each entry of Phi = [1, x, phi_2(x)] (order 2, packing order) takes its two factors from
+    [1, x, x / sqrt(2)]: 1 * 1, 1 * x_i, x_i * x_j for i < j, x_i * (x_i / sqrt(2)) for squares."""
+    d = head_dim
+    i, j = torch.triu_indices(d, d)
+    one = torch.zeros(1 + d, dtype=torch.long)
+    left = torch.cat([one, i + 1])
+    right = torch.cat([torch.arange(1 + d), torch.where(i == j, 1 + d + i, 1 + j)])
+    return left.to(device), right.to(device)
+
+
 def _packed_squares(x: torch.Tensor, order: int) -> torch.Tensor:
-    """``packed_powers`` for order <= 2 from contiguous slices: the degree-2 monomials in packing order are
-    x_a * x_b for b >= a, row a after row a - 1 (no index gathers, which cost ~6x more here)."""
-    parts = [torch.ones_like(x[..., :1])]
-    if order >= 1:
-        parts.append(x)
-    if order == 2:
-        d = x.shape[-1]
-        parts += [x[..., a : a + 1] * x[..., a:] for a in range(d)]
-    out = torch.cat(parts, dim=-1)
-    if order == 2:
-        squares = out[..., 1 + x.shape[-1] :]
-        squares.mul_(_square_weights(x.shape[-1], x.device, x.dtype))
+    """``packed_powers`` for order <= 2. Degree 2 in packing order is x_a * x_b for b >= a, row a after row
+    a - 1: for many rows built from contiguous slices, for a decode step's few rows by two gathers from
+    [1, x, x / sqrt(2)] (each the cheaper there; index gathers over many rows cost ~6x the slices)."""
+    ones = torch.ones_like(x[..., :1])
+    if order < 2:
+        return ones if order == 0 else torch.cat([ones, x], dim=-1)
+    d = x.shape[-1]
+    if x.numel() < _SLICES_FROM * d:
+        left, right = _square_factors(d, x.device)
+        factors = torch.cat([ones, x, x * 2.0**-0.5], dim=-1)
+        shape = (*x.shape[:-1], left.numel())
+        return factors.gather(-1, left.expand(shape)) * factors.gather(-1, right.expand(shape))
+    out = torch.cat([ones, x, *(x[..., a : a + 1] * x[..., a:] for a in range(d))], dim=-1)
+    out[..., 1 + d :].mul_(_square_weights(d, x.device, x.dtype))
     return out
 
 
