@@ -87,13 +87,12 @@ def linear_chunked(
     gs = [None] * len(qs) if log_g is None else log_g.split(chunk_size, dim=-1)
     for qc, kc, vc, lc in zip(qs, ks, vs, gs, strict=True):
         c = kc.shape[1]
-        keep = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         if lc is None:
-            intra_scale, carry = keep.to(q.dtype), None  # [C, C]
-            q_state, k_state = qc, kc
+            intra_scale = torch.ones(c, c, dtype=q.dtype, device=q.device).tril()  # [C, C]
+            q_state, k_state, carry = qc, kc, None
         else:
             cum = lc.cumsum(-1)  # log decay from the state before the chunk to each token: [B, Hkv, C]
-            intra_scale = (cum[..., :, None] - cum[..., None, :]).masked_fill(~keep, -math.inf).exp()[:, :, None]
+            intra_scale = decay_weights(lc)  # [B, Hkv, 1, C, C]
             q_state = qc * cum.exp()[:, :, None, :, None]
             k_state = kc * (cum[..., -1:] - cum).exp().flatten(0, 1)[..., None]  # each key's decay to the chunk end
             carry = cum[..., -1].exp().flatten(0, 1)[:, None, None]
