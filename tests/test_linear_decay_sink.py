@@ -97,6 +97,32 @@ def test_parallel_matches_reference(decay: str, feature_map: str, normalize: str
     assert rel_err(real_rows(plain.parallel(q, k, v, MixerInputs(x, mask)), mask), expected) > 1e-2
 
 
+@pytest.mark.parametrize("decay,feature_map,normalize,sink", CASES, ids=CASE_IDS)
+def test_attention_weights_mix_the_values_into_the_output(decay: str, feature_map: str, normalize: str,
+                                                          sink: bool) -> None:
+    """``attention_weights`` (what stage 1's attention KL matches): causal, non-negative rows that, applied to the
+    values, with the rest of each row's mass on the sink's value, give the float64 reference's output (eps = 0,
+    so a row and the sink's share sum to 1; 1e-10). None where an output norm replaces the denominator."""
+    mixer = make_mixer(decay, feature_map, normalize, sink, torch.float64, eps=0.0)
+    q, k, v, x = make_inputs(10, torch.float64)
+    weights = mixer.attention_weights(q, k, MixerInputs(x))
+    if normalize != "denominator":
+        assert weights is None
+        return
+    groups = SHAPE.num_heads // SHAPE.num_kv_heads
+    out = weights @ v.repeat_interleave(groups, dim=1)  # [B, H, T, E]
+    rest = 1 - weights.sum(-1, keepdim=True)
+    if sink:
+        out = out + rest * mixer.sink.value.repeat_interleave(groups, dim=0)[None, :, None, :]
+        assert (rest > 1e-3).all()  # the sink takes a share
+    else:
+        assert rest.abs().max() < 1e-12
+    assert (weights >= 0).all() and (weights.triu(1) == 0).all()
+    with torch.no_grad():
+        expected = reference(mixer, q, k, v, x, None)
+    assert rel_err(out.transpose(1, 2).detach(), expected) <= 1e-10
+
+
 @pytest.mark.parametrize("form", ["parallel", "chunked"])
 @pytest.mark.parametrize("decay,feature_map,normalize,sink", CASES, ids=CASE_IDS)
 def test_gradients_match_reference(decay: str, feature_map: str, normalize: str, sink: bool, form: str) -> None:

@@ -111,6 +111,12 @@ def test_wrong_types_and_values(tmp_path: Path) -> None:
     recipe["stage1"]["projections"] = ["gate_proj"]
     assert "stage1.projections" in _error(tmp_path, recipe)
     recipe = tiny_recipe_dict()
+    recipe["stage1"]["attention_kl"] = -1.0
+    assert "stage1.attention_kl must be >= 0" in _error(tmp_path, recipe)
+    recipe = tiny_recipe_dict()
+    recipe["stage1"].update(attention_kl=1.0, projections=["q_proj"])
+    assert "stage1.attention_kl needs the attention projections frozen" in _error(tmp_path, recipe)
+    recipe = tiny_recipe_dict()
     recipe["stage2"]["tokens"] = 10  # less than one optimizer step
     assert "stage2.tokens" in _error(tmp_path, recipe)
     for key, value in (("max_heads", -1), ("per_round", 0), ("context_length", "long")):
@@ -173,6 +179,15 @@ def test_mixer_group_settings(tmp_path: Path) -> None:
         assert f"stage2.{key}" in message and says in message, message
     message = _error(tmp_path, tiny_recipe_dict(stage2={"mixer_lr": 0.1}))
     assert "stage2.mixer_lr needs stage2.train_mixer" in message
+
+
+def test_attention_kl_setting(tmp_path: Path) -> None:
+    base = recipe_from_dict(tiny_recipe_dict())
+    assert base.stage1.attention_kl is None
+    set_ = recipe_from_dict(tiny_recipe_dict(stage1={"attention_kl": 1}))
+    assert set_.stage1.attention_kl == 1.0 and set_.fingerprint() != base.fingerprint()
+    message = _error(tmp_path, tiny_recipe_dict(stage1={"attention_kl": "much"}))
+    assert "stage1.attention_kl" in message and "float" in message, message
 
 
 def test_retrieval_data_settings(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ class TransferResult:
     first_loss: dict[int, float] = field(default_factory=dict)  # MSE of the first step
     last_loss: dict[int, float] = field(default_factory=dict)  # MSE at the end (moving average, beta 0.8)
     relative_last: dict[int, float] = field(default_factory=dict)  # MSE / mean(target^2), moving average
+    attention_kl_last: dict[int, float] = field(default_factory=dict)  # stage1.attention_kl's term, moving average
     seconds: float = 0.0
     resumed_from: int = 0
     trainable_parameters: int = 0
@@ -62,6 +63,7 @@ class TransferResult:
             "first_loss": {str(k): v for k, v in self.first_loss.items()},
             "last_loss": {str(k): v for k, v in self.last_loss.items()},
             "relative_last": {str(k): v for k, v in self.relative_last.items()},
+            "attention_kl_last": {str(k): v for k, v in self.attention_kl_last.items()},
             "seconds": self.seconds,
             "resumed_from": self.resumed_from,
             "trainable_parameters": self.trainable_parameters,
@@ -161,16 +163,50 @@ def student_attention(
     layer_idx: int,
     hidden: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """One student attention layer on given inputs (q/k/v without a graph unless a projection trains)."""
+    attention_kl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One student attention layer on given inputs (q/k/v without a graph unless a projection trains): its output,
+    and with ``attention_kl`` the mean KL divergence from the softmax attention weights of the same q and k (the
+    teacher's, while the projections are the teacher's frozen copies) to the mixer's weights."""
     attn = _decoder_layers(student)[layer_idx].self_attn
     projections_train = any(
         p.requires_grad for m in (attn.q_proj, attn.k_proj, attn.v_proj) for p in m.parameters()
     )
     with torch.set_grad_enabled(projections_train and torch.is_grad_enabled()):
         q, k, v = attn.project(hidden, position_embeddings)
-    out, _ = attn.mixer(q, k, v, MixerInputs(hidden_states=hidden))
-    return attn.o_proj(out.reshape(*hidden.shape[:-1], -1))
+    inputs = MixerInputs(hidden_states=hidden)
+    out, _ = attn.mixer(q, k, v, inputs)
+    kl = None
+    if attention_kl:
+        weights = attn.mixer.attention_weights(q, k, inputs)
+        if weights is None:
+            raise ValueError(
+                f"stage 1: layer {layer_idx}: mixer {attn.mixer.name!r} ({attn.mixer.extra_repr()}) has no attention "
+                "weights to match; set stage1.attention_kl to 0 or use a mixer whose output is a weighted mean of "
+                "the values (linear with the denominator)"
+            )
+        kl = attention_kl_divergence(q, k, weights)
+    return attn.o_proj(out.reshape(*hidden.shape[:-1], -1)), kl
+
+
+def softmax_log_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, T] log of causal softmax(q k^T / sqrt(D)) for q [B, H, T, D] and k [B, Hkv, T, D] (grouped)."""
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    logits = q.float().view(b, k.shape[1], groups, t, d) @ k.float()[:, :, None].transpose(-1, -2) * d**-0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return logits.masked_fill(~causal, float("-inf")).log_softmax(-1).view(b, h, t, t)
+
+
+def attention_kl_divergence(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean over batch, heads and queries of KL(softmax weights of q, k || ``weights`` [B, H, T, T]) in nats;
+    the student's weights are floored at the smallest normal float where the teacher's are not zero."""
+    with torch.no_grad():
+        log_p = softmax_log_weights(q, k)
+    p = log_p.exp()
+    log_a = weights.float().clamp_min(torch.finfo(torch.float32).tiny).log()
+    terms = torch.where(p > 0, p * (log_p - log_a), 0.0)
+    return terms.sum(-1).mean()
 
 
 # ----- picking the faster training form ---------------------------------------------------------------------
@@ -349,10 +385,14 @@ def attention_transfer(
             optimizer.zero_grad(set_to_none=True)
             losses: dict[int, float] = {}
             relative: dict[int, float] = {}
+            kls: dict[int, float] = {}
             for i in layers:
                 hidden, target = io[i]
-                pred = student_attention(student, i, hidden, position_embeddings)
-                loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+                pred, kl = student_attention(student, i, hidden, position_embeddings, bool(settings.attention_kl))
+                mse = torch.nn.functional.mse_loss(pred.float(), target.float())
+                power = float(target.float().pow(2).mean())
+                # the KL in units of the output MSE relative to the target's power: one weight for every layer
+                loss = mse if kl is None else mse + settings.attention_kl * power * kl
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     if checkpoint_dir is not None:  # the parameters are still those of the last good step
@@ -373,18 +413,21 @@ def attention_transfer(
                         "lower stage1.lr or check the mixer spec of this layer"
                     )
                 loss.backward()
-                losses[i] = value
-                relative[i] = value / max(float(target.float().pow(2).mean()), 1e-12)
+                losses[i] = float(mse.detach())
+                relative[i] = losses[i] / max(power, 1e-12)
+                if kl is not None:
+                    kls[i] = float(kl.detach())
             for i in layers:  # clip each layer on its own: layers stay independent problems
                 torch.nn.utils.clip_grad_norm_(list(groups[i].values()), settings.max_grad_norm)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             optimizer.step()
-            _accumulate(history, losses, relative)
+            _accumulate(history, losses, relative, kls)
             last_step = step + 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(mse=f"{sum(losses.values()) / len(losses):.3g}", rel=f"{_mean(relative):.3f}")
+                extra = {"kl": f"{_mean(kls):.3f}"} if kls else {}
+                bar.set_postfix(mse=f"{sum(losses.values()) / len(losses):.3g}", rel=f"{_mean(relative):.3f}", **extra)
             if on_step is not None:
                 on_step(last_step, student)
             if checkpoint_dir is not None and (last_step % settings.save_every == 0 or last_step == total):
@@ -410,6 +453,7 @@ def attention_transfer(
     result.first_loss = {int(k): v for k, v in history["first_loss"].items()}
     result.last_loss = {int(k): v for k, v in history.get("last_loss", {}).items()}
     result.relative_last = {int(k): v for k, v in history.get("last_rel", {}).items()}
+    result.attention_kl_last = {int(k): v for k, v in history.get("last_kl", {}).items()}
     return result
 
 
@@ -418,10 +462,14 @@ def _mean(values: dict[int, float]) -> float:
 
 
 def _accumulate(
-    history: dict[str, Any], losses: dict[int, float], relative: dict[int, float], beta: float = 0.8
+    history: dict[str, Any],
+    losses: dict[int, float],
+    relative: dict[int, float],
+    kls: dict[int, float],
+    beta: float = 0.8,
 ) -> None:
-    """First loss per layer, and exponential moving averages of the loss and the relative loss."""
-    for key, values in (("last_loss", losses), ("last_rel", relative)):
+    """First loss per layer, and exponential moving averages of the loss, the relative loss and the KL term."""
+    for key, values in (("last_loss", losses), ("last_rel", relative), ("last_kl", kls)):
         smoothed = history.setdefault(key, {})
         for i, value in values.items():
             old = smoothed.get(str(i))

@@ -331,9 +331,11 @@ def _stage1(
     summary["distinct_tokens"] = int(blocks.numel())
     if result.relative_last:
         rel = list(result.relative_last.values())
+        kls = list(result.attention_kl_last.values())
+        kl = f", attention-weight KL mean {sum(kls) / len(kls):.3f} nats" if kls else ""
         log(
             f"stage 1: {result.steps} steps, {result.trainable_parameters} trained parameters, relative MSE "
-            f"mean {sum(rel) / len(rel):.3f} (worst {max(rel):.3f}), "
+            f"mean {sum(rel) / len(rel):.3f} (worst {max(rel):.3f}){kl}, "
             f"{summary['tokens_per_second']:.0f} tokens/s"
         )
     with atomic_dir(result_dir) as tmp:

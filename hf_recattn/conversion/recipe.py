@@ -73,6 +73,12 @@ class Stage1Settings:
     #: heinsen); the teacher stays frozen, only the student's copies move
     projections: tuple[str, ...] = ()
     projection_lr: float = 1e-4
+    #: weight of a second term, the KL divergence (nats) from each query's softmax attention weights in the
+    #: teacher to the student's (Hedgehog's objective; for mixers whose output is a weighted mean of the values,
+    #: see ``Mixer.attention_weights``), against the output MSE relative to the mean square of the teacher's
+    #: output (so one weight suits every layer): loss = MSE + attention_kl * mean(target^2) * KL; None or 0:
+    #: outputs only
+    attention_kl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,8 @@ class Recipe:
 
 #: settings added after recipes were in use, default None: not in the fingerprint while they are None
 _LATER_SETTINGS = {
-    "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens", "method")
+    "stage1": ("attention_kl",),
+    "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens", "method"),
 }
 
 
@@ -402,6 +409,11 @@ def _check_settings(recipe: Recipe) -> None:
             raise ValueError(f"{src}: {stage}.warmup_fraction must be in [0, 1)")
     _positive(s1.save_every, f"{src}: stage1.save_every")
     _positive(s1.projection_lr, f"{src}: stage1.projection_lr")
+    if s1.attention_kl is not None:
+        _positive(s1.attention_kl, f"{src}: stage1.attention_kl", allow_zero=True)
+    if s1.attention_kl and s1.projections:
+        raise ValueError(f"{src}: stage1.attention_kl needs the attention projections frozen (stage1.projections "
+                         "empty): the teacher's weights are computed with the student's copies of them")
     bad = sorted(set(s1.projections) - set(ATTENTION_PROJECTIONS))
     if bad:
         raise ValueError(

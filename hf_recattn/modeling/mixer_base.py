@@ -178,6 +178,12 @@ class Mixer(nn.Module):
         None by default."""
         return {}
 
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor | None:
+        """[B, H, T, T]: how much of each key's value goes into each query's output, for mixers whose output is
+        a weighted mean of the values (rows sum to 1, less what a learned sink takes); None for the others
+        (the default). Stage 1 of conversion can match these to the teacher's softmax weights."""
+        return None
+
     # ----- dispatch --------------------------------------------------------------------------------------
     def forward(
         self,

@@ -13,7 +13,7 @@ import torch
 from .decay import DECAYS, RETNET_GAMMA_MIN, Decay
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
-from .ops_linear import linear_chunked, linear_parallel, linear_step, noncausal_linear
+from .ops_linear import linear_chunked, linear_parallel, linear_scores, linear_step, noncausal_linear
 from .ops_taylor import taylor_chunked
 from .options import Option
 from .output_norms import OUTPUT_NORMS, OutputNorm
@@ -158,6 +158,20 @@ class LinearMixer(Mixer):
         S, z = state["S"], state["z"]
         num, den, S, z = linear_step(qf, kf, v, S, z, self._log_decay(inputs), in_place=writable(S, z))
         return self.finish(*self._with_sink(qf, num, den)), {"S": S, "z": z}
+
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor | None:
+        """phi(q_t) . phi(k_s) (decayed) over the denominator (+ eps), as the output divides them; None with an
+        output norm instead of the denominator."""
+        if self.output_norm is not None:
+            return None
+        qf, kf = self.features(q, k, inputs)
+        scores = linear_scores(qf, kf, self.causal, self._log_decay(inputs))
+        den = scores.sum(-1)
+        if self.sink is not None:
+            den = den + self.sink.scores(qf, lambda key: self.feature_map(key, is_query=False))[..., 0]
+        weights = scores / (den[..., None] + self.eps)
+        b, hk, g, t, s = weights.shape
+        return weights.reshape(b, hk * g, t, s)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, f, e = self.shape.num_kv_heads, self.feature_map.out_dim, self.shape.head_dim

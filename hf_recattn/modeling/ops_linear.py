@@ -45,14 +45,21 @@ def linear_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, log_g: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quadratic form: returns (numerator [B,Hkv,G,T,E], denominator [B,Hkv,G,T])."""
+    scores = linear_scores(q, k, causal, log_g)
+    return torch.einsum("bhgts,bhse->bhgte", scores, v), scores.sum(-1)
+
+
+def linear_scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool = True, log_g: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, Hkv, G, T, S]: what key s contributes to query t's numerator and denominator, q_t . k_s times the
+    decay between them (zero above the diagonal when causal)."""
     scores = torch.einsum("bhgtf,bhsf->bhgts", q, k)
     if log_g is not None:
         if not causal:
             raise ValueError("a decayed linear attention is causal only")
-        scores = scores * decay_weights(log_g)
-    elif causal:
-        scores = _causal(scores)
-    return torch.einsum("bhgts,bhse->bhgte", scores, v), scores.sum(-1)
+        return scores * decay_weights(log_g)
+    return _causal(scores) if causal else scores
 
 
 def linear_chunked(

@@ -44,8 +44,15 @@ class AttentionSink(nn.Module):
         den: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_features`` [B, Hkv, G, T, F]; ``key_map`` is the layer's key feature map on [1, Hkv, 1, D]."""
+        weight = self.scores(q_features, key_map)
+        value = self.value.to(q_features.dtype)[None, :, None, None, :]
+        return torch.addcmul(num, weight, value), den + weight[..., 0]
+
+    def scores(
+        self, q_features: torch.Tensor, key_map: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """[B, Hkv, G, T, 1]: w phi(q_t) . phi(k*), the sink's share of each query's numerator and denominator."""
         dtype = q_features.dtype
         k_features = key_map(self.key.to(dtype)[None, :, None, :])[0, :, 0]  # [Hkv, F]
         scaled = k_features * self.log_weight.to(dtype).exp()[:, None]  # [Hkv, F]
-        weight = torch.matmul(q_features, scaled[None, :, None, :, None])  # [B, Hkv, G, T, 1]
-        return torch.addcmul(num, weight, self.value.to(dtype)[None, :, None, None, :]), den + weight[..., 0]
+        return torch.matmul(q_features, scaled[None, :, None, :, None])
