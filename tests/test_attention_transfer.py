@@ -77,7 +77,7 @@ def _layer_kl(teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Ten
     io = at.teacher_attention_io(teacher, ids)
     pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
     with torch.no_grad():
-        return [float(at.student_attention(student, i, h, pe, attention_kl=True)[1])
+        return [float(at.student_attention(student, i, h, pe, at.teacher_log_weights(teacher, i, h, pe))[1])
                 for i, (h, _) in sorted(io.items())]
 
 
@@ -87,13 +87,30 @@ def test_attention_kl_measures_the_distance_to_softmax_weights() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 6, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen)
     log_p = at.softmax_log_weights(q, k)
-    assert float(at.attention_kl_divergence(q, k, log_p.exp())) < 1e-6
+    assert float(at.attention_kl_divergence(log_p, log_p.exp())) < 1e-6
     uniform = torch.ones(6, 6).tril() / torch.arange(1, 7)[:, None]
     p = log_p.exp()
     entropy = -torch.where(p > 0, p * log_p, 0.0).sum(-1)
     expected = (torch.arange(1, 7).log() - entropy).mean()
-    assert abs(float(at.attention_kl_divergence(q, k, uniform.expand(1, 4, 6, 6))) - float(expected)) < 1e-5
+    assert abs(float(at.attention_kl_divergence(log_p, uniform.expand(1, 4, 6, 6))) - float(expected)) < 1e-5
     assert float(expected) > 0.1
+
+
+def test_teacher_log_weights_are_the_teachers_attention_weights(setup) -> None:  # noqa: ANN001
+    """Computed from the captured layer inputs, they equal what the teacher's eager attention returns."""
+    teacher, blocks = setup
+    ids = blocks[:2]
+    io = at.teacher_attention_io(teacher, ids)
+    pe = teacher.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
+    implementation, teacher.config._attn_implementation = teacher.config._attn_implementation, "eager"
+    try:
+        with torch.no_grad():
+            expected = teacher(input_ids=ids, output_attentions=True).attentions
+    finally:
+        teacher.config._attn_implementation = implementation
+    for i, (hidden, _) in sorted(io.items()):
+        got = at.teacher_log_weights(teacher, i, hidden, pe).exp()
+        assert torch.allclose(got, expected[i], atol=1e-6), i
 
 
 def test_attention_kl_option_trains_the_weights_towards_softmax(setup) -> None:  # noqa: ANN001

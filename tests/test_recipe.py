@@ -114,9 +114,6 @@ def test_wrong_types_and_values(tmp_path: Path) -> None:
     recipe["stage1"]["attention_kl"] = -1.0
     assert "stage1.attention_kl must be >= 0" in _error(tmp_path, recipe)
     recipe = tiny_recipe_dict()
-    recipe["stage1"].update(attention_kl=1.0, projections=["q_proj"])
-    assert "stage1.attention_kl needs the attention projections frozen" in _error(tmp_path, recipe)
-    recipe = tiny_recipe_dict()
     recipe["stage2"]["tokens"] = 10  # less than one optimizer step
     assert "stage2.tokens" in _error(tmp_path, recipe)
     for key, value in (("max_heads", -1), ("per_round", 0), ("context_length", "long")):

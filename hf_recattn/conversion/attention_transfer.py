@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..modeling.mixer_base import MixerInputs
+from ..modeling.modeling import rotate_queries_and_keys
 from .checkpoints import (
     atomic_dir,
     latest_step_dir,
@@ -163,11 +164,11 @@ def student_attention(
     layer_idx: int,
     hidden: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_kl: bool = False,
+    target_log_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One student attention layer on given inputs (q/k/v without a graph unless a projection trains): its output,
-    and with ``attention_kl`` the mean KL divergence from the softmax attention weights of the same q and k (the
-    teacher's, while the projections are the teacher's frozen copies) to the mixer's weights."""
+    and, given the teacher's log attention weights [B, H, T, T], the mean KL divergence from them to the mixer's
+    weights (None without them)."""
     attn = _decoder_layers(student)[layer_idx].self_attn
     projections_train = any(
         p.requires_grad for m in (attn.q_proj, attn.k_proj, attn.v_proj) for p in m.parameters()
@@ -177,7 +178,7 @@ def student_attention(
     inputs = MixerInputs(hidden_states=hidden)
     out, _ = attn.mixer(q, k, v, inputs)
     kl = None
-    if attention_kl:
+    if target_log_weights is not None:
         weights = attn.mixer.attention_weights(q, k, inputs)
         if weights is None:
             raise ValueError(
@@ -185,8 +186,26 @@ def student_attention(
                 "weights to match; set stage1.attention_kl to 0 or use a mixer whose output is a weighted mean of "
                 "the values (linear with the denominator)"
             )
-        kl = attention_kl_divergence(q, k, weights)
+        kl = attention_kl_divergence(target_log_weights, weights)
     return attn.o_proj(out.reshape(*hidden.shape[:-1], -1)), kl
+
+
+@torch.no_grad()
+def teacher_log_weights(
+    teacher: nn.Module, layer_idx: int, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """[B, H, T, T]: log of a Llama-shaped teacher layer's causal softmax attention weights on its captured input,
+    from its own q/k projections and the rotary embedding (the same for teacher and student)."""
+    attn = _decoder_layers(teacher)[layer_idx].self_attn
+    config = teacher.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    b, t, _ = hidden.shape
+    q = attn.q_proj(hidden).view(b, t, heads, head_dim).transpose(1, 2)
+    k = attn.k_proj(hidden).view(b, t, kv_heads, head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = rotate_queries_and_keys(q, k, cos, sin)
+    return softmax_log_weights(q, k)
 
 
 def softmax_log_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -198,11 +217,9 @@ def softmax_log_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~causal, float("-inf")).log_softmax(-1).view(b, h, t, t)
 
 
-def attention_kl_divergence(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Mean over batch, heads and queries of KL(softmax weights of q, k || ``weights`` [B, H, T, T]) in nats;
-    the student's weights are floored at the smallest normal float where the teacher's are not zero."""
-    with torch.no_grad():
-        log_p = softmax_log_weights(q, k)
+def attention_kl_divergence(log_p: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean over batch, heads and queries of KL(p || ``weights``) in nats, both [B, H, T, T] (``log_p`` the
+    teacher's log weights); the student's weights are floored at the smallest normal float where p is not 0."""
     p = log_p.exp()
     log_a = weights.float().clamp_min(torch.finfo(torch.float32).tiny).log()
     terms = torch.where(p > 0, p * (log_p - log_a), 0.0)
@@ -388,7 +405,8 @@ def attention_transfer(
             kls: dict[int, float] = {}
             for i in layers:
                 hidden, target = io[i]
-                pred, kl = student_attention(student, i, hidden, position_embeddings, bool(settings.attention_kl))
+                log_p = teacher_log_weights(teacher, i, hidden, position_embeddings) if settings.attention_kl else None
+                pred, kl = student_attention(student, i, hidden, position_embeddings, log_p)
                 mse = torch.nn.functional.mse_loss(pred.float(), target.float())
                 power = float(target.float().pow(2).mean())
                 # the KL in units of the output MSE relative to the target's power: one weight for every layer

@@ -411,9 +411,6 @@ def _check_settings(recipe: Recipe) -> None:
     _positive(s1.projection_lr, f"{src}: stage1.projection_lr")
     if s1.attention_kl is not None:
         _positive(s1.attention_kl, f"{src}: stage1.attention_kl", allow_zero=True)
-    if s1.attention_kl and s1.projections:
-        raise ValueError(f"{src}: stage1.attention_kl needs the attention projections frozen (stage1.projections "
-                         "empty): the teacher's weights are computed with the student's copies of them")
     bad = sorted(set(s1.projections) - set(ATTENTION_PROJECTIONS))
     if bad:
         raise ValueError(
