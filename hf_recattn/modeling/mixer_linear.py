@@ -94,6 +94,10 @@ class LinearMixer(Mixer):
             kf = kf * mask[:, None, :, None].to(kf.dtype)
         return qf, kf
 
+    def _key_features(self, key: torch.Tensor) -> torch.Tensor:
+        """phi of keys alone (the sink's learned key)."""
+        return self.feature_map(key, is_query=False)
+
     def _log_decay(self, inputs: MixerInputs) -> torch.Tensor | None:
         """[B, Hkv, T] log forget factors (0 on padding), or None without decay."""
         if self.decay is None:
@@ -107,7 +111,7 @@ class LinearMixer(Mixer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sink is None:
             return num, den
-        return self.sink(qf, lambda key: self.feature_map(key, is_query=False), num, den)
+        return self.sink(qf, self._key_features, num, den)
 
     def finish(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
         """Normalized output [B, T, H, E] from the numerator [B, Hkv, G, T, E] and denominator [B, Hkv, G, T]."""
@@ -168,7 +172,7 @@ class LinearMixer(Mixer):
         scores = linear_scores(qf, kf, self.causal, self._log_decay(inputs))
         den = scores.sum(-1)
         if self.sink is not None:
-            den = den + self.sink.scores(qf, lambda key: self.feature_map(key, is_query=False))[..., 0]
+            den = den + self.sink.scores(qf, self._key_features)[..., 0]
         weights = scores / (den[..., None] + self.eps)
         b, hk, g, t, s = weights.shape
         return weights.reshape(b, hk * g, t, s)
