@@ -41,6 +41,18 @@ def test_unknown_kind_is_refused() -> None:
         RecAttnCache(["kv", "recurrent", "ssm"])
 
 
+def test_a_cache_is_built_for_a_model_not_from_its_config() -> None:
+    """RecAttnCache(config) names the ways to build one; for_model takes the model with or without its head and
+    gives the cache new_cache() gives (the one the model accepts)."""
+    model = tiny_model(next(case for case in all_cases() if case.id == "linear(feature_map=elu)"))
+    with pytest.raises(TypeError, match=r"not RecAttnConfig; for a model, use model.new_cache\(\)"):
+        RecAttnCache(model.config)
+    for owner in (model, model.model):
+        cache = RecAttnCache.for_model(owner)
+        assert cache.kinds == model.new_cache().kinds and cache.model_id == model.new_cache().model_id
+    model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=RecAttnCache.for_model(model), use_cache=True)
+
+
 def test_transformers_cache_api_on_any_mix_of_kinds() -> None:
     empty = RecAttnCache(["recurrent", "recurrent"])
     assert empty.get_seq_length() == 0 and empty.batch_size == -1 and empty.max_batch_size is None

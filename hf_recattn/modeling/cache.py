@@ -161,11 +161,17 @@ class MixerStateLayer:
 
 
 class RecAttnCache(Cache):
-    """Per-layer mixer states for hf_recattn models; build it with ``RecAttnCache.for_model(config)``."""
+    """Per-layer mixer states for hf_recattn models; build one with ``model.new_cache()`` or
+    ``RecAttnCache.for_model(model)``."""
 
     is_compileable = False
 
     def __init__(self, kinds: list[str], model_id: int | None = None) -> None:
+        if not isinstance(kinds, (list, tuple)) or not all(isinstance(kind, str) for kind in kinds):
+            raise TypeError(
+                f"RecAttnCache takes one cache kind per layer (a list of {list(KINDS)}), not "
+                f"{type(kinds).__name__}; for a model, use model.new_cache() or RecAttnCache.for_model(model)"
+            )
         super().__init__(layers=[MixerStateLayer(kind, i) for i, kind in enumerate(kinds)])
         self.model_id = model_id
 
@@ -199,8 +205,10 @@ class RecAttnCache(Cache):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> RecAttnCache:
-        kinds = [layer.self_attn.mixer.state_kind for layer in model.layers]
-        return cls(kinds, model_id=id(model))
+        """An empty cache for an hf_recattn model (the base model or one with a head, as ``model.new_cache()``)."""
+        base = getattr(model, "base_model", model)
+        kinds = [layer.self_attn.mixer.state_kind for layer in base.layers]
+        return cls(kinds, model_id=id(base))
 
     # ----- queries ---------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
