@@ -29,7 +29,8 @@ Filling a context (``--fill``):
   the context. A fixed-size recurrent state has the same shape after 512 or 32k tokens and a step's work does
   not depend on its values, so the step costs what it would after a real 32k prefill. Each layer's element
   count is checked against its mixer's ``state_size(context)``. The Llama DynamicCache gets random keys and
-  values of the context length.
+  values of the context length. One exception: MesaNet's solver ends once every system has converged, so its
+  step's work depends on the state it reads; time its rows with ``--fill real``.
 * ``real``: prefill every context for real, in chunks of ``--prefill-tokens`` through the cache (slow: many
   minutes per mixer at 32k on two cores).
 
@@ -86,6 +87,7 @@ MIXER_SPECS: dict[str, dict] = {
     "alibi": {"mixer": "alibi"},
     "fox": {"mixer": "fox"},
     "mesanet": {"mixer": "mesanet"},
+    "mesanet convert-init": {"mixer": "mesanet", "init": "convert"},  # the gates a conversion starts from
     "deltaformer": {"mixer": "deltaformer"},
     "path": {"mixer": "path"},
     "gla": {"mixer": "gla"},
@@ -374,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                     steppers[f"floor:layout@{name}"] = layout_pass(model)
                 keep_alive.append(model)
                 kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
+                if args.fill == "synthetic" and any(b.self_attn.mixer.name == "mesa" for b in model.model.layers):
+                    notes.append(f"{label}{tag}: its solver's work depends on the state; these rows hold a "
+                                 f"{args.prefill_tokens}-token state (--fill real for a real one)")
                 add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args), name)
                 twins = {"[row-major]": args.row_major and shared is not plain,
                          "[compiled]": args.compiled and kinds != ["kv"]}

@@ -196,6 +196,40 @@ def test_converged_systems_stop_before_their_residuals_underflow(monkeypatch, st
         assert subnormal > 0
 
 
+@pytest.mark.parametrize("with_hard_system", [False, True])
+def test_solver_ends_once_every_system_has_stopped(monkeypatch, with_hard_system: bool) -> None:
+    """fp32 CG, 30 steps, on CPU. Easy systems (Lambda-dominated, stopped within a few steps) end the loop at the
+    first check after the last one stopped, with the same x, bit for bit, as all 30 steps (the early end
+    disabled). A batch that also holds an ill-conditioned system (condition 1e4, not converged in 30 steps) runs
+    every step."""
+    d = 64
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(3, 2 * d, d, generator=gen, dtype=torch.float64) / d**0.5
+    systems = 0.02 * keys.transpose(1, 2) @ keys + torch.diag_embed(torch.rand(3, d, generator=gen) + 0.5)
+    if with_hard_system:
+        basis = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+        systems[-1] = basis @ torch.diag(torch.logspace(0, 4, d, dtype=torch.float64)) @ basis.T
+    a32 = systems.float()
+    rhs = torch.randn(3, 1, d, generator=gen)
+    diag = a32.diagonal(dim1=-2, dim2=-1)[:, None]
+    calls = []
+
+    def matvec(p: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return p @ a32
+
+    x = ops_mesanet.conjugate_gradient(matvec, rhs, diag, 30)
+    ended_after = len(calls) - 1  # the first product is the start's residual
+    monkeypatch.setattr(ops_mesanet, "_may_stop_early", lambda t: False)
+    assert torch.equal(x, ops_mesanet.conjugate_gradient(lambda p: p @ a32, rhs, diag, 30))
+    if with_hard_system:
+        assert ended_after == 30
+    else:
+        assert ended_after < 30 and ended_after % ops_mesanet._CHECK_EVERY == 0, ended_after
+        exact = torch.linalg.solve(systems, rhs.double().transpose(1, 2)).transpose(1, 2)
+        assert rel_err(x, exact) < 1e-5
+
+
 def test_left_padding_changes_nothing() -> None:
     """A left-padded row gives the outputs and state (H, G and convolution buffers) of the same tokens alone."""
     checks.assert_left_padding_changes_nothing(make_mixer(solver="cg", chunk_size=4), make_inputs(9), PAD, REL_FORMS)

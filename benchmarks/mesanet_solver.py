@@ -1,0 +1,87 @@
+"""How many conjugate-gradient steps MesaNet's solves run before their loop ends, in prefill and in decode.
+
+The solver (``hf_recattn/modeling/ops_mesanet.py``) runs at most ``cg_steps`` steps and, on a CPU, ends its loop once
+every system of the batch has converged (the skipped steps would add exact zeros). How early that happens depends
+on how well conditioned the systems are, which the forget gates set: this script measures it. A SmolLM2-shaped
+model (benchmarks/decode.py's shape, random weights) with MesaNet in every layer, for each ``--inits`` (``scratch``:
+random gate weights, gates near 1/2; ``convert``: the half-lives a conversion starts from) and each context: a real
+prefill of that many random tokens (chunks of ``--block`` tokens), then ``--decode-steps`` one-token steps. Every
+call of the solver is counted: one per layer and token in decode, one per chunk group in prefill.
+
+``python benchmarks/mesanet_solver.py --help`` lists the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+from decode import llama_model, recattn_model
+
+from hf_recattn.modeling import ops_mesanet
+
+
+def counting_solver(solve: Callable, record: list[int]) -> Callable:
+    """``solve`` (the CG function), recording how many steps each call ran (its products minus the first)."""
+
+    def counted(matvec: Callable, rhs: torch.Tensor, diag: torch.Tensor, steps: int) -> torch.Tensor:
+        products = 0
+
+        def counting(p: torch.Tensor) -> torch.Tensor:
+            nonlocal products
+            products += 1
+            return matvec(p)
+
+        x = solve(counting, rhs, diag, steps)
+        record.append(max(products - 1, 0))
+        return x
+
+    return counted
+
+
+def summary(steps: list[int]) -> str:
+    return f"{len(steps)} | {min(steps)} / {statistics.median(steps):g} / {max(steps)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--inits", nargs="+", default=["scratch", "convert"], choices=["scratch", "convert"])
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--block", type=int, default=2048, help="prefill chunk (tokens per forward)")
+    p.add_argument("--decode-steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    max_positions = max(args.contexts) + args.decode_steps + 1
+    weights = llama_model(max_positions).state_dict()
+    solver = ops_mesanet.conjugate_gradient
+    print("| init | context | prefill solves | steps min / median / max | decode solves | steps min / median / max |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for init in args.inits:
+        model = recattn_model({"mixer": "mesanet", "init": init}, max_positions, weights)
+        for context in args.contexts:
+            prefill_steps: list[int] = []
+            decode_steps: list[int] = []
+            cache = model.new_cache()
+            ids = torch.randint(0, model.config.vocab_size, (1, context))
+            try:
+                with torch.inference_mode():
+                    ops_mesanet.conjugate_gradient = counting_solver(solver, prefill_steps)
+                    for block in ids.split(args.block, dim=1):
+                        model(input_ids=block, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    ops_mesanet.conjugate_gradient = counting_solver(solver, decode_steps)
+                    for i in range(args.decode_steps):
+                        model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[context + i]]),
+                              past_key_values=cache, use_cache=True, logits_to_keep=1)
+            finally:
+                ops_mesanet.conjugate_gradient = solver
+            print(f"| {init} | {context} | {summary(prefill_steps)} | {summary(decode_steps)} |", flush=True)
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), cg_steps 30, random weights")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
