@@ -68,6 +68,9 @@ SHAPE = dict(
     eos_token_id=0,
 )
 
+#: --tiny: the same 30 layers with widths at which the weight products cost next to nothing
+TINY_WIDTHS = dict(hidden_size=72, intermediate_size=96, head_dim=8, vocab_size=256)
+
 #: label -> spec (its mixer a family or a preset); a spec whose mixer is not registered (yet) is skipped with a note
 MIXER_SPECS: dict[str, dict] = {
     "softmax": {"mixer": "softmax"},
@@ -317,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time every model on the usual row-major weights (rows labelled [row-major])")
     add("--compiled", action="store_true",
         help="also time every fixed-state model with model.compile_decode() (rows labelled [compiled])")
+    add("--tiny", action="store_true",
+        help="every width tiny (hidden 72, intermediate 96, head_dim 8, vocab 256; 30 layers as before): the products "
+             "cost next to nothing, so a step's time is its overhead (Python, op dispatch, small ops)")
     add("--quick", action="store_true", help="smoke run: contexts 512 2048, 6 repeats, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
@@ -326,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tiny:
+        SHAPE.update(TINY_WIDTHS)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     contexts = sorted(args.contexts)
