@@ -6,7 +6,8 @@ on how well conditioned the systems are, which the forget gates set: this script
 model (benchmarks/decode.py's shape, random weights) with MesaNet in every layer, for each ``--inits`` (``scratch``:
 random gate weights, gates near 1/2; ``convert``: the half-lives a conversion starts from) and each context: a real
 prefill of that many random tokens (chunks of ``--block`` tokens), then ``--decode-steps`` one-token steps. Every
-call of the solver is counted: one per layer and token in decode, one per chunk group in prefill.
+call of the solver is counted: one per layer and token in decode, one per chunk group in prefill. ``--model`` measures
+a saved checkpoint instead (a converted MesaNet, its tokenizer beside it) on the embedded corpus's text.
 
 ``python benchmarks/mesanet_solver.py --help`` lists the flags.
 """
@@ -20,6 +21,8 @@ from collections.abc import Callable
 import torch
 from decode import llama_model, recattn_model
 
+from hf_recattn import RecAttnForCausalLM
+from hf_recattn.data.corpus import embedded_texts
 from hf_recattn.modeling import ops_mesanet
 
 
@@ -45,6 +48,36 @@ def summary(steps: list[int]) -> str:
     return f"{len(steps)} | {min(steps)} / {statistics.median(steps):g} / {max(steps)}"
 
 
+def text_ids(folder: str, length: int) -> torch.Tensor:
+    """[1, length] tokens of the embedded corpus, by the checkpoint's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts, chars = [], 0
+    for text in embedded_texts():
+        texts.append(text)
+        chars += len(text)
+        if chars > 8 * length:  # comfortably more than `length` tokens
+            break
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[:, :length]
+    if ids.shape[1] < length:
+        raise SystemExit(f"the embedded corpus gave {ids.shape[1]} tokens, fewer than --contexts {length}")
+    return ids
+
+
+def models(args: argparse.Namespace, max_positions: int) -> dict[str, tuple[RecAttnForCausalLM, torch.Tensor]]:
+    """label -> (model, [1, max_positions] token ids: the prompt of the longest context and its decode tokens)."""
+    if args.model:
+        model = RecAttnForCausalLM.from_pretrained(args.model).eval()
+        if not any(layer.self_attn.mixer.name == "mesa" for layer in model.model.layers):
+            raise SystemExit(f"--model {args.model}: no layer of this checkpoint is a MesaNet mixer")
+        return {args.model: (model, text_ids(args.model, max_positions))}
+    weights = llama_model(max_positions).state_dict()
+    ids = torch.randint(0, weights["model.embed_tokens.weight"].shape[0], (1, max_positions))
+    return {init: (recattn_model({"mixer": "mesanet", "init": init}, max_positions, weights), ids)
+            for init in args.inits}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inits", nargs="+", default=["scratch", "convert"], choices=["scratch", "convert"])
@@ -52,21 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=2048, help="prefill chunk (tokens per forward)")
     p.add_argument("--decode-steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", help="a saved hf_recattn checkpoint with MesaNet layers (instead of --inits)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    max_positions = max(args.contexts) + args.decode_steps + 1
-    weights = llama_model(max_positions).state_dict()
+    max_positions = max(args.contexts) + args.decode_steps
     solver = ops_mesanet.conjugate_gradient
-    print("| init | context | prefill solves | steps min / median / max | decode solves | steps min / median / max |")
+    print("| model | context | prefill solves | steps min / median / max | decode solves | steps min / median / max |")
     print("|---|---:|---:|---:|---:|---:|")
-    for init in args.inits:
-        model = recattn_model({"mixer": "mesanet", "init": init}, max_positions, weights)
+    for label, (model, all_ids) in models(args, max_positions).items():
         for context in args.contexts:
             prefill_steps: list[int] = []
             decode_steps: list[int] = []
             cache = model.new_cache()
-            ids = torch.randint(0, model.config.vocab_size, (1, context))
+            ids = all_ids[:, :context]
             try:
                 with torch.inference_mode():
                     ops_mesanet.conjugate_gradient = counting_solver(solver, prefill_steps)
@@ -74,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                         model(input_ids=block, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     ops_mesanet.conjugate_gradient = counting_solver(solver, decode_steps)
                     for i in range(args.decode_steps):
-                        model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[context + i]]),
+                        model(input_ids=all_ids[:, context + i, None], position_ids=torch.tensor([[context + i]]),
                               past_key_values=cache, use_cache=True, logits_to_keep=1)
             finally:
                 ops_mesanet.conjugate_gradient = solver
-            print(f"| {init} | {context} | {summary(prefill_steps)} | {summary(decode_steps)} |", flush=True)
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), cg_steps 30, random weights")
+            print(f"| {label} | {context} | {summary(prefill_steps)} | {summary(decode_steps)} |", flush=True)
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), cg_steps 30")
     return 0
 
 
