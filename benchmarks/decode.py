@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds * max(1, args.repeats // args.rounds)} steps per cell, all rows and floors "
         f"interleaved in {args.rounds} rounds"
     ]
+    if args.tiny:
+        notes.append(f"--tiny: {TINY_WIDTHS}, so ms/token is the steps' overhead; the floor columns mean nothing")
     llama = llama_model(max_positions)
     weights = llama.state_dict()
     floors, weight_bytes = weight_passes(llama)
