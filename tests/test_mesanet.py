@@ -230,6 +230,25 @@ def test_solver_ends_once_every_system_has_stopped(monkeypatch, with_hard_system
         assert rel_err(x, exact) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_a_traced_solve_keeps_every_step() -> None:
+    """torch.jit.trace records one run: traced on an easy system (which would end early), the solve still runs
+    all its steps and gives the eager result on a hard one."""
+    d = 16
+    gen = torch.Generator().manual_seed(0)
+
+    def system(scale: float) -> torch.Tensor:
+        keys = torch.randn(1, 3 * d, d, generator=gen) / d**0.5
+        return scale * keys.transpose(1, 2) @ keys + torch.eye(d)
+
+    def solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        return ops_mesanet.conjugate_gradient(lambda p: p @ a, rhs, a.diagonal(dim1=-2, dim2=-1)[:, None], 30)
+
+    easy, hard, rhs = system(0.02), system(50.0), torch.randn(1, 1, d, generator=gen)
+    traced = torch.jit.trace(solve, (easy, rhs), check_trace=False)
+    assert torch.equal(traced(hard, rhs), solve(hard, rhs))
+
+
 def test_left_padding_changes_nothing() -> None:
     """A left-padded row gives the outputs and state (H, G and convolution buffers) of the same tokens alone."""
     checks.assert_left_padding_changes_nothing(make_mixer(solver="cg", chunk_size=4), make_inputs(9), PAD, REL_FORMS)

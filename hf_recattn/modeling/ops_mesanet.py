@@ -84,9 +84,10 @@ _CHECK_EVERY = 4
 
 def _may_stop_early(t: torch.Tensor) -> bool:
     """Whether the solver may end its loop once every system has stopped: on a CPU, where reading the flag back
-    costs a few microseconds, and outside torch.compile (a data-dependent branch would split its graph). Elsewhere
-    the remaining steps run and add exact zeros: the same x either way."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    costs a few microseconds, and neither under torch.compile / torch.export (a data-dependent branch would split
+    the graph) nor under torch.jit.trace (which would record one input's step count for all). Elsewhere the
+    remaining steps run and add exact zeros: the same x either way."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
 
 
 def _converged(dtype: torch.dtype) -> float:
