@@ -29,7 +29,7 @@ from .delta_gates import INITS, RULES, DeltaGates
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_delta import delta_chunked, delta_parallel, delta_step
-from .options import Option
+from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
 from .output_norms import OutputNorm
 from .short_conv import ShortConvolution, conv_step
 
@@ -75,15 +75,9 @@ class DeltaMixer(Mixer):
             raise ValueError(
                 f"{where}: option 'causal' must be True with rule {spec['rule']!r} (a decay gate has a direction)"
             )
-        if not 0.0 < spec["beta_init"] < 1.0:
-            raise ValueError(f"{where}: option 'beta_init' must be in (0, 1), got {spec['beta_init']!r}")
-        if spec["half_life_min"] > spec["half_life_max"]:
-            raise ValueError(
-                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
-                f"({spec['half_life_max']})"
-            )
-        if spec["output_gate"] and not spec["output_norm"]:
-            raise ValueError(f"{where}: option 'output_gate' needs output_norm=True (the gate follows the norm)")
+        check_open_unit(spec, where, "beta_init")
+        check_not_above(spec, where, "half_life_min", "half_life_max")
+        check_gate_after_norm(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_deltaformer import deltaformer_attention
-from .options import Option
+from .options import Option, check_open_unit
 
 WRITE_STRENGTHS = ("none", "sigmoid")
 INITS = ("scratch", "convert")
@@ -48,8 +48,7 @@ class DeltaFormerMixer(ContinuingMixer):
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        if not 0.0 < spec["beta_init"] < 1.0:
-            raise ValueError(f"{where}: option 'beta_init' must be in (0, 1), got {spec['beta_init']!r}")
+        check_open_unit(spec, where, "beta_init")
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)

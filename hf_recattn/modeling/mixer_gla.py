@@ -31,7 +31,7 @@ from torch import nn
 
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
-from .options import Option
+from .options import Option, check_not_above
 from .output_norms import OutputNorm
 
 INITS = ("scratch", "convert")
@@ -76,11 +76,7 @@ class GLAMixer(Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         if not spec["gate_temperature"] > 0.0:
             raise ValueError(f"{where}: option 'gate_temperature' must be > 0, got {spec['gate_temperature']!r}")
-        if spec["half_life_min"] > spec["half_life_max"]:
-            raise ValueError(
-                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
-                f"({spec['half_life_max']})"
-            )
+        check_not_above(spec, where, "half_life_min", "half_life_max")
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)

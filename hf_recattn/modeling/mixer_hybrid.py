@@ -49,7 +49,7 @@ from .mixer_delta import DeltaMixer
 from .mixer_linear import LinearMixer
 from .mixer_taylor import TaylorMixer
 from .ops_linear import linear_chunked, linear_parallel, linear_step
-from .options import Option
+from .options import Option, check_open_unit
 
 FAR_MIXERS = ("linear", "taylor", "delta")
 COMBINE = ("shared", "sum")
@@ -127,8 +127,7 @@ class HybridMixer(Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         from .mixers import validate_spec  # the registry imports this module
 
-        if not 0.0 < spec["mix_init"] < 1.0:
-            raise ValueError(f"{where}: option 'mix_init' must be in (0, 1), got {spec['mix_init']!r}")
+        check_open_unit(spec, where, "mix_init")
         if spec["far"] == NO_FAR:
             return
         far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])

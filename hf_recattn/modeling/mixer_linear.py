@@ -15,7 +15,7 @@ from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_linear import linear_chunked, linear_parallel, linear_scores, linear_step, noncausal_linear
 from .ops_taylor import taylor_chunked
-from .options import Option
+from .options import Option, check_not_above, check_open_unit
 from .output_norms import OUTPUT_NORMS, OutputNorm
 from .sink import AttentionSink
 
@@ -48,19 +48,10 @@ class LinearMixer(Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         if spec["decay"] != "none" and not spec["causal"]:
             raise ValueError(f"{where}: option 'decay' needs causal=True (a decayed state has a direction)")
-        if spec["half_life_min"] > spec["half_life_max"]:
-            raise ValueError(
-                f"{where}: option 'half_life_min' ({spec['half_life_min']}) is above 'half_life_max' "
-                f"({spec['half_life_max']})"
-            )
+        check_not_above(spec, where, "half_life_min", "half_life_max")
         for name in ("gamma_min", "gamma_max"):
-            value = spec[name]
-            if value is not None and not 0.0 < value < 1.0:
-                raise ValueError(f"{where}: option {name!r} must be in (0, 1) (a decay factor), got {value!r}")
-        if spec["gamma_max"] is not None and spec["gamma_min"] > spec["gamma_max"]:
-            raise ValueError(
-                f"{where}: option 'gamma_min' ({spec['gamma_min']}) is above 'gamma_max' ({spec['gamma_max']})"
-            )
+            check_open_unit(spec, where, name, " (a decay factor)")
+        check_not_above(spec, where, "gamma_min", "gamma_max")
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)

@@ -47,6 +47,25 @@ class Option:
 SpecCheck = Callable[[dict[str, Any], str], None]
 
 
+def check_open_unit(spec: Mapping[str, Any], where: str, name: str, what: str = "") -> None:
+    """Raise unless option ``name`` is None or strictly between 0 and 1 (``what``: what it is, for the message)."""
+    value = spec[name]
+    if value is not None and not 0.0 < value < 1.0:
+        raise ValueError(f"{where}: option {name!r} must be in (0, 1){what}, got {value!r}")
+
+
+def check_not_above(spec: Mapping[str, Any], where: str, low: str, high: str) -> None:
+    """Raise if option ``low`` is above option ``high`` (nothing to compare where either is None)."""
+    if spec[low] is not None and spec[high] is not None and spec[low] > spec[high]:
+        raise ValueError(f"{where}: option {low!r} ({spec[low]}) is above {high!r} ({spec[high]})")
+
+
+def check_gate_after_norm(spec: Mapping[str, Any], where: str) -> None:
+    """An output gate multiplies the normalized output, so it needs ``output_norm``."""
+    if spec["output_gate"] and not spec["output_norm"]:
+        raise ValueError(f"{where}: option 'output_gate' needs output_norm=True (the gate follows the norm)")
+
+
 def resolve_options(
     spec: Mapping[str, Any], options: Mapping[str, Option], where: str, extra_check: SpecCheck | None = None
 ) -> dict[str, Any]:
