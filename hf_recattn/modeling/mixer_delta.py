@@ -31,7 +31,7 @@ from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, st
 from .ops_delta import delta_chunked, delta_parallel, delta_step
 from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
 from .output_norms import OutputNorm
-from .short_conv import ShortConvolution, conv_step
+from .short_conv import ShortConvolution, conv_step, convolve_streams
 
 ACTIVATIONS = ("none", "silu")
 QK_NORMS = ("l2", "none")
@@ -134,19 +134,7 @@ class DeltaMixer(Mixer):
             extra_k, extra_v = inputs.linear("extra_kv", self.extra_kv_weight).chunk(2, dim=-1)
             streams["conv_k"] = torch.cat([streams["conv_k"], extra_k], dim=-1)
             streams["conv_v"] = torch.cat([streams["conv_v"], extra_v], dim=-1)
-        mask = inputs.token_mask
-        new_state: State = {}
-        for name, stream in streams.items():
-            if mask is not None:  # padded tokens enter the convolution as zeros
-                stream = stream * mask[..., None].to(stream.dtype)
-            if name in self.convs:
-                old = None if state is None else state[name]
-                stream, new_state[name] = self.convs[name](stream, old)
-                if mask is not None and old is not None and t == 1:  # a padded step leaves the inputs kept
-                    new_state[name] = torch.where(mask[:, :, None], new_state[name], old)
-            if self.spec["activation"] == "silu":
-                stream = F.silu(stream)
-            streams[name] = stream
+        streams, new_state = convolve_streams(streams, self.convs, state, inputs.token_mask, self.spec["activation"])
         q = group_queries(streams["conv_q"].view(b, t, h, d).transpose(1, 2), hk)
         k = streams["conv_k"].view(b, t, n, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t * n, d)
         v = streams["conv_v"].view(b, t, n, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t * n, d)

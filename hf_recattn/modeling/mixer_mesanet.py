@@ -35,7 +35,7 @@ from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, st
 from .ops_mesanet import SOLVERS, mesa_chunked, mesa_parallel, mesa_step
 from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
 from .output_norms import OutputNorm
-from .short_conv import ShortConvolution
+from .short_conv import ShortConvolution, convolve_streams
 
 ACTIVATIONS = ("none", "silu")
 QK_NORMS = ("l2", "none")
@@ -163,19 +163,7 @@ class MesaMixer(Mixer):
         b, h, t, d = q.shape
         hk = self.shape.num_kv_heads
         streams = {"conv_q": q.transpose(1, 2).reshape(b, t, h * d), "conv_k": k.transpose(1, 2).reshape(b, t, hk * d)}
-        mask = inputs.token_mask
-        new_state: State = {}
-        for name, stream in streams.items():
-            if mask is not None:  # padded tokens enter the convolution as zeros
-                stream = stream * mask[..., None].to(stream.dtype)
-            if name in self.convs:
-                old = None if state is None else state[name]
-                stream, new_state[name] = self.convs[name](stream, old)
-                if mask is not None and old is not None and t == 1:  # a padded step leaves the inputs kept
-                    new_state[name] = torch.where(mask[:, :, None], new_state[name], old)
-            if self.spec["activation"] == "silu":
-                stream = F.silu(stream)
-            streams[name] = stream
+        streams, new_state = convolve_streams(streams, self.convs, state, inputs.token_mask, self.spec["activation"])
         q = group_queries(streams["conv_q"].view(b, t, h, d).transpose(1, 2), hk)
         k = streams["conv_k"].view(b, t, hk, d).transpose(1, 2)
         return self._qk_norm(q), self._qk_norm(k), new_state

@@ -23,6 +23,31 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tup
     return (seq * weight.to(x.dtype)).sum(-1), seq[:, :, 1:]
 
 
+def convolve_streams(
+    streams: dict[str, torch.Tensor],
+    convs: nn.ModuleDict,
+    state: dict[str, torch.Tensor] | None,
+    mask: torch.Tensor | None,
+    activation: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each stream [B, T, channels] through the convolution of its name in ``convs`` (if any), then SiLU when
+    ``activation`` is ``silu``. Padded tokens (``mask`` False, [B, T]) enter as zeros, and a padded one-token step
+    keeps the old inputs. Returns the streams and the convolutions' new states, by name."""
+    t = next(iter(streams.values())).shape[1]
+    out: dict[str, torch.Tensor] = {}
+    new_state: dict[str, torch.Tensor] = {}
+    for name, stream in streams.items():
+        if mask is not None:  # padded tokens enter the convolution as zeros
+            stream = stream * mask[..., None].to(stream.dtype)
+        if name in convs:
+            old = None if state is None else state[name]
+            stream, new_state[name] = convs[name](stream, old)
+            if mask is not None and old is not None and t == 1:  # a padded step leaves the inputs kept
+                new_state[name] = torch.where(mask[:, :, None], new_state[name], old)
+        out[name] = F.silu(stream) if activation == "silu" else stream
+    return out, new_state
+
+
 class ShortConvolution(nn.Module):
     """Depthwise causal convolution of ``size`` taps over ``channels`` channels (``size`` >= 1)."""
 
