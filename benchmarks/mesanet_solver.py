@@ -22,7 +22,7 @@ import torch
 from decode import llama_model, recattn_model
 
 from hf_recattn import RecAttnForCausalLM
-from hf_recattn.data.corpus import embedded_texts
+from hf_recattn.data.corpus import embedded_texts, token_blocks
 from hf_recattn.modeling import ops_mesanet
 
 
@@ -52,17 +52,7 @@ def text_ids(folder: str, length: int) -> torch.Tensor:
     """[1, length] tokens of the embedded corpus, by the checkpoint's own tokenizer."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    texts, chars = [], 0
-    for text in embedded_texts():
-        texts.append(text)
-        chars += len(text)
-        if chars > 8 * length:  # comfortably more than `length` tokens
-            break
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[:, :length]
-    if ids.shape[1] < length:
-        raise SystemExit(f"the embedded corpus gave {ids.shape[1]} tokens, fewer than --contexts {length}")
-    return ids
+    return token_blocks(AutoTokenizer.from_pretrained(folder), embedded_texts(), length, max_tokens=length)
 
 
 def models(args: argparse.Namespace, max_positions: int) -> dict[str, tuple[RecAttnForCausalLM, torch.Tensor]]:

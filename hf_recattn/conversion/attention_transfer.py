@@ -197,12 +197,9 @@ def teacher_log_weights(
     """[B, H, T, T]: log of a Llama-shaped teacher layer's causal softmax attention weights on its captured input,
     from its own q/k projections and the rotary embedding (the same for teacher and student)."""
     attn = _decoder_layers(teacher)[layer_idx].self_attn
-    config = teacher.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     b, t, _ = hidden.shape
-    q = attn.q_proj(hidden).view(b, t, heads, head_dim).transpose(1, 2)
-    k = attn.k_proj(hidden).view(b, t, kv_heads, head_dim).transpose(1, 2)
+    q = attn.q_proj(hidden).view(b, t, -1, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(hidden).view(b, t, -1, attn.head_dim).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = rotate_queries_and_keys(q, k, cos, sin)
     return softmax_log_weights(q, k)
