@@ -23,7 +23,7 @@ import torch
 
 from hf_recattn import from_llama
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.eval()
-    _, heldout_texts = split_heldout(load_texts(), 0.05, seed=0)
+    _, heldout_texts = load_splits()
     blocks = token_blocks(tokenizer, heldout_texts, args.block_size, max_tokens=args.heldout_tokens, seed=0)
     t = args.block_size
     query, key = torch.arange(t)[:, None], torch.arange(t)[None, :]

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.data.corpus import load_splits, token_blocks
 
 
 @torch.no_grad()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.config._attn_implementation = "eager"  # attention probabilities come back only from eager attention
-    _, heldout = split_heldout(load_texts(), 0.05, seed=0)
+    _, heldout = load_splits()
     short = token_blocks(tokenizer, heldout, max(args.segment, args.gap), max_tokens=None, seed=0)
     if short.shape[0] < 2 * args.pairs:
         raise SystemExit(f"the held-out text gives {short.shape[0]} blocks, fewer than 2 x --pairs")

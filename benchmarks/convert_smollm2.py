@@ -37,7 +37,7 @@ from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.finetune import finetune
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import clean_text, load_texts, split_heldout, token_blocks
+from hf_recattn.data.corpus import clean_text, embedded_texts, load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
 
 DEFAULT_RECIPES = ("hybrid-w64-hedgehog", "hybrid-w64-taylor2", "linear-hedgehog", "taylor2-norm", "heinsen")
@@ -63,9 +63,10 @@ class _PerplexityCallback(TrainerCallback):
 
 
 def ood_blocks(paths: list[str], tokenizer: Any, block_size: int, max_tokens: int) -> torch.Tensor:
-    """Held-out blocks from plain text files of another distribution (any suffix; one document per file)."""
-    texts = []
-    for path in paths:
+    """Held-out blocks from another distribution: the embedded corpus's license texts (``embedded``) or plain
+    text files (any suffix; one document per file)."""
+    texts = embedded_texts("ood") if paths == ["embedded"] else []
+    for path in [] if paths == ["embedded"] else paths:
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"--ood: {file} is not a file")
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/convert_smollm2.json")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ood", nargs="+", default=None, metavar="FILE",
-                        help="also measure perplexity on these text files (another distribution than the corpus)")
+                        help="also measure perplexity on another distribution than the corpus: 'embedded' (the "
+                        "corpus's out-of-distribution split, license texts) or text files")
     parser.add_argument("--ood-tokens", type=int, default=4096)
     parser.add_argument("--save", default=None, metavar="DIR", help="save each final student to DIR/<recipe>")
     args = parser.parse_args(argv)
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.requires_grad_(False)
-    train_texts, heldout_texts = split_heldout(load_texts(), 0.05, seed=0)
+    train_texts, heldout_texts = load_splits()
     heldout = token_blocks(tokenizer, heldout_texts, args.block_size, max_tokens=args.heldout_tokens, seed=0)
     t0 = time.perf_counter()
     teacher_ppl = perplexity(teacher, heldout, batch_size=2)

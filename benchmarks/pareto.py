@@ -42,7 +42,7 @@ from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.evaluation import passkey_probe, perplexity
 from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.requires_grad_(False)
-    _, heldout_texts = split_heldout(load_texts(), 0.05, seed=0)
+    _, heldout_texts = load_splits()
     evals = {"in-distribution": token_blocks(tokenizer, heldout_texts, args.block_size,
                                              max_tokens=args.heldout_tokens, seed=0)}
     if args.ood:

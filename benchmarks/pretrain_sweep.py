@@ -11,7 +11,7 @@ same order with the same hyperparameters; only the mixer of every layer differs.
   mixer's own parameters (gates, norms, convolutions) are initialized by the model from the same seed.
 * Tokenizer: a byte-level BPE with ``--vocab`` (4096) entries trained with ``tokenizers`` on the first 2M
   characters of the training split, so that the embedding does not dominate the model as SmolLM2's 49k would.
-* Data: the embedded corpus (``hf_recattn.data.corpus.load_texts``), split by ``split_heldout`` (5%, seed 0),
+* Data: the embedded corpus (``hf_recattn.data.corpus``), with its fixed held-out split (``load_splits``),
   packed into blocks of 256 tokens (``token_blocks``); the training blocks are shuffled once with the seed and
   read in that order (Trainer's sequential sampler) by every run; 32 held-out blocks (8,192 tokens).
 * Training: transformers' Trainer, fp32, batch 8 x 256 = 2,048 tokens per step, 100 steps (205k tokens), AdamW
@@ -210,10 +210,10 @@ def build_data(config: dict[str, Any], seed: int) -> tuple[Any, Any, str]:
     """(train blocks [N, T] in training order, held-out blocks, tokenizer digest)."""
     import torch
 
-    from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+    from hf_recattn.data.corpus import load_splits, token_blocks
 
     data, train = config["data"], config["train"]
-    train_texts, heldout_texts = split_heldout(load_texts(), data["heldout_fraction"], seed=0)
+    train_texts, heldout_texts = load_splits(None, data["heldout_fraction"])
     tokenizer = train_tokenizer(train_texts, config["tokenizer"]["vocab_size"],
                                 config["tokenizer"]["trained_on_chars"])
     digest = hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]

@@ -30,7 +30,7 @@ import torch
 from hf_recattn import from_llama
 from hf_recattn.conversion.retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import embedded_texts, split_heldout
+from hf_recattn.data.corpus import embedded_texts
 from hf_recattn.evaluation import _passkey_ids, passkey_probe
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
 from hf_recattn.recall import Fact, RecallPrompt
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.objective == "passkey-format":
         prompts = passkey_format(tokenizer, args.context, args.prompts)
     else:
-        prompts = recall_objective(tokenizer, split_heldout(embedded_texts())[0], args.context, args.prompts)
+        prompts = recall_objective(tokenizer, embedded_texts("train"), args.context, args.prompts)
     rows = []
     print(f"model {args.model}, objective {args.objective}, {len(prompts)} prompts of {args.context} tokens")
     print("| budget | heads kept | selection prompts answered | cache @8192 / teacher | passkey " +

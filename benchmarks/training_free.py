@@ -20,7 +20,7 @@ import torch
 
 from hf_recattn import from_llama
 from hf_recattn.conversion.teacher import load_teacher
-from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
 
 SPECS: dict[str, dict[str, Any]] = {
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher, tokenizer = load_teacher(args.teacher)
-    _, heldout_texts = split_heldout(load_texts(), 0.05, seed=0)
+    _, heldout_texts = load_splits()
     blocks = token_blocks(tokenizer, heldout_texts, args.block_size, max_tokens=args.heldout_tokens, seed=0)
     with torch.no_grad():
         teacher_logits = teacher(input_ids=blocks[:1]).logits

@@ -258,6 +258,24 @@ def add_zoo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def add_corpus(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("corpus", help="the embedded corpus: version, checksum, sources, split sizes; export its splits")
+    p.add_argument("--write", metavar="DIR", default=None, help="write the splits (train, heldout, ood) to DIR")
+    p.add_argument("--format", choices=("jsonl", "dataset"), default="jsonl",
+                   help="jsonl: DIR/SPLIT.jsonl with fields id, text; dataset: a datasets DatasetDict (save_to_disk)")
+    p.add_argument("--tokenizer", default="embedded", help="count tokens with this teacher's tokenizer")
+    p.add_argument("--no-tokens", action="store_true", help="skip the token counts (no tokenizer is loaded)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the cached corpus from its archives")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    def run(args: argparse.Namespace) -> int:
+        from .corpus_command import run_corpus
+
+        return run_corpus(args)
+
+    p.set_defaults(handler=run)
+
+
 def _training_run(command: str, run: Callable[[], Any]) -> int:
     """Run a pretrain / finetune job: a missing file is a clear error, an interrupt says how to resume."""
     import os
@@ -313,7 +331,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_state_size, add_mixers, add_demo, add_eval, add_generate
 ]
 SUBCOMMANDS += [add_convert, add_push, add_zoo]
-SUBCOMMANDS += [add_pretrain, add_finetune]
+SUBCOMMANDS += [add_pretrain, add_finetune, add_corpus]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,13 +46,13 @@ def recall_sizes(args: argparse.Namespace) -> RecallSizes:
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
     from .conversion.teacher import load_causal_lm, load_teacher
-    from .data.corpus import load_texts, split_heldout, token_blocks
+    from .data.corpus import load_splits, token_blocks
     from .evaluation import comparison_table, evaluate, write_report
 
     sizes = recall_sizes(args)  # bad sizes fail before any model is loaded
     torch.manual_seed(args.seed)
     model, tokenizer = load_causal_lm(args.checkpoint)
-    _, heldout = split_heldout(load_texts(args.corpus), seed=args.seed)
+    _, heldout = load_splits(args.corpus, seed=args.seed)
     blocks = token_blocks(tokenizer, heldout, args.block_size, max_tokens=args.tokens, seed=args.seed)
     print(f"held-out: {blocks.shape[0]} blocks of {blocks.shape[1]} tokens from {args.corpus or 'embedded'}",
           file=sys.stderr)

@@ -156,7 +156,8 @@ def convert(
 
     Returns the report (also written to ``output/report.json``).
     """
-    from ..data.corpus import load_texts, split_heldout, token_blocks
+    from ..data.corpus import is_embedded, load_splits, token_blocks
+    from ..provenance import provenance
     from .finetune import finetune
     from .from_llama import from_llama
     from .teacher import load_teacher, teacher_license, teacher_name
@@ -185,8 +186,7 @@ def convert(
 
     t0 = time.perf_counter()
     log(f"[2/5] preparing data ({data or 'embedded corpus'})")
-    texts = load_texts(data)
-    train_texts, heldout_texts = split_heldout(texts, recipe.eval.heldout_fraction, seed=0)
+    train_texts, heldout_texts = load_splits(data, recipe.eval.heldout_fraction)
     timings["load_data"] = time.perf_counter() - t0
 
     model_dir = output / "model"
@@ -273,6 +273,7 @@ def convert(
             _evaluate_all(recipe, teacher_model, student, tokenizer, heldout_texts, log, token_blocks)
         )
         timings["evaluate"] = time.perf_counter() - t0
+    report["provenance"] = provenance(corpus=is_embedded(data))
     report["sample"] = sample_through_cache(
         student, tokenizer, recipe.eval.sample_prompt, recipe.eval.sample_tokens, log
     )

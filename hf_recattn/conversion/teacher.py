@@ -185,6 +185,18 @@ def _load_gguf(
     return model.to(dtype), tokenizer
 
 
+def teacher_tokenizer(spec: str = EMBEDDED) -> PreTrainedTokenizerBase:
+    """The tokenizer of a teacher, without loading its weights (the cached copy's, for a GGUF read before)."""
+    kind, where = _resolve(spec)
+    if kind != "gguf":
+        return AutoTokenizer.from_pretrained(str(where))
+    cached = _gguf_cache_dir(where)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    _check_gguf_file(where)
+    return AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
+
+
 def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     """Save a plain copy atomically (a temporary folder renamed into place); failures only cost speed."""
     try:

