@@ -1,4 +1,4 @@
-"""Corpus sources, the embedded-corpus builder (on a fake install), held-out splits and token packing."""
+"""Corpus sources (local files, saved datasets), held-out splits and token packing."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ import pytest
 import torch
 from tiny_lm import tiny_tokenizer
 
-from hf_recattn.data import corpus
 from hf_recattn.data.corpus import clean_text, load_texts, split_heldout, token_blocks
-
-PROSE = ("This module explains how the parser reads a file and turns each line into a record. "
-         "Every record keeps the original text and the position where it was found in the input.\n\n"
-         "Errors are reported with the line number so that a user can fix the input quickly. ") * 2
 
 
 @pytest.fixture(autouse=True)
@@ -79,65 +74,6 @@ def test_clean_text() -> None:
     assert clean_text("a \r\nb\x00\x07c\t\n\n\n\n\nd  ") == "a\nbc\n\nd"
 
 
-# ----- the embedded corpus, built from a fake install ---------------------------------------------
-def _fake_install(root: Path) -> Path:
-    lib = root / "lib"
-    (lib / "pkg" / "tests").mkdir(parents=True)
-    (lib / "pkg" / "__init__.py").write_text(f'"""{PROSE}"""\n\ndef f():\n    """{PROSE}"""\n    return 1\n')
-    (lib / "pkg" / "short.py").write_text('"""Too short to keep."""\n')
-    (lib / "pkg" / "tests" / "test_x.py").write_text(f'"""{PROSE} (a test file)"""\n')
-    (lib / "pkg" / "LICENSE.txt").write_text(PROSE + " licensed text")
-    (lib / "pkg" / "guide.md").write_text("# Guide\n\n" + PROSE)
-    (lib / "pkg" / "copy.rst").write_text("# Guide\n\n" + PROSE)  # the same text again: deduplicated
-    (lib / "pkg" / "numbers.txt").write_text("1 2 3 4 5 6 7 8\n" * 80)
-    (lib / "pkg" / "broken.py").write_text("def (:\n")
-    return lib
-
-
-def test_embedded_builder_reads_docstrings_and_docs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lib = _fake_install(tmp_path)
-    monkeypatch.setattr(corpus, "_roots", lambda: [("site", lib)])
-    texts = corpus.build_embedded_corpus(max_chars=10**6)
-    assert len(texts) == 2  # __init__'s docstrings, and one of guide.md / copy.rst (identical texts)
-    docstrings = next(t for t in texts if not t.startswith("# Guide"))
-    assert docstrings == clean_text(PROSE + "\n\n" + PROSE)  # module then function docstring, cleaned
-    assert all("a test file" not in t and "licensed" not in t and "1 2 3" not in t for t in texts)
-    assert corpus.build_embedded_corpus(max_chars=10**6) == texts  # deterministic
-    assert len(corpus.build_embedded_corpus(max_chars=10)) == 1  # stops once max_chars is reached
-
-
-def test_optional_extras_leave_the_corpus_and_its_key_unchanged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    lib = _fake_install(tmp_path)
-    monkeypatch.setattr(corpus, "_roots", lambda: [("site", lib)])
-    texts, key = corpus.build_embedded_corpus(max_chars=10**6), corpus._environment_key(10**6)
-    (lib / "triton").mkdir()  # an optional extra, installed with its RECORD
-    (lib / "triton" / "language.py").write_text(f'"""{PROSE}"""\n')
-    info = lib / "triton-3.9.0.dist-info"
-    info.mkdir()
-    (info / "RECORD").write_text("triton/language.py,sha256=x,1\ntriton-3.9.0.dist-info/RECORD,,\n")
-    assert corpus.build_embedded_corpus(max_chars=10**6) == texts
-    assert corpus._environment_key(10**6) == key
-    other = lib / "other-1.0.dist-info"  # any other distribution changes the key
-    other.mkdir()
-    assert corpus._environment_key(10**6) != key
-
-
-def test_embedded_texts_are_cached_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lib = _fake_install(tmp_path)
-    monkeypatch.setattr(corpus, "_roots", lambda: [("site", lib)])
-    first = load_texts()
-    files = list((tmp_path / "cache" / "corpus").iterdir())
-    assert len(files) == 1 and files[0].suffix == ".jsonl"  # no temporary file left behind
-
-    def fail(*_args: object) -> list[str]:
-        raise AssertionError("rebuilt although cached")
-
-    monkeypatch.setattr(corpus, "build_embedded_corpus", fail)
-    assert load_texts("embedded") == first
-
-
 # ----- held-out split -----------------------------------------------------------------------------
 def test_split_is_deterministic_disjoint_and_order_free() -> None:
     texts = [f"document number {i}" for i in range(1000)] + ["duplicate"] * 5
@@ -194,15 +130,3 @@ def test_token_blocks_errors() -> None:
     tok.eos_token = None
     with pytest.raises(ValueError, match="eos"):
         token_blocks(tok, ["short text"], block_size=2)
-
-
-# ----- the real embedded corpus (opt-in) ----------------------------------------------------------
-@pytest.mark.slow
-def test_real_embedded_corpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HF_RECATTN_CACHE")  # the shared cache: built once per environment
-    texts = load_texts()
-    assert sum(map(len, texts)) >= 2_000_000 and len(texts) >= 200
-    assert load_texts() == texts
-    assert len(set(texts)) == len(texts)
-    train, held = split_heldout(texts)
-    assert sum(map(len, held)) >= 100_000  # enough for 16k held-out tokens
