@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import clean_text, embedded_texts, load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
+from hf_recattn.provenance import provenance
 
 DEFAULT_RECIPES = ("hybrid-w64-hedgehog", "hybrid-w64-taylor2", "linear-hedgehog", "taylor2-norm", "heinsen")
 
@@ -153,13 +153,17 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
         tokenizer.save_pretrained(Path(args.save) / name)
 
 
+def _ood_name(files: list[str]) -> str:
+    return "the embedded corpus's license texts" if files == ["embedded"] else ", ".join(files)
+
+
 def table(results: dict[str, Any]) -> str:
     has_ood = "ood_teacher_perplexity" in results
     lines = [f"teacher perplexity {results['teacher_perplexity']:.2f} on {results['heldout_tokens']} held-out "
              f"tokens (blocks of {results['block_size']})"]
     if has_ood:
         lines.append(f"teacher perplexity {results['ood_teacher_perplexity']:.2f} on {results['ood_tokens']} "
-                     f"out-of-distribution tokens ({', '.join(results['ood_files'])})")
+                     f"out-of-distribution tokens ({_ood_name(results['ood_files'])})")
     ood_head = (" ood perplexity | ood x teacher |", "---:|---:|") if has_ood else ("", "")
     lines += ["", "| recipe | stage | training tokens (stage 1 + stage 2) | perplexity | x teacher |" + ood_head[0],
               "|---|---|---:|---:|---:|" + ood_head[1]]
@@ -169,6 +173,9 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {row['stage']} | {row['stage1_tokens']:,} + {row['stage2_tokens']:,} | "
                          f"{row['perplexity']:.2f} | {row['ratio']:.3f} |{ood}")
     return "\n".join(lines)
+
+
+render_markdown = table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher_ppl = perplexity(teacher, heldout, batch_size=2)
     results: dict[str, Any] = {
         "teacher": args.teacher, "teacher_perplexity": teacher_ppl, "heldout_tokens": int(heldout.numel()),
-        "block_size": args.block_size, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(), "command": " ".join(sys.argv),
+        "block_size": args.block_size, "benchmark": "convert_smollm2", "provenance": provenance(["python", *sys.argv]),
         "teacher_eval_seconds": time.perf_counter() - t0, "recipes": {},
     }
     print(f"teacher perplexity {teacher_ppl:.2f} on {heldout.numel()} held-out tokens", flush=True)

@@ -6,7 +6,7 @@ For the teacher, training-free swaps of its attention (``--swap NAME=SPEC``) and
 * cache per sequence at ``--context`` tokens (MiB, fp32: every state element counted at 4 bytes; in a bf16 model
   keys, values and windows halve while accumulating states stay fp32) and its share of the teacher's KV cache,
 * held-out perplexity on the embedded corpus (the split ``hf-recattn convert`` evaluates on) and on
-  ``--ood`` text files, as ratios to the teacher,
+  ``--ood`` text (default: the corpus's license texts), as ratios to the teacher,
 * passkey retrieval (``--passkey-lengths``, keys at depths 0.1 / 0.5 / 0.9) and associative recall
   (``--recall-lengths``, 1 / 4 / 16 planted pairs, teacher-forced).
 
@@ -14,10 +14,9 @@ Results go to ``--out`` (JSON, rewritten after every model; a rerun with the sam
 already measured), a markdown table is printed, and ``--plot`` draws cache size against perplexity ratio and
 recall (matplotlib).
 
-    L=/usr/share/common-licenses
     nice python benchmarks/pareto.py --threads 2 \\
         --swap 'window-64+4-sinks={"mixer": "hybrid", "window": 64, "far": "none", "sink_tokens": 4}' \\
-        --converted runs/hybrid-w64-sink4-hedgehog --ood $L/Apache-2.0 $L/GPL-3 \\
+        --converted runs/hybrid-w64-sink4-hedgehog \\
         --out benchmarks/results/pareto_cpu.json --plot docs/pareto.png
 """
 
@@ -26,8 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,9 +40,11 @@ from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
+from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation import passkey_probe, perplexity
 from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
+from hf_recattn.provenance import provenance
 from hf_recattn.recall import associative_recall_probe
 from hf_recattn.state_size import state_size_report
 
@@ -117,9 +116,9 @@ def measure(model: torch.nn.Module, tokenizer: Any, evals: dict[str, torch.Tenso
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in ("context", "heldout_tokens", "ood", "ood_tokens", "block_size",
-                                                 "passkey_lengths", "passkey_trials", "recall_lengths",
-                                                 "recall_trials")}
+    keys = ("context", "heldout_tokens", "ood", "ood_tokens", "block_size", "passkey_lengths", "passkey_trials",
+            "recall_lengths", "recall_trials")
+    return {"corpus": CORPUS_SHA256} | {key: getattr(args, key) for key in keys}
 
 
 # ----- output -----------------------------------------------------------------------------------------------
@@ -149,6 +148,9 @@ def table(results: dict[str, Any]) -> str:
         cells.append(f"{row['training_tokens']:,}" if row.get("training_tokens") is not None else "0")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+render_markdown = table
 
 
 def plot(results: dict[str, Any], path: str) -> str:
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=8192, help="context of the cache-size column")
     parser.add_argument("--heldout-tokens", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--ood", nargs="*", default=[], metavar="FILE", help="out-of-distribution text files")
+    parser.add_argument("--ood", nargs="*", default=["embedded"], metavar="FILE",
+                        help="out-of-distribution text: 'embedded' (the corpus's license texts, default) or files")
     parser.add_argument("--ood-tokens", type=int, default=4096)
     parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--passkey-trials", type=int, default=6)
@@ -222,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         earlier = json.loads(out.read_text())
         if earlier.get("settings") == results["settings"]:
             results["models"] = earlier.get("models", {})
-    results.update(command=shlex.join(["python", *sys.argv]), torch=torch.__version__,
-                   threads=torch.get_num_threads(), machine=platform.processor() or platform.machine())
+    results.update(benchmark="pareto", provenance=provenance(["python", *sys.argv]))
 
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.requires_grad_(False)

@@ -14,6 +14,7 @@ from typing import Any
 
 from .conversion.recipe import report_training_tokens
 from .model_card import BYTES_PER_ELEMENT, build_model_card, read_config
+from .provenance import provenance_line
 from .state_size import state_size_report
 
 ZOO_FILE = Path(__file__).parent / "zoo.json"
@@ -37,6 +38,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     report = json.loads(report_path.read_text())
     if not report.get("student") or not report.get("comparison"):
         raise ValueError(f"{report_path}: the conversion ran without evaluation (--no-eval); rerun it with it")
+    if not isinstance(report.get("provenance"), dict):
+        raise ValueError(f"{report_path}: no provenance record (written by an older hf_recattn); rerun the conversion")
     config = read_config(run / "model")
     rows = state_size_report(config, STATE_CONTEXT)
     state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
@@ -65,6 +68,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "command": f"hf-recattn convert --teacher embedded --recipe {recipe['name']} --budget {budget} "
         f"--output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
+        "provenance": report["provenance"],
     }
 
 
@@ -89,6 +93,19 @@ def format_zoo(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def common_provenance(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The provenance the entries share (the first one's); ValueError when they were measured on different
+    corpora or machines, which one table must not mix."""
+    first = entries[0]["provenance"]
+    for entry in entries[1:]:
+        other = entry["provenance"]
+        for key in ("corpus", "machine"):
+            if other.get(key) != first.get(key):
+                raise ValueError(f"zoo entries {entries[0]['name']} and {entry['name']} differ in {key} "
+                                 f"({first.get(key)} / {other.get(key)}); rebuild them on one")
+    return first
+
+
 def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, command: str) -> list[dict[str, Any]]:
     """Entries, cards and index for ``run_dirs``, written into ``out_dir``; ``command`` is printed in the index."""
     from .evaluation import _atomic_write
@@ -98,7 +115,9 @@ def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, com
     for entry, run in pairs:
         _atomic_write(out / entry["card"], str(build_model_card(run / "model", entry["name"])))
     entries = [entry for entry, _ in pairs]
-    _atomic_write(out / "zoo.json", json.dumps({"command": command, "entries": entries}, indent=2) + "\n")
+    record = common_provenance(entries)
+    index_data = {"command": command, "provenance": record, "entries": entries}
+    _atomic_write(out / "zoo.json", json.dumps(index_data, indent=2) + "\n")
     index = [
         "# The hf_recattn zoo",
         "",
@@ -113,6 +132,8 @@ def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, com
         f"```bash\n{command}\n```",
         "",
         format_zoo(entries),
+        "",
+        provenance_line(record),
         "",
         "`templates/model_card.md` is the template every card (and every `hf-recattn push`) is rendered from.",
     ]

@@ -35,6 +35,12 @@ def save_checkpoint(folder: Path, layers: list[dict[str, Any]] = LAYERS) -> Path
     return folder
 
 
+PROVENANCE = {"date": "2026-01-02", "commit": "0123456789abcdef", "command": "hf-recattn convert ...",
+              "packages": {"torch": "2.13.0", "transformers": "5.24.0"}, "threads": 1,
+              "machine": {"cpu": "Some CPU", "cores": 2, "gpu": None, "platform": "Linux"},
+              "corpus": {"version": 3, "sha256": "ab" * 32}}
+
+
 def fake_report(ppl: float = 11.5, teacher_ppl: float = 10.0, passkey: float = 0.5) -> dict[str, Any]:
     row = {"perplexity": ppl, "eval_tokens": 128, "block_size": 32,
            "passkey": {"accuracy": {"1024": passkey}, "mean_accuracy": passkey}}
@@ -46,6 +52,7 @@ def fake_report(ppl: float = 11.5, teacher_ppl: float = 10.0, passkey: float = 0
                    "stage1": {"tokens": 1000}, "stage2": {"tokens": 500}},
         "student": row,
         "comparison": {"teacher": {"perplexity": teacher_ppl, "passkey": {"mean_accuracy": 1.0}}, "tiny": row},
+        "provenance": PROVENANCE,
     }
 
 
@@ -162,7 +169,18 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
     assert zoo_entries(tmp_path / "cards" / "zoo.json") == entries
     index = (tmp_path / "cards" / "README.md").read_text()
     assert format_zoo(entries) in index and "python scripts/build_zoo.py ..." in index
+    assert "Measured on embedded corpus v3 (sha256 abababababab); Some CPU, 2 cores; 1 thread" in index
+    assert json.loads((tmp_path / "cards" / "zoo.json").read_text())["provenance"] == PROVENANCE
     assert ModelCard.load(tmp_path / "cards" / "hyb.md").data.model_name == "smollm2-135m-hyb"
+    other = json.loads((runs[1] / "report.json").read_text())
+    other["provenance"] = {**PROVENANCE, "corpus": {"version": 2, "sha256": "cd" * 32}}
+    (runs[1] / "report.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="zoo entries .* differ in corpus"):
+        build_zoo(runs, tmp_path / "cards2", "python scripts/build_zoo.py ...")
+    del other["provenance"]
+    (runs[1] / "report.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="no provenance record"):
+        entry_from_run(runs[1])
     (runs[0] / "report.json").unlink()
     with pytest.raises(ValueError, match="report.json: no conversion report"):
         entry_from_run(runs[0])
