@@ -267,6 +267,7 @@ def add_corpus(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-tokens", action="store_true", help="skip the token counts (no tokenizer is loaded)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached corpus from its archives")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--out", metavar="FILE", default=None, help="also write the report with its provenance as JSON")
 
     def run(args: argparse.Namespace) -> int:
         from .corpus_command import run_corpus

@@ -58,6 +58,17 @@ def format_corpus_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(report: dict[str, Any]) -> str:
+    """The per-split table of a report (for docs/corpus.md)."""
+    with_tokens = all("tokens" in row for row in report["splits"].values())
+    head = "| split | documents | characters |" + (" tokens (SmolLM2 tokenizer) |" if with_tokens else "") + " sha256 |"
+    lines = [head, "|---|---:|---:|" + ("---:|" if with_tokens else "") + "---|"]
+    for split, row in report["splits"].items():
+        tokens = f" {row['tokens']:,} |" if with_tokens else ""
+        lines.append(f"| {split} | {row['documents']:,} | {row['characters']:,} |{tokens} `{row['sha256'][:16]}…` |")
+    return "\n".join(lines)
+
+
 def run_corpus(args: argparse.Namespace) -> int:
     corpus = embedded_corpus(refresh=args.rebuild)
     tokenizer = None
@@ -66,6 +77,11 @@ def run_corpus(args: argparse.Namespace) -> int:
 
         tokenizer = teacher_tokenizer(args.tokenizer)
     report = corpus_report(corpus, tokenizer)
+    if args.out:
+        from .conversion.checkpoints import atomic_write_json
+        from .provenance import provenance
+
+        atomic_write_json(Path(args.out), {**report, "benchmark": "corpus", "provenance": provenance()})
     if args.json:
         print(json.dumps(report, indent=2))
     else:

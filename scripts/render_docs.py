@@ -10,7 +10,8 @@ A generated table sits between two markers in the markdown:
     <!-- /render -->
 
 RENDERER defaults to the file's "benchmark" field: ``benchmarks/NAME.py`` defines ``render_markdown(results)``.
-``conversion`` renders an ``hf-recattn convert`` report, ``zoo`` the zoo index. Below each table comes the
+``conversion`` renders an ``hf-recattn convert`` report, ``zoo`` the zoo index, ``corpus`` the report of
+``hf-recattn corpus --out``. Below each table comes the
 provenance line of the results (corpus, machine, threads, packages, commit, date): a result file without a
 "provenance" record cannot be rendered.
 """
@@ -43,7 +44,13 @@ def _zoo(index: dict[str, Any]) -> str:
     return format_zoo(index["entries"])
 
 
-BUILT_IN: dict[str, Callable[[dict[str, Any]], str]] = {"conversion": _conversion, "zoo": _zoo}
+def _corpus(report: dict[str, Any]) -> str:
+    from hf_recattn.corpus_command import render_markdown
+
+    return render_markdown(report)
+
+
+BUILT_IN: dict[str, Callable[[dict[str, Any]], str]] = {"conversion": _conversion, "zoo": _zoo, "corpus": _corpus}
 
 
 def renderer(name: str) -> Callable[[dict[str, Any]], str]:

