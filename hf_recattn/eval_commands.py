@@ -46,8 +46,9 @@ def recall_sizes(args: argparse.Namespace) -> RecallSizes:
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
     from .conversion.teacher import load_causal_lm, load_teacher
-    from .data.corpus import load_splits, token_blocks
+    from .data.corpus import is_embedded, load_splits, token_blocks
     from .evaluation import comparison_table, evaluate, write_report
+    from .provenance import provenance
 
     sizes = recall_sizes(args)  # bad sizes fail before any model is loaded
     torch.manual_seed(args.seed)
@@ -74,7 +75,8 @@ def run_eval(args: argparse.Namespace) -> int:
         Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path.cwd()
     )
     report = {"checkpoint": args.checkpoint, "teacher": args.teacher, "corpus": args.corpus or "embedded",
-              "heldout_tokens": int(blocks.numel()), "block_size": args.block_size, "results": rows}
+              "heldout_tokens": int(blocks.numel()), "block_size": args.block_size, "results": rows,
+              "provenance": provenance(corpus=is_embedded(args.corpus))}
     path = write_report(out_dir, report, name="eval.json")
     print(f"\nwrote {path}", file=sys.stderr)
     return 0

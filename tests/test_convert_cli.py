@@ -97,6 +97,8 @@ def test_convert_end_to_end_hybrid(
     for row in report["comparison"].values():
         assert row["perplexity"] > 1 and row["eval_tokens"] == report["comparison"]["teacher"]["eval_tokens"]
     assert report["stage1"]["steps"] == 6 and report["stage2"]["steps"] == 4
+    provenance = report["provenance"]  # a local corpus file: no corpus pin, but the rest of the record
+    assert "corpus" not in provenance and provenance["packages"]["transformers"] and provenance["machine"]["cpu"]
     card = (model_dir / "README.md").read_text()
     assert card.startswith("---") and "| window-only |" in card and recipe_name in card
     # the tokenizer knows the model's positions (not transformers' "unbounded" 1e30)

@@ -219,6 +219,7 @@ def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     saved = json.loads((tmp_path / "student" / "eval.json").read_text())
     results = saved["results"]
     assert saved["heldout_tokens"] == 64
+    assert "corpus" not in saved["provenance"] and saved["provenance"]["command"]  # a local corpus, not the pinned one
     assert results["student"]["perplexity"] == pytest.approx(results["teacher"]["perplexity"], rel=1e-4)
 
     generate = ["generate", str(tmp_path / "student"), "--prompt", "the river", "--max-new-tokens", "5"]
