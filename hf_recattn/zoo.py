@@ -72,8 +72,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def format_zoo(entries: list[dict[str, Any]]) -> str:
-    """A markdown table of the zoo."""
+def format_zoo(entries: list[dict[str, Any]], card_prefix: str = "") -> str:
+    """A markdown table of the zoo; ``card_prefix`` is the cards' folder as seen from the page (none: beside it)."""
     if not entries:
         return "The zoo is empty (no zoo.json shipped)."
     lines = [
@@ -88,7 +88,7 @@ def format_zoo(entries: list[dict[str, Any]]) -> str:
             f"| {e['name']} | `{e['recipe']}` ({e['budget']}) | {e['training_tokens']:,} | "
             f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | "
             f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {passkey} | {recall} | "
-            f"[{e['card']}]({e['card']}) |"
+            f"[{e['card']}]({card_prefix}{e['card']}) |"
         )
     return "\n".join(lines)
 

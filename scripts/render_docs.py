@@ -41,7 +41,7 @@ def _conversion(report: dict[str, Any]) -> str:
 def _zoo(index: dict[str, Any]) -> str:
     from hf_recattn.zoo import format_zoo
 
-    return format_zoo(index["entries"])
+    return format_zoo(index["entries"], card_prefix="../model_cards/")  # rendered into docs/
 
 
 def _corpus(report: dict[str, Any]) -> str:
