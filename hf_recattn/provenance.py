@@ -67,11 +67,19 @@ def _threads() -> int | None:
     return torch.get_num_threads() if torch is not None else None
 
 
+def _program(argv0: str) -> str:
+    """``hf-recattn`` for the console script or ``python -m hf_recattn.cli``, else the path as given."""
+    path = Path(argv0)
+    if path.name == "hf-recattn" or path.parts[-2:] == ("hf_recattn", "cli.py"):
+        return "hf-recattn"
+    return argv0
+
+
 def provenance(command: Sequence[str] | str | None = None, corpus: bool = True) -> dict[str, Any]:
     """A JSON-ready record of what produced a result. ``command`` defaults to this process's command line;
     ``corpus`` adds the embedded corpus's version and pinned sha256."""
     if command is None:
-        command = [Path(sys.argv[0]).name if sys.argv[0].endswith("hf-recattn") else sys.argv[0], *sys.argv[1:]]
+        command = [_program(sys.argv[0]), *sys.argv[1:]]
     if not isinstance(command, str):
         command = shlex.join(str(part) for part in command)
     record: dict[str, Any] = {
