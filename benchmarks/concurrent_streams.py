@@ -34,7 +34,7 @@ embedded teacher (untrained: the teacher's weights, the recipe's attention, new 
 initialization): prompts of different lengths left-padded into one batch, greedy; each row's new tokens must equal
 those of the same prompt generated alone. The exit status is 1 when a row differs or a configuration failed.
 
-The default run takes about 10 minutes on one thread; ``--quick`` is a smoke run (2k context, 1 and 4 streams).
+The default run takes about 8 minutes on one thread; ``--quick`` is a smoke run (2k context, 1 and 4 streams).
 Results: ``benchmarks/results/concurrent_streams_cpu.json``; plot: ``docs/concurrent_streams.png`` (skipped
 without matplotlib).
 """
