@@ -43,11 +43,10 @@ def _ours(recipe: str) -> RecAttnForCausalLM:
 
 def _models(bench: ModuleType) -> dict[str, tuple[torch.nn.Module, Any]]:
     llama = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    decode = sys.modules["decode"]
-    out: dict[str, tuple[torch.nn.Module, Any]] = {"teacher": (llama, lambda c: decode.llama_cache(llama, c))}
+    out: dict[str, tuple[torch.nn.Module, Any]] = {"teacher": (llama, lambda c: bench.llama_cache(llama, c))}
     for recipe in bench.RECIPES:
         model = _ours(recipe)
-        out[recipe] = (model, lambda c, m=model: decode.filled_cache(m, c, FILL))
+        out[recipe] = (model, lambda c, m=model: bench.filled_cache(m, c, FILL))  # decode.py's fill, as it imports
     return out
 
 
