@@ -169,12 +169,12 @@ def layout_pass(model: RecAttnForCausalLM) -> Step:
     return run
 
 
-def decode_step(model: torch.nn.Module, cache: object, seen: Callable[[], int]) -> Step:
-    """One generate()-style decode step: a single token at its position, no padding mask."""
-    token = torch.tensor([[17]])
+def decode_step(model: torch.nn.Module, cache: object, seen: Callable[[], int], batch: int = 1) -> Step:
+    """One generate()-style decode step: a single token per sequence at its position, no padding mask."""
+    token = torch.full((batch, 1), 17)
 
     def step() -> object:
-        pos = torch.tensor([[seen()]])
+        pos = torch.full((batch, 1), seen())
         return model(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True,
                      logits_to_keep=1)
 
