@@ -63,7 +63,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     with_tokens = all("tokens" in row for row in report["splits"].values())
     head = "| split | documents | characters |" + (" tokens (SmolLM2 tokenizer) |" if with_tokens else "") + " sha256 |"
     lines = [head, "|---|---:|---:|" + ("---:|" if with_tokens else "") + "---|"]
-    for split, row in report["splits"].items():
+    for split in SPLITS:  # the file may hold them sorted by name
+        row = report["splits"][split]
         tokens = f" {row['tokens']:,} |" if with_tokens else ""
         lines.append(f"| {split} | {row['documents']:,} | {row['characters']:,} |{tokens} `{row['sha256'][:16]}…` |")
     return "\n".join(lines)

@@ -93,10 +93,19 @@ def documents() -> list[Path]:
     return sorted({p for pattern in DOCUMENTS for p in ROOT.glob(pattern)})
 
 
-def render_text(text: str, where: str) -> str:
+def render_text(text: str, where: str, errors: list[str] | None = None) -> str:
+    """``text`` with every marked table rendered. With ``errors``, a block that cannot be rendered is left as it
+    is and its error appended there; without, the error is raised."""
+
     def replace(match: re.Match) -> str:
         line = text.count("\n", 0, match.start()) + 1
-        return match.group(1) + render_block(match.group("spec"), f"{where}:{line}") + match.group(4)
+        try:
+            return match.group(1) + render_block(match.group("spec"), f"{where}:{line}") + match.group(4)
+        except ValueError as err:
+            if errors is None:
+                raise
+            errors.append(str(err))
+            return match.group(0)
 
     return BLOCK.sub(replace, text)
 
@@ -105,19 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
     args = parser.parse_args(argv)
-    stale = []
+    stale, errors = [], []
     for path in documents():
         where = str(path.relative_to(ROOT))
         text = path.read_text()
-        try:
-            new = render_text(text, where)
-        except ValueError as err:
-            print(f"render_docs: error: {err}", file=sys.stderr)
-            return 2
+        new = render_text(text, where, errors)
         if new != text:
             stale.append(where)
             if not args.check:
                 path.write_text(new)
+    for error in errors:
+        print(f"render_docs: error: {error}", file=sys.stderr)
+    if errors:
+        return 2
     if args.check and stale:
         print("render_docs: out of date (run python scripts/render_docs.py): " + ", ".join(stale), file=sys.stderr)
         return 1
