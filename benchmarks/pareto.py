@@ -194,6 +194,24 @@ def plot(results: dict[str, Any], path: str) -> str:
     return f"plot: {path}"
 
 
+def merge(paths: list[str], out: Path, plot_path: str | None) -> int:
+    """One result file from parts measured in several processes with the same settings; the provenance of the
+    part holding the teacher, with the parts' commands."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    if any(part["settings"] != parts[0]["settings"] for part in parts):
+        raise SystemExit("pareto.py --merge: the files were measured with different settings")
+    holders = [part for part in parts if "teacher" in part["models"]]
+    if not holders:
+        raise SystemExit("pareto.py --merge: no file holds the teacher's row")
+    results = {**holders[0], "models": {name: row for part in parts for name, row in part["models"].items()}}
+    results["parts"] = [part["provenance"]["command"] for part in parts]
+    atomic_write_json(out, results)
+    print(table(results))
+    if plot_path:
+        print(plot(results, plot_path))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default="embedded")
@@ -213,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="benchmarks/results/pareto.json")
     parser.add_argument("--plot", default=None, metavar="PNG")
+    parser.add_argument("--no-teacher", action="store_true",
+                        help="measure only the swaps and checkpoints given (a part of a run split over processes)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: join result files of one setting (one holding the teacher) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out), args.plot)
     swaps = dict(parse_swap(s) for s in args.swap)
     converted = [converted_folder(path) for path in args.converted]
     if args.threads:
@@ -247,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: cache {row['cache_mib']:.2f} MiB, {ppl}, passkey {row['passkey']}, "
               f"recall {row['associative_recall_mean']:.2f} ({row['seconds']:.0f} s)", flush=True)
 
-    record("teacher", teacher, recattn_config_from(teacher.config, {"mixer": "softmax"}), {"training_tokens": 0})
+    if not args.no_teacher:
+        record("teacher", teacher, recattn_config_from(teacher.config, {"mixer": "softmax"}), {"training_tokens": 0})
     for name, swap in swaps.items():
         student = from_llama(teacher, swap["attention"], swap.get("attention_overrides"))
         record(name, student, student.config, {"training_tokens": 0, "attention": swap})
