@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 import transformers_suite
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM, RecAttnModel
@@ -55,17 +56,66 @@ class HybridTester(_Tester):
     attention = HYBRID
 
 
+def _cannot_roll_back(test: unittest.TestCase, *args: Any) -> None:
+    test.skipTest("assisted decoding drops rejected draft tokens from the cache; a recurrent state cannot roll back "
+                  "(generate() refuses: tested in test_recurrent_models_refuse_assisted_generation)")
+
+
 class _RecAttnCommonTest(suite.CausalLMModelTest):
-    pass
+    def _check_past_key_values_for_generate(
+        self, batch_size: int, past_key_values: Any, seq_length: int, config: Any
+    ) -> None:
+        """transformers' check where every layer keeps keys and values; otherwise (the documented override point)
+        the same checks on what a recurrent layer keeps: one layer per decoder layer, every token counted, the
+        batch on axis 0, no ``.keys``."""
+        cache = past_key_values
+        if all(kind == "kv" for kind in cache.kinds):
+            super()._check_past_key_values_for_generate(batch_size, cache, seq_length, config)
+            return
+        self.assertEqual(len(cache.layers), config.num_hidden_layers)
+        for i, layer in enumerate(cache.layers):
+            self.assertEqual(layer.get_seq_length(), seq_length)
+            for name, tensor in layer.state.items():
+                self.assertEqual(tensor.shape[0], batch_size, f"layer {i} state {name!r}")
+            if layer.kind != "kv":
+                with self.assertRaisesRegex(AttributeError, f"layer {i}: .* no keys"):
+                    layer.keys  # noqa: B018
+
+
+    def _check_caches_are_equal(self, cache1: Any, cache2: Any) -> None:
+        """transformers' comparison of keys and values where every layer keeps them; else every state tensor."""
+        if all(kind == "kv" for kind in cache1.kinds + cache2.kinds):
+            super()._check_caches_are_equal(cache1, cache2)
+            return
+        self.assertEqual(cache1.kinds, cache2.kinds)
+        for layer1, layer2 in zip(cache1.layers, cache2.layers, strict=True):
+            self.assertEqual(layer1.get_seq_length(), layer2.get_seq_length())
+            self.assertEqual(sorted(layer1.state), sorted(layer2.state))
+            for name, tensor in layer1.state.items():
+                torch.testing.assert_close(tensor, layer2.state[name], msg=f"layer {layer1.layer_idx} state {name!r}")
+
+
+class _RecurrentCommonTest(_RecAttnCommonTest):
+    has_attentions = False  # transformers' convention for models without attention weights (output_attentions refuses)
+    test_assisted_decoding_matches_greedy_search_0_random = _cannot_roll_back
+    test_assisted_decoding_matches_greedy_search_1_same = _cannot_roll_back
+    test_assisted_decoding_sample = _cannot_roll_back
 
 
 class SoftmaxModelTest(_RecAttnCommonTest, unittest.TestCase):
     model_tester_class = SoftmaxTester
 
 
-class GatedDeltaNetModelTest(_RecAttnCommonTest, unittest.TestCase):
+class GatedDeltaNetModelTest(_RecurrentCommonTest, unittest.TestCase):
     model_tester_class = GatedDeltaNetTester
 
+    def _no_rope(self, *args: Any) -> None:
+        self.skipTest("Gated DeltaNet layers take no rotary embedding (preset gdn: rope=False): nothing to scale")
 
-class HybridModelTest(_RecAttnCommonTest, unittest.TestCase):
+    test_model_rope_scaling_from_config_0_linear = _no_rope
+    test_model_rope_scaling_from_config_1_dynamic = _no_rope
+    test_model_rope_scaling_from_config_2_yarn = _no_rope
+
+
+class HybridModelTest(_RecurrentCommonTest, unittest.TestCase):
     model_tester_class = HybridTester

@@ -172,7 +172,11 @@ def _package(root: Path) -> types.ModuleType:
 def _aliased_as_tests(package: types.ModuleType) -> Iterator[None]:
     """``generation/test_utils.py`` imports ``tests.exporters.test_export``: alias it while importing."""
     export = importlib.import_module(f"{PACKAGE}.exporters.test_export")
-    aliases = {"tests": package, "tests.exporters": sys.modules[f"{PACKAGE}.exporters"], "tests.exporters.test_export": export}
+    aliases = {
+        "tests": package,
+        "tests.exporters": sys.modules[f"{PACKAGE}.exporters"],
+        "tests.exporters.test_export": export,
+    }
     saved = {name: sys.modules.get(name) for name in aliases}
     sys.modules.update(aliases)
     try:

@@ -43,6 +43,10 @@ class PathMixer(ContinuingMixer):
         "causal": Option((bool,), True, "must be True (decoder only)"),
     }
     state_kind = "kv"
+
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        return "full_attention"  # a key cache read by every query
     has_chunked = False
     causal_only = "(softmax_householder has no bidirectional form)"
 
