@@ -23,7 +23,6 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -67,8 +66,10 @@ def _sha256(path: Path) -> str:
 
 def _download_sdist(version: str, into: Path) -> Path:
     """``pip download`` transformers' sdist for ``version`` into ``into``; returns the archive."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                "--disable-pip-version-check", "-q", f"transformers=={version}", "-d", str(into)]  # fmt: skip
+    if importlib.util.find_spec("setuptools") is not None:  # pip reads the sdist's metadata: skip the build env
+        command.insert(-4, "--no-build-isolation")
     done = subprocess.run(command, capture_output=True, text=True)
     archives = sorted(into.glob(f"transformers-{version}.tar.gz"))
     if done.returncode != 0 or not archives:
@@ -222,7 +223,3 @@ def registered_in_name_tables(model_type: str, base: str, causal_lm: str) -> Ite
         for table in tables:
             getattr(modeling_auto, table).pop(model_type, None)
 
-
-def remove_cached(version: str) -> None:
-    """Forget the fetched test files of ``version`` (used by the loader's own test)."""
-    shutil.rmtree(cache_root() / "transformers_tests" / version, ignore_errors=True)

@@ -25,7 +25,7 @@ from .compiled_step import compile_decode
 from .configuration import RecAttnConfig
 from .decode_layout import apply_decode_layout, laid_out, project, restore_row_major
 from .mixer_base import MixerInputs, MixerShape
-from .mixers import build_mixer
+from .mixers import build_mixer, mixer_class
 from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
 
 
@@ -229,6 +229,12 @@ class RecAttnPreTrainedModel(PreTrainedModel):
         if (getattr(distributed_config, "tp_size", 1) or 1) > 1 and (refusal := self.tensor_parallel_refusal()):
             raise ValueError(refusal)
         return super()._resolve_parallel_plans(distributed_config)
+
+    def __init__(self, config: RecAttnConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        if not all(mixer_class(spec["mixer"], "attention").has_attention_weights for spec in config.layer_specs()):
+            # what this instance can record (transformers registers the class's list, read by the capture hooks)
+            self._can_record_outputs = {"hidden_states": RecAttnDecoderLayer}
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
