@@ -108,8 +108,27 @@ def _same_code_either_way(test: unittest.TestCase, *args: Any) -> None:
 EAGER_VS_SDPA = [name for name in dir(suite.CausalLMModelTest) if name.startswith("test_eager_matches_sdpa_inference")]
 
 
+def _padding_test(name: str) -> Any:
+    """transformers' test ``name``, which its suite gates on ``has_attentions`` although it asks for no attention
+    weights (it pads, or packs documents): run where the model has none."""
+    test = getattr(suite.CausalLMModelTest, name)
+
+    def run(self: unittest.TestCase) -> None:
+        self.has_attentions = True  # this test instance only
+        test(self)
+
+    return run
+
+
 class _RecurrentCommonTest(_RecAttnCommonTest):
     has_attentions = False  # transformers' convention for models without attention weights (output_attentions refuses)
+    test_left_padding_compatibility = _padding_test("test_left_padding_compatibility")
+    test_eager_padding_matches_padding_free_with_position_ids = _padding_test(
+        "test_eager_padding_matches_padding_free_with_position_ids"
+    )
+    test_sdpa_padding_matches_padding_free_with_position_ids = _padding_test(
+        "test_sdpa_padding_matches_padding_free_with_position_ids"
+    )
     test_assisted_decoding_matches_greedy_search_0_random = _cannot_roll_back
     test_assisted_decoding_matches_greedy_search_1_same = _cannot_roll_back
     test_assisted_decoding_sample = _cannot_roll_back
