@@ -168,13 +168,18 @@ def test_softmax_assisted_generation_matches_greedy() -> None:
     assert torch.equal(prompt_lookup, greedy)
 
 
-@pytest.mark.parametrize(("attention", "name", "kind"), [(GDN, "delta", "recurrent"), (HYBRID, "hybrid", "window")])
-def test_recurrent_models_refuse_assisted_generation(attention: object, name: str, kind: str) -> None:
+@pytest.mark.parametrize(("attention", "name", "why"), [
+    (GDN, "delta", "it keeps a recurrent state"),
+    (HYBRID, "hybrid", "it keeps a window state"),
+    ("path", "softmax_householder", "its cached keys carry the Householder transforms"),
+    ({"mixer": "retrieval_heads", "heads": [0]}, "retrieval_heads", "its other heads' hybrid mixer: it keeps"),
+])
+def test_recurrent_models_refuse_assisted_generation(attention: object, name: str, why: str) -> None:
     model = model_of(attention)
     assert model._is_stateful
     calls = []
     model.register_forward_hook(lambda *args: calls.append(1))
-    message = rf"assisted / speculative generation needs a cache that can roll back: layer 0 \({name}\) keeps a {kind}"
+    message = rf"generation needs a cache that can roll back: layer 0 \({name}\) cannot drop tokens: {why}"
     with pytest.raises(ValueError, match=message):
         model.generate(ids(batch=1, length=6), max_new_tokens=4, assistant_model=model_of(attention, seed=1))
     with pytest.raises(ValueError, match=message):

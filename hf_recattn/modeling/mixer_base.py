@@ -190,6 +190,13 @@ class Mixer(nn.Module):
         state by default ("linear_attention")."""
         return "linear_attention"
 
+    def rollback_problem(self) -> str | None:
+        """Why this layer's cache cannot drop its newest tokens (``cache.crop``, which assisted generation needs), or
+        None: a key/value cache can, any state that has absorbed its tokens cannot."""
+        if self.state_kind == "kv":
+            return None
+        return f"it keeps a {self.state_kind} state, which has absorbed its tokens and cannot give them back"
+
     def tensor_parallel_problem(self) -> str | None:
         """Why this mixer cannot run under the tensor-parallel plan (q/k/v split by heads across ranks, see
         ``RecAttnForCausalLM._tp_plan``), or None when it can. By default it cannot: its own per-head parameters and

@@ -47,6 +47,9 @@ class PathMixer(ContinuingMixer):
     @classmethod
     def layer_type(cls, spec: dict[str, Any]) -> str:
         return "full_attention"  # a key cache read by every query
+
+    def rollback_problem(self) -> str | None:
+        return "its cached keys carry the Householder transforms of the tokens after them, which a crop cannot undo"
     has_chunked = False
     causal_only = "(softmax_householder has no bidirectional form)"
 

@@ -49,6 +49,11 @@ class RetrievalHeadsMixer(Mixer):
     }
     state_kind = "kv"  # with heads listed; heads=[] takes the other mixer's kind
 
+    def rollback_problem(self) -> str | None:
+        """The softmax heads can drop tokens; the other heads' mixer decides."""
+        problem = self.rest.rollback_problem() if self.rest is not None else None
+        return None if problem is None else f"its other heads' {self.rest.name} mixer: {problem}"
+
     @classmethod
     def layer_type(cls, spec: dict[str, Any]) -> str:
         """Softmax heads beside another mixer's: "hybrid" (the other mixer's type without softmax heads)."""

@@ -543,11 +543,8 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         generation need to discard rejected draft tokens), or None when every layer keeps a KV cache."""
         for i, layer in enumerate(self.model.layers):
             mixer = layer.self_attn.mixer
-            if mixer.state_kind != "kv":
-                return (
-                    f"layer {i} ({mixer.name}) keeps a {mixer.state_kind} state, which cannot drop tokens it has "
-                    "absorbed; only models whose layers all keep a KV cache (softmax) can roll back"
-                )
+            if (problem := mixer.rollback_problem()) is not None:
+                return f"layer {i} ({mixer.name}) cannot drop tokens: {problem}"
         return None
 
     def _validate_generation_mode(self, generation_mode: Any, *args: Any, **kwargs: Any) -> None:
