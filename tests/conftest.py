@@ -37,3 +37,16 @@ def local_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
     """A Hub-compatible test server (tests/hub_server.py) on 127.0.0.1; ``.endpoint`` goes in HF_ENDPOINT."""
     with LocalHub(tmp_path_factory.mktemp("hub")) as hub:
         yield hub
+
+# third-party test files, imported by tests/transformers_suite.py, not collected on their own
+collect_ignore = ["vendor"]
+
+# the markers transformers' common test files put on their tests (tests/test_transformers_common.py)
+TRANSFORMERS_MARKERS = ("accelerate_tests", "executorch_export_test", "flash_attn_3_test", "flash_attn_4_test",
+                        "flash_attn_test", "generate", "onnx_export_test", "timeout", "torch_compile_test",
+                        "torch_export_test")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker in TRANSFORMERS_MARKERS:
+        config.addinivalue_line("markers", f"{marker}: set by transformers' common tests")

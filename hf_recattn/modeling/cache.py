@@ -61,6 +61,29 @@ class MixerStateLayer:
         return self.state is not None
 
     @property
+    def keys(self) -> torch.Tensor | None:
+        """The cached keys ``[batch, kv_heads, tokens, head_dim]`` of a layer that keeps them (softmax, sliding
+        window: transformers' ``DynamicLayer.keys``); None before the first forward. A layer whose state holds no
+        plain keys (recurrent, hybrid) raises AttributeError saying so."""
+        return self._cached("k", "keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The cached values, as ``keys``."""
+        return self._cached("v", "values")
+
+    def _cached(self, name: str, what: str) -> torch.Tensor | None:
+        if self.state is not None and name in self.state:
+            return self.state[name]
+        if self.state is None and self.kind != "recurrent":
+            return None
+        held = "a fixed-size recurrent state" if self.state is None else f"a {self.kind} state {sorted(self.state)}"
+        raise AttributeError(
+            f"layer {self.layer_idx}: this cache layer holds {held}, no {what}: its mixer folds tokens into a "
+            "state instead of keeping them; read .state for its tensors"
+        )
+
+    @property
     def is_croppable(self) -> bool:
         """Whether ``crop`` could remove any number of tokens (a KV state that keeps every token)."""
         return self.kind == "kv" and self._holds_every_token()

@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import LlamaConfig
 
-from .mixers import validate_spec
+from .mixers import mixer_class, validate_spec
 
 DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
 
@@ -102,6 +102,21 @@ class RecAttnConfig(LlamaConfig):
     def output_bias(self) -> bool:
         """The o_proj bias actually used: ``o_proj_bias`` when set, else ``attention_bias``."""
         return self.attention_bias if self.o_proj_bias is None else bool(self.o_proj_bias)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """transformers' type of each layer, from its mixer: "full_attention" (softmax), "sliding_attention",
+        "linear_attention" (a recurrent state), "hybrid_sliding" (a window beside a recurrent state) or "hybrid"."""
+        return [mixer_class(spec["mixer"], f"layer {i}").layer_type(spec) for i, spec in enumerate(self.layer_specs())]
+
+    @layer_types.setter
+    def layer_types(self, value: list[str] | None) -> None:
+        """Derived from ``attention``: setting it (a config.json that lists them) is accepted only when it agrees."""
+        if value is not None and list(value) != self.layer_types:
+            raise ValueError(
+                f"layer_types {list(value)} disagree with the mixers' {self.layer_types}: layer_types follow from "
+                "attention / attention_overrides; change those instead"
+            )
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         return self.layer_specs()[layer_idx]

@@ -63,6 +63,10 @@ class MixerInputs:
     #: the mixer's own input products computed with q/k/v (decode layout), by the weight's name in
     #: ``Mixer.input_weights``; see ``linear``
     projected: dict[str, torch.Tensor] | None = None
+    #: the caller wants the attention weights (``output_attentions``); a mixer with ``has_attention_weights``
+    #: then puts them [B, H, T, keys] in ``attention_probs``
+    output_attentions: bool = False
+    attention_probs: torch.Tensor | None = None
 
     def linear(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """hidden_states @ weight.T for the mixer's input weight ``name``: the layer's product when it has it,
@@ -101,6 +105,8 @@ class Mixer(nn.Module):
     options: ClassVar[dict[str, Option]] = {}
     #: "kv" (grows with context), "window" (bounded) or "recurrent" (fixed size)
     state_kind: ClassVar[str] = "recurrent"
+    #: whether the mixer can return softmax attention weights over the keys it attends to (``output_attentions``)
+    has_attention_weights: ClassVar[bool] = False
     has_chunked: ClassVar[bool] = False
     #: for a family whose ``causal`` option must stay True (no bidirectional form): the reason the error gives
     causal_only: ClassVar[str | None] = None
@@ -177,6 +183,25 @@ class Mixer(nn.Module):
         ``MixerInputs.linear`` under these names): the decode layout computes them in the layer's q/k/v product.
         None by default."""
         return {}
+
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        """transformers' name for a layer with this (validated) spec, for ``config.layer_types``: a recurrent
+        state by default ("linear_attention")."""
+        return "linear_attention"
+
+    def rollback_problem(self) -> str | None:
+        """Why this layer's cache cannot drop its newest tokens (``cache.crop``, which assisted generation needs), or
+        None: a key/value cache can, any state that has absorbed its tokens cannot."""
+        if self.state_kind == "kv":
+            return None
+        return f"it keeps a {self.state_kind} state, which has absorbed its tokens and cannot give them back"
+
+    def tensor_parallel_problem(self) -> str | None:
+        """Why this mixer cannot run under the tensor-parallel plan (q/k/v split by heads across ranks, see
+        ``RecAttnForCausalLM._tp_plan``), or None when it can. By default it cannot: its own per-head parameters and
+        state sizes follow the full head count, and the plan does not split them."""
+        return "its per-head parameters and state are sized for all heads and the plan does not split them"
 
     def attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor | None:
         """[B, H, T, T]: how much of each key's value goes into each query's output, for mixers whose output is

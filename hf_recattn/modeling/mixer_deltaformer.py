@@ -43,6 +43,10 @@ class DeltaFormerMixer(ContinuingMixer):
         "causal": Option((bool,), True, "must be True (decoder only)"),
     }
     state_kind = "kv"
+
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        return "full_attention"  # a key cache read by every query
     has_chunked = False
     causal_only = "(softmax_delta has no bidirectional form)"
 

@@ -121,6 +121,11 @@ class HybridMixer(Mixer):
         "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
     }
     state_kind = "window"
+
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        """A softmax window beside a recurrent far state; the window alone without one."""
+        return "sliding_attention" if spec["far"] == NO_FAR else "hybrid_sliding"
     has_chunked = True
 
     @classmethod

@@ -43,6 +43,13 @@ class PathMixer(ContinuingMixer):
         "causal": Option((bool,), True, "must be True (decoder only)"),
     }
     state_kind = "kv"
+
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        return "full_attention"  # a key cache read by every query
+
+    def rollback_problem(self) -> str | None:
+        return "its cached keys carry the Householder transforms of the tokens after them, which a crop cannot undo"
     has_chunked = False
     causal_only = "(softmax_householder has no bidirectional form)"
 

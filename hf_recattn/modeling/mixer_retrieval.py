@@ -48,6 +48,19 @@ class RetrievalHeadsMixer(Mixer):
         "others": Option((dict, str), dict(DEFAULT_OTHERS), "spec of the mixer on the other KV heads"),
     }
     state_kind = "kv"  # with heads listed; heads=[] takes the other mixer's kind
+
+    def rollback_problem(self) -> str | None:
+        """The softmax heads can drop tokens; the other heads' mixer decides."""
+        problem = self.rest.rollback_problem() if self.rest is not None else None
+        return None if problem is None else f"its other heads' {self.rest.name} mixer: {problem}"
+
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        """Softmax heads beside another mixer's: "hybrid" (the other mixer's type without softmax heads)."""
+        from .mixers import mixer_class  # the registry imports this module
+
+        others = mixer_class(spec["others"]["mixer"], "others")
+        return others.layer_type(spec["others"]) if not spec["heads"] else "hybrid"
     has_chunked = True
 
     @classmethod

@@ -104,6 +104,7 @@ class SoftmaxMixer(Mixer):
     name = "softmax"
     options: dict[str, Option] = dict(FORGET_OPTIONS)
     state_kind = "kv"
+    has_attention_weights = True
     window: int | None = None
 
     @classmethod
@@ -154,6 +155,16 @@ class SoftmaxMixer(Mixer):
             init.zeros_(self.fox_weight)
             init.constant_(self.fox_bias, self.fox_bias_init)
 
+    @classmethod
+    def layer_type(cls, spec: dict[str, Any]) -> str:
+        return "sliding_attention" if cls.window is not None or "window" in spec else "full_attention"
+
+    def tensor_parallel_problem(self) -> str | None:
+        """Plain softmax works on whatever heads a rank holds; forget factors are per-head parameters."""
+        if self.forget == "none":
+            return None
+        return f"forget={self.forget!r} keeps one factor per query head, which the plan does not split"
+
     # ----- helpers ------------------------------------------------------------------------------------------
     def _implementation(self) -> str:
         impl = getattr(self.config, "_attn_implementation", None) or "sdpa"
@@ -193,6 +204,8 @@ class SoftmaxMixer(Mixer):
     ) -> torch.Tensor:
         """``forget``: (c of the queries [B, H, Tq], c of the keys [B, H, Tk]) on a common baseline."""
         impl = self._implementation()
+        if inputs.output_attentions:
+            impl = "eager"  # the one implementation that computes the weights: same function
         t = q.shape[2]
         past = inputs.past_length
         needs_mask = (
@@ -220,7 +233,7 @@ class SoftmaxMixer(Mixer):
             else:
                 mask = visible
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-        out, _ = interface(
+        out, weights = interface(
             self,
             q,
             keys,
@@ -229,6 +242,8 @@ class SoftmaxMixer(Mixer):
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
         )
+        if inputs.output_attentions:
+            inputs.attention_probs = weights
         return out
 
     # ----- forms ------------------------------------------------------------------------------------------
@@ -245,8 +260,9 @@ class SoftmaxMixer(Mixer):
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        keys = torch.cat([state["k"], k], dim=2)
-        values = torch.cat([state["v"], v], dim=2)
+        # an empty state takes the new keys as they are (their head count may be a tensor-parallel rank's share)
+        keys = torch.cat([state["k"], k], dim=2) if state["k"].shape[2] else k
+        values = torch.cat([state["v"], v], dim=2) if state["v"].shape[2] else v
         new = {"k": keys, "v": values}
         log_f = self.log_forget(inputs)
         forget = None

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -25,7 +25,7 @@ from .compiled_step import compile_decode
 from .configuration import RecAttnConfig
 from .decode_layout import apply_decode_layout, laid_out, project, restore_row_major
 from .mixer_base import MixerInputs, MixerShape
-from .mixers import build_mixer
+from .mixers import build_mixer, mixer_class
 from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
 
 
@@ -97,18 +97,22 @@ class RecAttnAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         past_key_values: RecAttnCache | None = None,
         packing: PackedDocuments | None = None,
+        output_attentions: bool = False,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention output, and the attention weights [B, H, T, keys] when ``output_attentions`` (the
+        model checked that this layer's mixer has them; see ``check_attention_outputs``), else None."""
         q, k, v, projected = self._project(hidden_states, position_embeddings)
         if packing is not None:
             mixed = self._mix_documents(q, k, v, hidden_states, packing).flatten(2)
-            return self.o_proj(mixed.to(hidden_states.dtype))
+            return self.o_proj(mixed.to(hidden_states.dtype)), None
         layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
         inputs = MixerInputs(
             hidden_states=hidden_states,
             padding_mask=padding_mask,
             past_length=layer.get_seq_length() if layer is not None else 0,
             projected=projected or None,
+            output_attentions=output_attentions,
         )
         out, state = self.mixer(
             q, k, v, inputs, state=layer.state if layer else None, use_cache=layer is not None
@@ -116,7 +120,8 @@ class RecAttnAttention(nn.Module):
         if layer is not None:
             layer.update(state, hidden_states.shape[1])
         # float32 states give float32 outputs in a half-precision model: back to the projection's dtype
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype))
+        out = self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype))
+        return out, inputs.attention_probs
 
     def _mix_documents(
         self,
@@ -164,15 +169,17 @@ class RecAttnDecoderLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         past_key_values: RecAttnCache | None = None,
         packing: PackedDocuments | None = None,
+        output_attentions: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(
+        hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             padding_mask=padding_mask,
             past_key_values=past_key_values,
             packing=packing,
+            output_attentions=output_attentions,
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -194,9 +201,47 @@ class RecAttnPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _can_compile_fullgraph = False
-    _supports_attention_backend = False
-    _is_stateful = True  # recurrent states cannot be rolled back: generate() refuses assisted decoding
-    _can_record_outputs = {"hidden_states": RecAttnDecoderLayer}
+    # padding-free batches (position_ids restarting per document) run natively: each document on its own
+    _supports_attention_backend = True
+    # per instance (``RecAttnForCausalLM.__init__``): a model whose layers all keep a KV cache can roll back rejected
+    # draft tokens (assisted / speculative generation); any recurrent or window layer makes it stateful
+    _is_stateful = False
+    # attentions: the second output of RecAttnAttention (softmax-family layers; the others refuse)
+    _can_record_outputs = {"hidden_states": RecAttnDecoderLayer, "attentions": RecAttnAttention}
+
+    def tensor_parallel_refusal(self) -> str | None:
+        """Why this model cannot be split by the tensor-parallel plan, or None. The plan splits q/k/v by heads;
+        only mixers that work on any subset of heads (plain softmax and sliding window) run under it."""
+        base = self.base_model
+        for i, layer in enumerate(base.layers):
+            mixer = layer.self_attn.mixer
+            problem = mixer.tensor_parallel_problem()
+            if problem is not None:
+                return (
+                    f"tensor parallelism: layer {i} ({mixer.name}) cannot be split across ranks: {problem}; "
+                    "only softmax and sliding_window layers without forget run under the tensor-parallel plan"
+                )
+        return None
+
+    def _resolve_parallel_plans(self, distributed_config: Any) -> Any:
+        """transformers' plan resolution (``from_pretrained(..., tp_plan="auto")``), refused up front for mixers
+        the plan cannot split (``tensor_parallel_refusal``)."""
+        if (getattr(distributed_config, "tp_size", 1) or 1) > 1 and (refusal := self.tensor_parallel_refusal()):
+            raise ValueError(refusal)
+        return super()._resolve_parallel_plans(distributed_config)
+
+    def __init__(self, config: RecAttnConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        if not all(mixer_class(spec["mixer"], "attention").has_attention_weights for spec in config.layer_specs()):
+            # what this instance can record (transformers registers the class's list, read by the capture hooks)
+            self._can_record_outputs = {"hidden_states": RecAttnDecoderLayer}
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """``set_attn_implementation`` works: the softmax mixers read ``config._attn_implementation`` at every call
+        and dispatch through transformers' attention interface (mixer_softmax.py; transformers looks for it in
+        this file only)."""
+        return True
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         """Also name the sibling Auto classes in ``auto_map`` (transformers writes only the saved class)."""
@@ -322,6 +367,23 @@ class RecAttnModel(RecAttnPreTrainedModel):
         past_key_values.check_compatible(kinds, id(self), batch_size)
         return past_key_values
 
+    def check_attention_outputs(self, packing: PackedDocuments | None = None) -> None:
+        """Refuse ``output_attentions=True`` where a layer has no attention weights to return (recurrent and
+        hybrid mixers fold keys into a state), or for packed documents (one weight matrix per document)."""
+        for i, layer in enumerate(self.layers):
+            mixer = layer.self_attn.mixer
+            if not mixer.has_attention_weights:
+                raise ValueError(
+                    f"output_attentions=True: layer {i} ({mixer.name}) has no attention weights (it does not keep "
+                    "the keys it attends to); only softmax and sliding_window layers return them. Pass "
+                    "output_attentions=False (and keep config.output_attentions False) for this model"
+                )
+        if packing is not None:
+            raise ValueError(
+                "output_attentions=True with packed documents (position_ids restarting inside a row) is not "
+                "supported: run the documents as separate rows"
+            )
+
     def _check_length(self, past: int, seq_len: int) -> None:
         limit = self.config.max_position_embeddings
         if limit is not None and past + seq_len > limit:
@@ -343,6 +405,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         past_key_values = passed_cache(past_key_values, kwargs)
+        output_attentions = bool(kwargs.pop("output_attentions", None) or self.config.output_attentions)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -358,6 +421,8 @@ class RecAttnModel(RecAttnPreTrainedModel):
         packing = None
         if position_ids is not None and seq_len > 1:
             packing = find_documents(position_ids, padding_mask, batch_size)
+        if output_attentions:
+            self.check_attention_outputs(packing)
         if packing is not None:
             _check_no_cache_for_packing(past_key_values)
             cache = None  # the default use_cache=True of a training forward: no cache for packed documents
@@ -366,11 +431,12 @@ class RecAttnModel(RecAttnPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        block = self._prefill_block(cache, packing, seq_len, kwargs)
+        block = 0 if output_attentions else self._prefill_block(cache, packing, seq_len, kwargs)
         if block:
             hidden_states = self._prefill_in_blocks(hidden_states, position_embeddings, padding_mask, cache, block,
                                                     kwargs)
         else:
+            kwargs["output_attentions"] = output_attentions
             hidden_states = self._layers(hidden_states, position_embeddings, padding_mask, cache, packing, kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache})
 
@@ -458,6 +524,10 @@ def _is_empty_foreign_cache(cache: Cache) -> bool:
 
 class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Llama's plan: the base model's (config.base_model_tp_plan: q/k/v and MLP colwise, o_proj and down_proj
+    # rowwise, embed_tokens by vocabulary) plus the head, sharded with the embedding it is tied to
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: RecAttnConfig) -> None:
         super().__init__(config)
@@ -466,6 +536,22 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         self._decode_layout_pending = True
+        self._is_stateful = self.rollback_refusal() is not None
+
+    def rollback_refusal(self) -> str | None:
+        """Why this model's cache cannot drop its last tokens (``cache.crop``, which assisted and speculative
+        generation need to discard rejected draft tokens), or None when every layer keeps a KV cache."""
+        for i, layer in enumerate(self.model.layers):
+            mixer = layer.self_attn.mixer
+            if (problem := mixer.rollback_problem()) is not None:
+                return f"layer {i} ({mixer.name}) cannot drop tokens: {problem}"
+        return None
+
+    def _validate_generation_mode(self, generation_mode: Any, *args: Any, **kwargs: Any) -> None:
+        """Refuse assisted / speculative generation before any compute where the cache cannot roll back."""
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and (refusal := self.rollback_refusal()):
+            raise ValueError(f"assisted / speculative generation needs a cache that can roll back: {refusal}")
+        super()._validate_generation_mode(generation_mode, *args, **kwargs)
 
     def new_cache(self) -> RecAttnCache:
         return self.model.new_cache()
@@ -606,5 +692,6 @@ class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             **{CACHE_NAME: cache_of(outputs)},
         )
