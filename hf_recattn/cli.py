@@ -132,6 +132,25 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible endpoint for a checkpoint: transformers serve, with hf_recattn's classes",
+        description="Run transformers' own server (`transformers serve MODEL OPTIONS`) in this process with "
+        "hf_recattn registered. OPTIONS are transformers serve's (--host, --port, --device, --dtype, ...); "
+        "--continuous-batching, --cb-* and --compile are refused. See docs/serving.md.",
+    )
+    p.add_argument("model", help="a checkpoint folder or Hub id, served for every request")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve options")
+
+    def run(args: argparse.Namespace) -> int:
+        from .serve_command import serve
+
+        return serve(args.model, args.options)
+
+    p.set_defaults(handler=run)
+
+
 def _convert_threads(value: str) -> int:
     """``--threads``: an integer, or auto (1 thread when other jobs keep the cores busy)."""
     import os
@@ -310,7 +329,7 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_state_size, add_mixers, add_demo, add_eval, add_generate
+    add_state_size, add_mixers, add_demo, add_eval, add_generate, add_serve
 ]
 SUBCOMMANDS += [add_convert, add_push, add_zoo]
 SUBCOMMANDS += [add_pretrain, add_finetune]

@@ -8,6 +8,7 @@ from typing import Any
 from transformers import LlamaConfig
 
 from .mixers import validate_spec
+from .serving import expose_architecture
 
 DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
 
@@ -105,3 +106,7 @@ class RecAttnConfig(LlamaConfig):
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         return self.layer_specs()[layer_idx]
+
+
+# transformers serve looks the model class up by this name on the transformers module (serving.py)
+expose_architecture("RecAttnForCausalLM")

@@ -27,6 +27,7 @@ from .decode_layout import apply_decode_layout, laid_out, project, restore_row_m
 from .mixer_base import MixerInputs, MixerShape
 from .mixers import build_mixer
 from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
+from .serving import RefuseContinuousBatching
 
 
 def rotate_queries_and_keys(
@@ -456,7 +457,7 @@ def _is_empty_foreign_cache(cache: Cache) -> bool:
     return not isinstance(cache, RecAttnCache) and cache.get_seq_length() == 0
 
 
-class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
+class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: RecAttnConfig) -> None:
