@@ -104,8 +104,22 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                    help="associative recall prompts per length and number of facts (default 3; --quick: 1)")
     p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lm-eval", default=None, metavar="TASKS", help="run lm-evaluation-harness instead: lm_eval run "
+                   "--model hf --model_args pretrained=CHECKPOINT --tasks TASKS (comma-separated; needs the eval "
+                   "extra); the options above are then unused")
+    p.add_argument("--lm-eval-args", default="", metavar="OPTIONS", help="with --lm-eval: more lm_eval run "
+                   "options in one string, e.g. \"--num_fewshot 5 --batch_size 8 --output_path results\"")
 
     def run(args: argparse.Namespace) -> int:
+        if args.lm_eval:
+            from .lm_eval_command import MissingLmEval, run_lm_eval
+
+            try:
+                run_lm_eval(args.checkpoint, args.lm_eval, args.lm_eval_args)
+            except MissingLmEval as err:
+                print(f"hf-recattn eval: error: {err}", file=sys.stderr)
+                return 2
+            return 0
         from .eval_commands import run_eval
 
         return run_eval(args)

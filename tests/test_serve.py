@@ -24,19 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from isolated import HIDE_HF_RECATTN
-from tiny_lm import tiny_tokenizer
+from isolated import HIDE_HF_RECATTN, save_tiny_chat_recattn
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn import RecAttnForCausalLM
 from hf_recattn.cli import main as cli_main
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'hf-recattn[serve]'")
 
 START_TIMEOUT = 90  # seconds for a server to answer /health
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 LAYERS = [{"mixer": "softmax"}, {"mixer": "gdn", "chunk_size": 4}]
 MESSAGES = [{"role": "user", "content": "the pass key is 12345. what is the pass key?"}]
 NEW_TOKENS = 8
@@ -53,19 +48,7 @@ REMOTE_SERVER = HIDE_HF_RECATTN + textwrap.dedent(
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RecAttnForCausalLM, object]:
     """A tiny random RecAttn checkpoint (softmax + Gated DeltaNet) with a tokenizer and a chat template."""
     folder = tmp_path_factory.mktemp("serve") / "ckpt"
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(0)
-    config = RecAttnConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           attention=LAYERS, eos_token_id=tokenizer.eos_token_id)
-    model = RecAttnForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".mixer." in name:
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    model, tokenizer = save_tiny_chat_recattn(folder, LAYERS)
     return folder, model, tokenizer
 
 
