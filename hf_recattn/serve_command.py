@@ -109,8 +109,8 @@ def request_checks() -> Iterator[None]:
         server.build_server = build
 
 
-def serve(model: str, options: list[str]) -> int:
-    """Run ``transformers serve MODEL OPTIONS`` in this process (hf_recattn is imported: its classes load)."""
+def _prepare(options: list[str]) -> Any:
+    """Check the options and dependencies; return transformers' command line app with the class resolvable."""
     check_options(options)
     check_dependencies()
     import transformers.cli.serving.model_manager  # noqa: F401  (the module that looks the class up)
@@ -119,10 +119,22 @@ def serve(model: str, options: list[str]) -> int:
     from .modeling.serving import expose_architecture
 
     expose_architecture("RecAttnForCausalLM")
+    return app
 
+
+def serve(model: str, options: list[str]) -> int:
+    """Run ``transformers serve MODEL OPTIONS`` in this process until it stops; its exit status."""
+    app = _prepare(options)
     with request_checks():
         try:
             app(["serve", model, *options], prog_name="hf-recattn")
         except SystemExit as done:
             return done.code if isinstance(done.code, int) else 0 if done.code is None else 1
     return 0
+
+
+def serve_in_background(model: str, options: list[str]) -> Any:
+    """The same server running in a thread of this process: transformers' ``Serve``; ``.kill_server()`` stops it."""
+    app = _prepare(options)
+    with request_checks():
+        return app(["serve", model, *options, "--non-blocking"], prog_name="hf-recattn", standalone_mode=False)

@@ -2,8 +2,9 @@
 127.0.0.1 with the ``openai`` client: the greedy text equals ``model.generate()``'s; bad requests get an HTTP 400
 naming the fault and the server keeps serving; continuous batching is refused.
 
-Each server is a child process on a free port, waited for (bounded) and always killed. The remote-code server
-runs in a Python where hf_recattn cannot be imported (tests/isolated.py).
+``hf-recattn serve`` runs in a thread of this process; the remote-code server is a child process in a Python where
+hf_recattn cannot be imported (tests/isolated.py). Each listens on a free port, is waited for (bounded) and is
+always stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from isolated import HIDE_HF_RECATTN, save_tiny_chat_recattn
 
 from hf_recattn import RecAttnForCausalLM
 from hf_recattn.cli import main as cli_main
+from hf_recattn.serve_command import serve_in_background
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'hf-recattn[serve]'")
 
@@ -117,15 +119,18 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoint: tuple, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``hf-recattn serve CHECKPOINT`` (the package installed), its /v1 URL."""
-    folder = checkpoint[0]
-    tmp = tmp_path_factory.mktemp("served")
+def served(checkpoint: tuple) -> Iterator[str]:
+    """``hf-recattn serve CHECKPOINT`` (the package installed), run in a thread of this process; its /v1 URL."""
     port = _free_port()
-    command = [sys.executable, "-m", "hf_recattn.cli", "serve", str(folder), "--host", "127.0.0.1", "--port",
-               str(port), "--device", "cpu"]
-    with running(command, port, tmp / "server.log", env=_env(tmp)) as url:
-        yield url
+    server = serve_in_background(str(checkpoint[0]), ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"])
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not server.server.started:
+            assert time.monotonic() < deadline, f"the server did not start within {START_TIMEOUT} s"
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.kill_server()
 
 
 def test_chat_and_completions_equal_generate(checkpoint: tuple, served: str) -> None:
@@ -163,6 +168,11 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(checkpoint: tuple, se
     status, body = _post(chat, {"model": str(folder), "messages": MESSAGES, "max_tokens": NEW_TOKENS,
                                 "temperature": 0})
     assert status == 200 and body["choices"][0]["message"]["content"] == _chat_reference(model, tokenizer)[0]
+
+
+def test_serve_passes_options_to_transformers_serve(checkpoint: tuple, capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["serve", str(checkpoint[0]), "--port", "not-a-port"]) == 2  # transformers serve's own check
+    assert "not-a-port" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", ["--continuous-batching", "--cb-num-blocks=8", "--compile"])
