@@ -12,6 +12,9 @@ from .serving import expose_architecture
 
 DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
 
+# transformers serve looks the model class up under this name on the transformers module (serving.py)
+expose_architecture("RecAttnForCausalLM")
+
 
 def _override_layers(key: str, num_layers: int) -> list[int]:
     """Layers selected by an override key: "3", "-1", "every:4" (3, 7, ...), "every:4:0" (0, 4, ...)."""
@@ -107,6 +110,3 @@ class RecAttnConfig(LlamaConfig):
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         return self.layer_specs()[layer_idx]
 
-
-# transformers serve looks the model class up by this name on the transformers module (serving.py)
-expose_architecture("RecAttnForCausalLM")
