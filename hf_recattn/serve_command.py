@@ -3,8 +3,9 @@ in this process with hf_recattn registered, so a RecAttn checkpoint loads with t
 
 The options are ``transformers serve``'s. Those that cannot drive a recurrent cache are refused before anything
 loads (``REFUSED``). Bad requests get an HTTP 400 naming the fault instead of the server's bare 500: a ValueError
-from generation (a prompt or ``max_tokens`` beyond the model's positions, an unsupported generation option) and a
-malformed chat (``messages`` that is not a list of objects with a string ``role``). The server keeps serving.
+raised while a request is handled (what transformers and hf_recattn raise for bad arguments: a prompt or
+``max_tokens`` beyond the model's positions, an invalid generation option) and a malformed chat (``messages`` that
+is not a list of objects with a string ``role``). The server keeps serving.
 """
 
 from __future__ import annotations
