@@ -184,6 +184,15 @@ def test_serve_refuses_options_recurrent_caches_cannot_take(checkpoint: tuple, o
     assert "RecAttnCache" in err
 
 
+def test_serve_names_the_extra_without_the_server_dependencies(checkpoint: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    import transformers.utils.import_utils as import_utils
+
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    assert cli_main(["serve", str(checkpoint[0])]) == 2
+    assert "pip install 'hf-recattn[serve]'" in capsys.readouterr().err
+
+
 def test_model_refuses_continuous_batching(checkpoint: tuple) -> None:
     model = checkpoint[1]
     assert not hasattr(model, "init_continuous_batching")  # how transformers serve learns that it cannot
