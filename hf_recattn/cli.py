@@ -104,8 +104,22 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                    help="associative recall prompts per length and number of facts (default 3; --quick: 1)")
     p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lm-eval", default=None, metavar="TASKS", help="run lm-evaluation-harness instead: lm_eval run "
+                   "--model hf --model_args pretrained=CHECKPOINT --tasks TASKS (comma-separated; needs the eval "
+                   "extra); the options above are then unused")
+    p.add_argument("--lm-eval-args", default="", metavar="OPTIONS", help="with --lm-eval: more lm_eval run "
+                   "options in one string, e.g. \"--num_fewshot 5 --batch_size 8 --output_path results\"")
 
     def run(args: argparse.Namespace) -> int:
+        if args.lm_eval:
+            from .lm_eval_command import MissingLmEval, run_lm_eval
+
+            try:
+                run_lm_eval(args.checkpoint, args.lm_eval, args.lm_eval_args)
+            except MissingLmEval as err:
+                print(f"hf-recattn eval: error: {err}", file=sys.stderr)
+                return 2
+            return 0
         from .eval_commands import run_eval
 
         return run_eval(args)
@@ -128,6 +142,25 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         from .eval_commands import run_generate
 
         return run_generate(args)
+
+    p.set_defaults(handler=run)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible endpoint for a checkpoint: transformers serve, with hf_recattn's classes",
+        description="Run transformers' own server (`transformers serve MODEL OPTIONS`) in this process with "
+        "hf_recattn registered. OPTIONS are transformers serve's (--host, --port, --device, --dtype, ...); "
+        "--continuous-batching, --cb-* and --compile are refused. See docs/serving.md.",
+    )
+    p.add_argument("model", help="a checkpoint folder or Hub id, served for every request")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve options")
+
+    def run(args: argparse.Namespace) -> int:
+        from .serve_command import serve
+
+        return serve(args.model, args.options)
 
     p.set_defaults(handler=run)
 
@@ -329,7 +362,7 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_state_size, add_mixers, add_demo, add_eval, add_generate
+    add_state_size, add_mixers, add_demo, add_eval, add_generate, add_serve
 ]
 SUBCOMMANDS += [add_convert, add_push, add_zoo]
 SUBCOMMANDS += [add_pretrain, add_finetune, add_corpus]

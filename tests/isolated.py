@@ -3,7 +3,8 @@
 ``HIDE_HF_RECATTN`` is the child's preamble: it drops meta-path finders that can find hf_recattn (the editable
 install's finder) and sys.path entries that hold it, asserts ``importlib.util.find_spec('hf_recattn') is None``,
 and puts a blocker first on ``sys.meta_path``. Run the child with ``python -I`` from an empty folder.
-``save_tiny_recattn`` writes a tiny checkpoint for such a child to load with ``trust_remote_code=True``.
+``save_tiny_recattn`` writes a tiny checkpoint for such a child to load with ``trust_remote_code=True``;
+``save_tiny_chat_recattn`` adds a tokenizer with a chat template (for servers and evaluation harnesses).
 """
 
 from __future__ import annotations
@@ -12,8 +13,16 @@ import textwrap
 from pathlib import Path
 
 import torch
+from tiny_lm import tiny_tokenizer
+from transformers import PreTrainedTokenizerFast
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+
+#: a chat template for the tiny tokenizer (roles and contents between its <s> and </s>)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
 
 HIDE_HF_RECATTN = textwrap.dedent(
     r"""
@@ -63,3 +72,14 @@ def save_tiny_recattn(folder: Path, layers: list[dict], seed: int = 0) -> RecAtt
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(folder)
     return model
+
+
+def save_tiny_chat_recattn(folder: Path, layers: list[dict],
+                           seed: int = 0) -> tuple[RecAttnForCausalLM, PreTrainedTokenizerFast]:
+    """``save_tiny_recattn`` plus tests/tiny_lm.py's tokenizer (100 tokens) with ``CHAT_TEMPLATE``, in ``folder``."""
+    model = save_tiny_recattn(folder, layers, seed)
+    tokenizer = tiny_tokenizer(model.config.vocab_size)
+    assert len(tokenizer) == model.config.vocab_size
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer

@@ -8,8 +8,12 @@ from typing import Any
 from transformers import LlamaConfig
 
 from .mixers import mixer_class, validate_spec
+from .serving import expose_architecture
 
 DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
+
+# transformers serve looks the model class up under this name on the transformers module (serving.py)
+expose_architecture("RecAttnForCausalLM")
 
 
 def _override_layers(key: str, num_layers: int) -> list[int]:
@@ -120,3 +124,4 @@ class RecAttnConfig(LlamaConfig):
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         return self.layer_specs()[layer_idx]
+

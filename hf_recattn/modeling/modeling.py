@@ -27,6 +27,7 @@ from .decode_layout import apply_decode_layout, laid_out, project, restore_row_m
 from .mixer_base import MixerInputs, MixerShape
 from .mixers import build_mixer, mixer_class
 from .packing import PackedDocuments, find_documents, positions_from_cu_seqlens
+from .serving import RefuseContinuousBatching
 
 
 def rotate_queries_and_keys(
@@ -522,7 +523,7 @@ def _is_empty_foreign_cache(cache: Cache) -> bool:
     return not isinstance(cache, RecAttnCache) and cache.get_seq_length() == 0
 
 
-class RecAttnForCausalLM(RecAttnPreTrainedModel, GenerationMixin):
+class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Llama's plan: the base model's (config.base_model_tp_plan: q/k/v and MLP colwise, o_proj and down_proj
     # rowwise, embed_tokens by vocabulary) plus the head, sharded with the embedding it is tied to
