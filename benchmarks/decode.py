@@ -35,6 +35,8 @@ Filling a context (``--fill``):
   minutes per mixer at 32k on two cores).
 
 ``python benchmarks/decode.py --help`` lists the flags; ``--quick`` is a short smoke run.
+The results and their provenance go to ``--out`` (default ``benchmarks/results/decode_cpu.json``);
+``scripts/render_docs.py`` renders the docs' tables from that file with ``render_markdown``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from results_file import add_out_argument, run_record, write_results
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_recattn import RecAttnCache, RecAttnConfig, RecAttnForCausalLM
@@ -107,7 +110,6 @@ class Row:
     label: str
     kind: str
     dtype: str
-    ms: dict[int, float] = field(default_factory=dict)
     nbytes: dict[int, int] = field(default_factory=dict)
 
 
@@ -272,32 +274,32 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-def render(rows: list[Row], contexts: list[int], medians: dict[str, float], weight_bytes: int,
-           notes: list[str]) -> str:
+def render_markdown(results: dict) -> str:
+    """The floors line, the table (one row per model and context) and the notes of a results file."""
+    contexts, weight_bytes, floors = results["contexts"], results["weight_bytes"], results["floors"]
+    read, gemv, layouts = floors["read"], floors["gemv"], floors["layout"]
+    rows = results["rows"]
     base = rows[0]
-    read, gemv = medians["floor:read"], medians["floor:gemv"]
-    layouts = {key.split("@")[1]: ms for key, ms in medians.items() if key.startswith("floor:layout@")}
     speeds = ", ".join(f"layout {ms:.1f} ms ({weight_bytes / ms / 1e6:.1f} GB/s{' ' + d if len(layouts) > 1 else ''})"
                        for d, ms in layouts.items())
     lines = [
         f"floors ({weight_bytes / 2**20:.0f} MiB of weights): read {read:.1f} ms "
         f"({weight_bytes / read / 1e6:.1f} GB/s), gemv {gemv:.1f} ms ({weight_bytes / gemv / 1e6:.1f} GB/s), {speeds}",
         "",
-        f"| model | cache | context | ms/token | cache | x faster than {base.label} | / gemv floor "
+        f"| model | cache | context | ms/token | cache | x faster than {base['label']} | / gemv floor "
         "| / layout floor | / read floor | vs own first context |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        first = row.ms[contexts[0]]
-        layout = layouts.get(row.dtype)
-        for c in contexts:
-            ms = row.ms[c]
+        first = row["ms"][0]
+        layout = layouts.get(row["dtype"])
+        for c, ms, nbytes, base_ms in zip(contexts, row["ms"], row["cache_bytes"], base["ms"], strict=True):
             lines.append(
-                f"| {row.label} | {row.kind} | {c} | {ms:.1f} | {_fmt_bytes(row.nbytes[c])} | "
-                f"{base.ms[c] / ms:.2f} | {ms / gemv:.2f} | {ms / layout:.2f} | {ms / read:.2f} | "
+                f"| {row['label']} | {row['kind']} | {c} | {ms:.1f} | {_fmt_bytes(nbytes)} | "
+                f"{base_ms / ms:.2f} | {ms / gemv:.2f} | {ms / layout:.2f} | {ms / read:.2f} | "
                 f"{ms / first - 1:+.0%} |"
             )
-    lines += ["", *notes]
+    lines += ["", *results["notes"]]
     return "\n".join(lines)
 
 
@@ -324,6 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every width tiny (hidden 72, intermediate 96, head_dim 8, vocab 256; 30 layers as before): the products "
              "cost next to nothing, so a step's time is its overhead (Python, op dispatch, small ops)")
     add("--quick", action="store_true", help="smoke run: contexts 512 2048, 6 repeats, 2 rounds")
+    add_out_argument(p, "decode_cpu.json")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.repeats, args.rounds, args.warmup = [512, 2048], 6, 2, 1
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         SHAPE.update(TINY_WIDTHS)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    record = run_record()
     contexts = sorted(args.contexts)
     max_positions = max(contexts) + args.warmup + args.repeats + 64
     labels = args.mixers or list(MIXER_SPECS)
@@ -402,10 +406,19 @@ def main(argv: list[str] | None = None) -> int:
                             lambda c, twin=twin: filled_cache(twin, c, args), name)
                 print(f"filled {label}{tag}", flush=True)
         medians = round_robin(steppers, args.repeats, args.warmup, args.rounds)
-    for row in rows:
-        row.ms = {c: medians[f"{row.label}@{c}"] for c in contexts}
+    results = write_results(args.out, "decode", record, {
+        "settings": {key: value for key, value in vars(args).items() if key != "out"},
+        "contexts": contexts,
+        "weight_bytes": weight_bytes,
+        "floors": {"read": medians["floor:read"], "gemv": medians["floor:gemv"],
+                   "layout": {key.split("@")[1]: ms for key, ms in medians.items() if key.startswith("floor:layout@")}},
+        "rows": [{"label": row.label, "kind": row.kind, "dtype": row.dtype,
+                  "ms": [medians[f"{row.label}@{c}"] for c in contexts],
+                  "cache_bytes": [row.nbytes[c] for c in contexts]} for row in rows],
+        "notes": notes,
+    })
     print()
-    print(render(rows, contexts, medians, weight_bytes, notes))
+    print(render_markdown(results))
     return 0
 
 

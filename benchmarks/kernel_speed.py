@@ -29,6 +29,8 @@ every small op pay a thread wake-up (our 8k forward+backward: 1.4 s instead of 0
 with the default, or export ``OMP_WAIT_POLICY=PASSIVE`` when the cores are shared; the notes print the setting.
 
 ``python benchmarks/kernel_speed.py --help`` lists the flags; ``--quick`` is a short smoke run.
+The results and their provenance go to ``--out`` (default ``benchmarks/results/kernel_speed_DEVICE.json``);
+``scripts/render_docs.py`` renders the docs' tables from that file with ``render_markdown``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from results_file import add_out_argument, run_record, write_results
 
 from hf_recattn.modeling.backends import use_kernels
 from hf_recattn.ops import chunk_gated_delta_rule, chunk_linear_attn
@@ -172,22 +175,25 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}"
 
 
-def render(secs: dict[tuple, float], mem: dict[tuple, float | None], args: argparse.Namespace) -> str:
-    impls = args.impls
+def render_markdown(results: dict) -> str:
+    """The table (one row per length and mode, one column per implementation) and the notes of a results file."""
+    impls, cells = results["impls"], results["cells"]
+    secs = {(c["impl"], c["length"], c["mode"]): c["seconds"] for c in cells}
+    mem = {(c["impl"], c["length"], c["mode"]): c["mib"] for c in cells if "mib" in c}
     head = ["T", "mode", *(f"{i} s" for i in impls)]
     others = [i for i in ("hf gdr", "sdpa") if i in impls and BASELINE in impls]
     head += [f"{i} / ours" for i in others]
     if mem:
         head += [f"{i} MiB" for i in impls]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
-    for length in args.lengths:
-        for mode in args.modes:
+    for length in results["lengths"]:
+        for mode in results["modes"]:
             row = [str(length), mode, *(_fmt_s(secs.get((i, length, mode))) for i in impls)]
             row += [_ratio(secs.get((i, length, mode)), secs.get((BASELINE, length, mode))) for i in others]
             if mem:
                 row += ["-" if mem.get((i, length, mode)) is None else f"{mem[(i, length, mode)]:.0f}" for i in impls]
             lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *results["notes"]])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -207,7 +213,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     add("--quick", action="store_true", help="smoke run: lengths 1024 4096, 3 repeats")
     add("--memory-cell", nargs=3, metavar=("IMPL", "T", "MODE"), help=argparse.SUPPRESS)
+    add_out_argument(p, "kernel_speed_DEVICE.json")
     args = p.parse_args(argv)
+    if args.out.name == "kernel_speed_DEVICE.json":
+        args.out = args.out.with_name(f"kernel_speed_{args.device}.json")
     if args.quick:
         args.lengths, args.repeats = [1024, 4096], 3
     return args
@@ -220,17 +229,24 @@ def main(argv: list[str] | None = None) -> int:
         impl, length, mode = args.memory_cell
         print(json.dumps({"mib": memory_cell(impl, int(length), mode, args)}))
         return 0
+    record = run_record()
     cells = {(i, t, m): make_cell(i, t, m, args) for t in args.lengths for m in args.modes for i in args.impls}
     secs = time_cells(cells, args.repeats, args.warmup)
     cells.clear()
     mem = {} if args.no_memory or args.device != "cpu" else {key: measure_memory(*key, args) for key in secs}
-    print(render(secs, mem, args))
-    print()
     policy = os.environ.get("OMP_WAIT_POLICY", "default")
-    print(f"torch {torch.__version__}, {args.threads} thread(s) (OMP_WAIT_POLICY {policy}), "
-          f"fp32, batch {args.batch}, {args.heads} heads x "
-          f"{args.head_dim}, chunk {args.chunk_size}; seconds: median of {args.repeats} interleaved rounds after "
-          f"{args.warmup} warm-up call(s) per cell; MiB: peak RSS one call adds (fresh process per cell)")
+    note = (f"torch {torch.__version__}, {args.threads} thread(s) (OMP_WAIT_POLICY {policy}), "
+            f"fp32, batch {args.batch}, {args.heads} heads x "
+            f"{args.head_dim}, chunk {args.chunk_size}; seconds: median of {args.repeats} interleaved rounds after "
+            f"{args.warmup} warm-up call(s) per cell; MiB: peak RSS one call adds (fresh process per cell)")
+    results = write_results(args.out, "kernel_speed", record, {
+        "settings": {key: value for key, value in vars(args).items() if key not in ("out", "memory_cell")},
+        "impls": args.impls, "lengths": args.lengths, "modes": args.modes,
+        "cells": [{"impl": i, "length": t, "mode": m, "seconds": seconds, **({"mib": mem[i, t, m]} if mem else {})}
+                  for (i, t, m), seconds in secs.items()],
+        "notes": [note],
+    })
+    print(render_markdown(results))
     return 0
 
 

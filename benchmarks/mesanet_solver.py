@@ -10,6 +10,8 @@ call of the solver is counted: one per layer and token in decode, one per chunk 
 a saved checkpoint instead (a converted MesaNet, its tokenizer beside it) on the embedded corpus's text.
 
 ``python benchmarks/mesanet_solver.py --help`` lists the flags.
+The results and their provenance go to ``--out`` (default ``benchmarks/results/mesanet_solver_cpu.json``);
+``scripts/render_docs.py`` renders the docs' tables from that file with ``render_markdown``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from decode import llama_model, recattn_model
+from results_file import add_out_argument, run_record, write_results
 
 from hf_recattn import RecAttnForCausalLM
 from hf_recattn.data.corpus import embedded_texts, token_blocks
@@ -44,8 +47,26 @@ def counting_solver(solve: Callable, record: list[int]) -> Callable:
     return counted
 
 
-def summary(steps: list[int]) -> str:
-    return f"{len(steps)} | {min(steps)} / {statistics.median(steps):g} / {max(steps)}"
+def summary(steps: list[int]) -> dict[str, float]:
+    """How many calls, and the fewest, median and most steps a call ran."""
+    return {"solves": len(steps), "min": min(steps), "median": statistics.median(steps), "max": max(steps)}
+
+
+def table_row(row: dict) -> str:
+    cells = [f"{part['solves']} | {part['min']} / {part['median']:g} / {part['max']}"
+             for part in (row["prefill"], row["decode"])]
+    return f"| {row['model']} | {row['context']} | {cells[0]} | {cells[1]} |"
+
+
+def render_markdown(results: dict) -> str:
+    """The table (one row per model and context) and the notes of a results file."""
+    return "\n".join([
+        "| model | context | prefill solves | steps min / median / max | decode solves | steps min / median / max |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(table_row(row) for row in results["rows"]),
+        "",
+        *results["notes"],
+    ])
 
 
 def text_ids(folder: str, length: int) -> torch.Tensor:
@@ -76,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", help="a saved hf_recattn checkpoint with MesaNet layers (instead of --inits)")
+    add_out_argument(p, "mesanet_solver_cpu.json")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    record = run_record()
     max_positions = max(args.contexts) + args.decode_steps
     solver = ops_mesanet.conjugate_gradient
-    print("| model | context | prefill solves | steps min / median / max | decode solves | steps min / median / max |")
-    print("|---|---:|---:|---:|---:|---:|")
+    rows = []
     for label, (model, all_ids) in models(args, max_positions).items():
         for context in args.contexts:
             prefill_steps: list[int] = []
@@ -100,8 +122,16 @@ def main(argv: list[str] | None = None) -> int:
                               past_key_values=cache, use_cache=True, logits_to_keep=1)
             finally:
                 ops_mesanet.conjugate_gradient = solver
-            print(f"| {label} | {context} | {summary(prefill_steps)} | {summary(decode_steps)} |", flush=True)
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), cg_steps 30")
+            rows.append({"model": label, "context": context, "prefill": summary(prefill_steps),
+                         "decode": summary(decode_steps)})
+            print(table_row(rows[-1]), flush=True)
+    results = write_results(args.out, "mesanet_solver", record, {
+        "settings": {key: value for key, value in vars(args).items() if key != "out"},
+        "rows": rows,
+        "notes": [f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), cg_steps 30"],
+    })
+    print()
+    print(render_markdown(results))
     return 0
 
 

@@ -12,6 +12,8 @@ median tokens/s, the speed-up over Llama at the same length, and the change agai
 (flat is what a chunked form promises: O(T) work, O(chunk) memory per token).
 
 ``python benchmarks/prefill.py --help`` lists the flags; ``--quick`` is a short smoke run.
+The results and their provenance go to ``--out`` (default ``benchmarks/results/prefill_cpu.json``);
+``scripts/render_docs.py`` renders the docs' tables from that file with ``render_markdown``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 from decode import MIXER_SPECS, SHAPE
+from results_file import add_out_argument, run_record, write_results
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
@@ -80,20 +83,21 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, make_cache: Callable[[], 
     return run
 
 
-def render(labels: list[str], lengths: list[int], medians: dict[str, float], notes: list[str]) -> str:
+def render_markdown(results: dict) -> str:
+    """The table (one row per model and prompt length) and the notes of a results file."""
+    lengths = results["lengths"]
+    baseline = {n: seconds for n, seconds in zip(lengths, results["seconds"].get(BASELINE, []), strict=False)}
     lines = [
         f"| model | tokens | tokens/s | s | x faster than {BASELINE} | vs own {lengths[0]} |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for label in labels:
-        first = lengths[0] / medians[f"{label}@{lengths[0]}"]
-        for n in lengths:
-            seconds = medians[f"{label}@{n}"]
+    for label, row in results["seconds"].items():
+        first = lengths[0] / row[0]
+        for n, seconds in zip(lengths, row, strict=True):
             rate = n / seconds
-            base = medians.get(f"{BASELINE}@{n}")
-            speedup = f"{base / seconds:.2f}" if base is not None else "-"
+            speedup = f"{baseline[n] / seconds:.2f}" if n in baseline else "-"
             lines.append(f"| {label} | {n} | {rate:,.0f} | {seconds:.2f} | {speedup} | {rate / first - 1:+.0%} |")
-    return "\n".join([*lines, "", *notes])
+    return "\n".join([*lines, "", *results["notes"]])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=2, help="torch threads")
     add("--no-baseline", action="store_true", help="skip transformers' Llama")
     add("--quick", action="store_true", help="smoke run: 2k and 4k, 1 round, no warm-up")
+    add_out_argument(p, "prefill_cpu.json")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.rounds, args.warmup = [2048, 4096], 1, 0
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    record = run_record()
     lengths = sorted(args.lengths)
     unknown = [label for label in args.mixers if label not in MIXER_SPECS]
     if unknown:
@@ -150,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             cells[f"{label}@{n}"] = prefill(model, prompts[n], model.new_cache)
     with torch.inference_mode():
         medians = _median_round_robin(cells, args.warmup, args.rounds)
-    print(render(labels, lengths, medians, notes))
+    results = write_results(args.out, "prefill", record, {
+        "settings": {key: value for key, value in vars(args).items() if key != "out"},
+        "lengths": lengths,
+        "seconds": {label: [medians[f"{label}@{n}"] for n in lengths] for label in labels},
+        "notes": notes,
+    })
+    print(render_markdown(results))
     return 0
 
 

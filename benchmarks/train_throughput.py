@@ -9,6 +9,8 @@ as in training; the table shows which), ``backward`` and an AdamW ``step``. Each
 Every mixer x length cell runs in each of ``--rounds`` rounds (interleaved), so that load from other processes
 on a shared machine hits them alike; the table gives the median step over all rounds, tokens/s and the ratio
 to the softmax row measured in the same run (its SDPA kernel through transformers' attention interface).
+The results and their provenance go to ``--out`` (default
+``benchmarks/results/train_throughput_cpu.json``); ``scripts/render_docs.py`` renders the docs' table from it.
 
     nice .venv/bin/python benchmarks/train_throughput.py --threads 1
     .venv/bin/python benchmarks/train_throughput.py --quick                       # smoke run
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from results_file import add_out_argument, run_record, write_results
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 
@@ -99,15 +102,17 @@ def interleaved_medians(steps: dict[str, Step], warmup: int, rounds: int, repeat
     return {key: statistics.median(s) for key, s in samples.items()}
 
 
-def render(labels: list[str], lengths: list[int], medians: dict[str, float], forms: dict[str, str]) -> str:
+def render_markdown(results: dict) -> str:
+    """The table (one row per mixer and length) and the notes of a results file."""
     lines = [f"| mixer | tokens | form | ms/step | tokens/s | x {BASELINE} |", "|---|---:|---|---:|---:|---:|"]
-    for label in labels:
-        for n in lengths:
-            sec = medians[f"{label}@{n}"]
-            base = medians.get(f"{BASELINE}@{n}")
+    lengths, cells = results["lengths"], results["cells"]
+    for label, row in cells.items():
+        for n, cell in zip(lengths, row, strict=True):
+            sec = cell["seconds"]
+            base = cells[BASELINE][lengths.index(n)]["seconds"] if BASELINE in cells else None
             ratio = f"{base / sec:.2f}" if base else "-"
-            lines.append(f"| {label} | {n} | {forms[f'{label}@{n}']} | {sec * 1e3:.0f} | {n / sec:,.0f} | {ratio} |")
-    return "\n".join(lines)
+            lines.append(f"| {label} | {n} | {cell['form']} | {sec * 1e3:.0f} | {n / sec:,.0f} | {ratio} |")
+    return "\n".join([*lines, "", *results["notes"]])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=1,
         help="torch threads (1: two OpenMP threads stall when another process shares a core)")
     add("--quick", action="store_true", help="smoke run: every mixer at 256 and 512 tokens, 1 round, 1 step")
+    add_out_argument(p, "train_throughput_cpu.json")
     args = p.parse_args(argv)
     labels = args.mixers or list(MIXER_SPECS)
     unknown = [label for label in labels if label not in MIXER_SPECS]
@@ -138,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    record = run_record()
     print("command: python benchmarks/train_throughput.py " + shlex.join(sys.argv[1:] if argv is None else argv),
           flush=True)
     lengths = sorted(set(args.lengths))
@@ -154,15 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     medians = interleaved_medians(steps, args.warmup, args.rounds, args.repeats)
     non_embedding = sum(p.numel() for n, p in build(MIXER_SPECS[BASELINE], args.vocab, 8).named_parameters()
                         if "embed" not in n)
+    notes = [
+        f"model: hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, "
+        f"{SHAPE['num_attention_heads']} heads x {SHAPE['head_dim']}, {SHAPE['num_key_value_heads']} KV heads, "
+        f"SwiGLU {SHAPE['intermediate_size']}, vocab {args.vocab} (tied), {non_embedding / 1e6:.2f}M "
+        f"non-embedding parameters (softmax), fp32, batch 1, AdamW",
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
+        f"{args.rounds * args.repeats} steps per cell after {args.warmup} warm-up, every cell interleaved in "
+        f"{args.rounds} round(s); {time.perf_counter() - started:.0f} s of timing",
+    ]
+    results = write_results(args.out, "train_throughput", record, {
+        "settings": {key: value for key, value in vars(args).items() if key != "out"},
+        "lengths": lengths,
+        "cells": {label: [{"seconds": medians[f"{label}@{n}"], "form": forms[f"{label}@{n}"]} for n in lengths]
+                  for label in args.labels},
+        "notes": notes,
+    })
     print()
-    print(render(args.labels, lengths, medians, forms))
-    print(f"\nmodel: hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, "
-          f"{SHAPE['num_attention_heads']} heads x {SHAPE['head_dim']}, {SHAPE['num_key_value_heads']} KV heads, "
-          f"SwiGLU {SHAPE['intermediate_size']}, vocab {args.vocab} (tied), {non_embedding / 1e6:.2f}M "
-          f"non-embedding parameters (softmax), fp32, batch 1, AdamW")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
-          f"{args.rounds * args.repeats} steps per cell after {args.warmup} warm-up, every cell interleaved in "
-          f"{args.rounds} round(s); {time.perf_counter() - started:.0f} s of timing")
+    print(render_markdown(results))
     return 0
 
 

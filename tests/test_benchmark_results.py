@@ -1,0 +1,54 @@
+"""The speed benchmarks' result files: each names its script, carries the provenance of the run that wrote it, and
+renders through its script's ``render_markdown`` (the table the docs show)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_recattn.provenance import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = {
+    "decode_cpu.json": "decode",
+    "decode_cpu_tiny.json": "decode",
+    "prefill_cpu.json": "prefill",
+    "train_throughput_cpu.json": "train_throughput",
+    "kernel_speed_cpu.json": "kernel_speed",
+    "kernel_speed_cuda.json": "kernel_speed",
+    "mesanet_solver_cpu.json": "mesanet_solver",
+}
+
+
+def _script(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("file, name", sorted(RESULTS.items()))
+def test_a_result_file_names_its_script_and_run_and_renders(file: str, name: str) -> None:
+    results = json.loads((ROOT / "benchmarks" / "results" / file).read_text())
+    assert results["benchmark"] == name
+    record = results["provenance"]
+    assert record["command"].startswith(f"python benchmarks/{name}.py")
+    assert record["machine"]["cpu"] and record["packages"]["torch"] and record["date"]
+    table = _script(name).render_markdown(results)
+    header, rule = table.splitlines()[:2] if not table.startswith("floors") else table.splitlines()[2:4]
+    assert header.startswith("| ") and set(rule) <= set("|-: ")
+    assert all(note in table for note in results["notes"])
+
+
+def test_write_results_adds_the_name_and_provenance(tmp_path: Path) -> None:
+    results_file = _script("results_file")
+    record = provenance(["python", "benchmarks/x.py"], corpus=False)
+    out = tmp_path / "sub" / "x.json"
+    written = results_file.write_results(out, "x", record, {"rows": [1, 2]})
+    assert json.loads(out.read_text()) == written == {"benchmark": "x", "provenance": record, "rows": [1, 2]}
+    assert [p.name for p in out.parent.iterdir()] == ["x.json"]  # nothing half-written left beside it
