@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         record(name, student, student.config, facts)
         del student
     atomic_write_json(out, results)  # this command, even when every model was measured earlier
+    if "teacher" not in results["models"]:  # a part of a split run: the table needs the teacher's row
+        print(f"results: {out} (join the parts with --merge for the table)")
+        return 0
     print(table(results))
     if args.plot:
         print(plot(results, args.plot))
