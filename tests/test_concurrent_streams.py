@@ -4,21 +4,18 @@ allocating, the out-of-memory verdict, one configuration in a process of its own
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from script_modules import load_script
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.conversion.recipe import load_recipe
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 #: decode.py's synthetic fill draws token ids from the SmolLM2 vocabulary; every other width is tiny
 TINY = dict(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=8, max_position_embeddings=512)
@@ -27,14 +24,7 @@ FILL = argparse.Namespace(fill="synthetic", prefill_tokens=80)  # more than the 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its sibling decode
-    try:
-        spec = importlib.util.spec_from_file_location("concurrent_streams", BENCHMARKS / "concurrent_streams.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_script("benchmarks", "concurrent_streams")
 
 
 def _ours(recipe: str) -> RecAttnForCausalLM:

@@ -8,15 +8,14 @@ builds the real one (archives from the cache or through pip) and checks it again
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
+from archives import write_tar_gz
 
 from hf_recattn import cli
 from hf_recattn.data import corpus, embedded, pinned
@@ -28,14 +27,7 @@ PROSE = ("This chapter explains how the parser reads a file and turns each line 
 
 
 def _archive(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
-    path = folder / f"{name}-{version}.tar.gz"
-    with tarfile.open(path, "w:gz") as tar:
-        for member, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"{name}-{version}/{member}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_tar_gz(folder / f"{name}-{version}.tar.gz", f"{name}-{version}", files)
 
 
 def _sha(path: Path) -> str:

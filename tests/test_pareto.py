@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_modules import load_script
 from tiny_lm import tiny_dims
 
 from hf_recattn import RecAttnConfig
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def pareto() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its sibling convert_smollm2
-    try:
-        spec = importlib.util.spec_from_file_location("pareto", BENCHMARKS / "pareto.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_script("benchmarks", "pareto")
 
 
 def test_swap_specs(pareto: ModuleType) -> None:

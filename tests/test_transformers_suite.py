@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import shutil
-import tarfile
 from pathlib import Path
 
 import pytest
 import transformers_suite as suite
+from archives import write_tar_gz
 
 
 def _fake_sdist(folder: Path, version: str) -> Path:
     archive = folder / f"transformers-{version}.tar.gz"
     files = {"LICENSE": "license", "tests/test_modeling_common.py": "# common", "tests/models/x/test_x.py": "# x",
              "src/transformers/__init__.py": "# real package"}
-    with tarfile.open(archive, "w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"transformers-{version}/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return archive
+    return write_tar_gz(archive, f"transformers-{version}", files)
 
 
 @pytest.fixture
