@@ -14,7 +14,6 @@ import os
 import random
 import re
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from ..paths import cache_root
 from . import pinned
-from .embedded import embedded_corpus
+from .embedded import embedded_corpus, write_atomic
 
 EMBEDDED = "embedded"
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -59,13 +58,9 @@ def embedded_corpus_file() -> Path | None:
 
 
 def _write_jsonl_atomic(path: Path, texts: Sequence[str]) -> None:
+    lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for text in texts:
-                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, lines.encode("utf-8"))
     except OSError as err:  # a read-only home still gets its corpus, just not cached
         print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
 

@@ -269,7 +269,8 @@ def _parse(data: bytes, where: Path) -> tuple[Document, ...]:
     return tuple(docs)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` through a temporary file renamed into place (removed if anything fails)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
@@ -304,7 +305,7 @@ def build_corpus(
         )
     if cache_file is not None:
         try:
-            _write_atomic(cache_file, data)
+            write_atomic(cache_file, data)
         except OSError as err:  # a read-only home still gets its corpus, just not cached
             print(f"hf_recattn: could not cache the corpus in {cache_file}: {err}", file=sys.stderr)
     return Corpus(tuple(docs), got, version)
@@ -355,6 +356,6 @@ def write_splits(corpus: Corpus, folder: Path, fmt: str = "jsonl") -> list[Path]
             if doc.split == split:
                 buffer.write(json.dumps({"id": doc.id, "text": doc.text}, ensure_ascii=False) + "\n")
         path = folder / f"{split}.jsonl"
-        _write_atomic(path, buffer.getvalue().encode("utf-8"))
+        write_atomic(path, buffer.getvalue().encode("utf-8"))
         paths.append(path)
     return paths
