@@ -394,7 +394,7 @@ def test_one_token_step_is_the_general_block(far: str, combine: str, sinks: int)
     general = make(far, combine, window=3, sink_tokens=sinks)
     general.load_state_dict(mixer.state_dict())
     general._step_one = lambda *args: pytest.fail("the general block must not take the shortcut")  # type: ignore
-    general.step = lambda q, k, v, inputs, state: general._block(q, k, v, inputs, state, "step")  # type: ignore
+    general.step = lambda q, k, v, inputs, state: general._block(q, k, v, inputs, state, general._far_step)  # type: ignore
     taken = []
     shortcut = mixer._step_one
     mixer._step_one = lambda *args: taken.append(1) or shortcut(*args)  # type: ignore

@@ -31,6 +31,7 @@ import torch
 from transformers import set_seed
 
 from ..modeling.cache import CACHE_NAME
+from ..modeling.mixers import mixer_class
 from .attention_transfer import (
     TransferResult,
     attention_transfer,
@@ -50,8 +51,8 @@ from .checkpoints import (
 from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, report_training_tokens
 
 Log = Callable[[str], None]
-HYBRID = "hybrid"
-RETRIEVAL = "retrieval_heads"
+#: where a layer's mixer parameters start in a state-dict key
+MIXER_KEY = ".mixer."
 
 
 # ----- identity ---------------------------------------------------------------------------------------------
@@ -71,56 +72,38 @@ def run_identity(teacher: str, recipe: Recipe, data: str | None) -> dict[str, An
     }
 
 
-# ----- hybrids: the parts of a hybrid spec, as models of their own ------------------------------------------
-def hybrid_parts(spec: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-    """``{"window-only": spec, "far-only": spec}`` for a hybrid spec (also the hybrid beside retrieval heads,
-    which stay exact in both parts), None for any other."""
-    if spec.get("mixer") == RETRIEVAL and isinstance(spec.get("others"), dict):
-        parts = hybrid_parts(spec["others"])
-        return None if parts is None else {name: {**spec, "others": part} for name, part in parts.items()}
-    if spec.get("mixer") != HYBRID:
-        return None
-    window: dict[str, Any] = {"mixer": "sliding_window", "window": int(spec["window"])}
-    if spec.get("sink_tokens"):  # the window part keeps its sinks: a hybrid without a far mixer
-        window = {"mixer": HYBRID, "window": int(spec["window"]), "far": "none",
-                  "sink_tokens": int(spec["sink_tokens"])}
-    return {"window-only": window, "far-only": dict(spec["far"])}
-
-
+# ----- composites: their declared variants, as models of their own -----------------------------------------
 def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """For a model with hybrid layers: the same weights with only the window part / only the far part.
+    """For a model with composite layers (a hybrid, also beside retrieval heads): the same weights as each named
+    variant its layers declare (``Mixer.variants``: window-only, far-only, ...).
 
-    The far part keeps the hybrid's trained far-mixer parameters (``mixer.far.*`` -> ``mixer.*``); the mixing
-    weights of the hybrid have no place in either and are dropped. Non-hybrid layers stay as they are.
+    Each declared layer takes the variant's spec and maps its mixer's parameter keys by the variant's key map
+    (e.g. ``mixer.far.*`` -> ``mixer.*``; the hybrid's mixing weights have no place in a far-only model); other
+    layers stay as they are.
     """
     from ..modeling.modeling import RecAttnForCausalLM
 
     specs = model.config.layer_specs()
-    parts = [hybrid_parts(s) for s in specs]
-    if not any(parts):
-        return {}
+    declared = [mixer_class(spec["mixer"], f"layer {i}").variants(spec) for i, spec in enumerate(specs)]
+    names = list(dict.fromkeys(name for variants in declared for name in variants))
     state = model.state_dict()
     out: dict[str, torch.nn.Module] = {}
-    for name in ("window-only", "far-only"):
-        layer_specs = [p[name] if p else s for s, p in zip(specs, parts, strict=True)]
+    for name in names:
         config = copy.deepcopy(model.config)
-        config.attention = layer_specs
+        config.attention = [layer[name][0] if name in layer else s for s, layer in zip(specs, declared, strict=True)]
         config.attention_overrides = None
         variant = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
         mapped = {}
         for key, value in state.items():
-            if ".mixer." not in key or not parts[_layer_of(key)]:
-                mapped[key] = value
-                continue
-            hybrid = ".mixer.rest." if specs[_layer_of(key)]["mixer"] == RETRIEVAL else ".mixer."
-            if name == "far-only" and hybrid + "far." in key:
-                mapped[key.replace(hybrid + "far.", hybrid)] = value
-            elif name == "window-only" and hybrid + "far." not in key:
-                mapped[key] = value  # a window part with sinks is a hybrid without far mixer: same names
+            layer, mixer, inner = key.partition(MIXER_KEY)
+            variants = declared[_layer_of(key)] if mixer else {}
+            renamed = variants[name][1](inner) if name in variants else inner
+            if renamed is not None:
+                mapped[layer + mixer + renamed] = value
         result = variant.load_state_dict(mapped, strict=False)
         missing = [k for k in result.missing_keys if k != "lm_head.weight"]
         if missing:
-            raise ValueError(f"{name}: the variant has parameters the hybrid does not provide: {missing[:4]}")
+            raise ValueError(f"{name}: the variant has parameters the model does not provide: {missing[:4]}")
         if config.tie_word_embeddings:
             variant.tie_weights()
         out[name] = variant.eval()

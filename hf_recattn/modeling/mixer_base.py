@@ -14,6 +14,7 @@ repeat and select them without knowing the family. Shapes: ``q`` is ``[B, H, T, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -24,6 +25,9 @@ from torch import nn
 from .options import Option, resolve_options
 
 State = dict[str, torch.Tensor]
+#: a parameter key of a composite mixer (relative to the mixer, e.g. "far.feature_map.q_weight") -> its key in one
+#: of the mixer's variants, or None where the variant has no place for it
+KeyMap = Callable[[str], "str | None"]
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -189,6 +193,13 @@ class Mixer(nn.Module):
         """transformers' name for a layer with this (validated) spec, for ``config.layer_types``: a recurrent
         state by default ("linear_attention")."""
         return "linear_attention"
+
+    @classmethod
+    def variants(cls, spec: dict[str, Any]) -> dict[str, tuple[dict[str, Any], KeyMap]]:
+        """A composite's named parts as mixers of their own, for the (validated) ``spec``: variant name ->
+        (the variant's spec, the map of this mixer's parameter keys to the variant's). Conversion evaluates a
+        model built from each variant with the composite's trained weights. None by default."""
+        return {}
 
     def rollback_problem(self) -> str | None:
         """Why this layer's cache cannot drop its newest tokens (``cache.crop``, which assisted generation needs), or

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .delta_gates import INITS, RULES, DeltaGates
+from .far_part import ARRIVING, FarPart
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_delta import delta_chunked, delta_parallel, delta_step
@@ -38,7 +39,7 @@ QK_NORMS = ("l2", "none")
 CONV_STATES = ("conv_q", "conv_k", "conv_v")
 
 
-class DeltaMixer(Mixer):
+class DeltaMixer(Mixer, FarPart):
     """Delta-rule state S per key head, updated by `rule`, read by the queries."""
 
     name = "delta"
@@ -68,6 +69,9 @@ class DeltaMixer(Mixer):
     }
     state_kind = "recurrent"
     has_chunked = True
+    #: as a hybrid's far part (far_part.py): every token as it arrives (its gates and convolution read the token's
+    #: own layer input), its output normalized on its own (combine='sum'); FarPart's defaults run its forms
+    far_reads = ARRIVING
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:

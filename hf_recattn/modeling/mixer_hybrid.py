@@ -1,8 +1,9 @@
-"""LoLCATs-style hybrid: softmax over the last ``window`` tokens plus a linear / taylor mixer over the rest.
+"""LoLCATs-style hybrid: softmax over the last ``window`` tokens plus a recurrent "far" mixer over the rest.
 
-Query t sees keys t-W+1..t (W = window, itself included) through softmax and keys <= t-W through the "far"
-mixer; a key enters the far state when it leaves the window. Per query head, a learnable g = sigmoid(lambda)
-(``mix_init`` is g at initialization) weighs the two parts. ``combine`` says how:
+The far mixer is any family that declares the far-part protocol (far_part.py); the hybrid names none. Query t
+sees keys t-W+1..t (W = window, itself included) through softmax and keys <= t-W through the far mixer; a key
+enters the far state when it leaves the window (``far_reads = LEAVING``). Per query head, a learnable
+g = sigmoid(lambda) (``mix_init`` is g at initialization) weighs the two parts. ``combine`` says how:
 
 * ``shared`` (default, as in LoLCATs): one normalization over both parts,
 
@@ -14,14 +15,16 @@ mixer; a key enters the far state when it leaves the window. Per query head, a l
   pretrained softmax model: with a taylor far part the layer *is* softmax with exp replaced by T_N on far
   keys (exactly so at g = 1/2, where the common factor cancels), and with any far mixer the split of
   attention mass between near and far keys depends on the query, as in softmax (a query with one dominant
-  local key ignores the far estimate). It needs a far mixer with a positive denominator: linear with
-  normalize="denominator" and a non-negative feature map, or taylor with denominator="exact".
+  local key ignores the far estimate). It needs a far mixer that declares ``far_shared`` and whose spec gives a
+  positive denominator (e.g. linear with normalize="denominator" and a non-negative feature map, or taylor with
+  denominator="exact"; its ``far_part_problem`` says).
 * ``sum``: o_t = g softmax_window_t + (1-g) far_t, each part normalized on its own (any far mixer, e.g. a
   taylor far part with an l2 norm). The split between near and far is then a fixed per-head constant.
 
-A ``delta`` far part (DeltaNet, Gated DeltaNet, Comba, DeltaProduct, or one of their preset names) needs
-``combine='sum'`` and reads every token as it arrives, the window's and the sinks' included: its gates and short
-convolution belong to the token's own layer input, so it cannot take keys late, when they leave the window.
+A far part that declares ``far_reads = ARRIVING`` (e.g. ``delta``: DeltaNet, Gated DeltaNet, Comba,
+DeltaProduct, or one of their preset names) reads every token as it arrives, the window's and the sinks'
+included: its gates and short convolution belong to the token's own layer input, so it cannot take keys late,
+when they leave the window.
 
 ``sink_tokens`` N keeps the first N real tokens of each sequence visible to every later query as exact softmax
 keys beside the window (StreamingLLM's attention sinks: pretrained softmax models park attention on the first
@@ -38,63 +41,52 @@ ignored), and the window logits use s = 1/sqrt(d).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output, writable
-from .mixer_delta import DeltaMixer
-from .mixer_linear import LinearMixer
-from .mixer_taylor import TaylorMixer
-from .ops_linear import linear_chunked, linear_parallel, linear_step
+from .far_part import ARRIVING, FarTerms, serves_as_far_part
+from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option, check_open_unit
+from .registry import MIXERS, build_mixer, mixer_class, validate_spec
 
-FAR_MIXERS = ("linear", "taylor", "delta")
 COMBINE = ("shared", "sum")
-#: linear feature maps whose features are never negative (so the linear denominator is >= 0)
-NONNEGATIVE_MAPS = ("elu", "relu", "exp", "hedgehog", "taylor2")
 FAR_PREFIX = "far."
 NO_FAR = "none"
+#: the far part's terms of the queries over the keys it reads, and its next state (None in the parallel form)
+FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[FarTerms, State | None]]
 
 
 def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
-    """Why a validated far spec cannot serve as the far part, or None."""
-    if far["mixer"] not in FAR_MIXERS:
-        return f"must be a {' or '.join(FAR_MIXERS)} spec, got mixer {far['mixer']!r}"
-    if not far["causal"]:
+    """Why a validated far spec cannot serve as the far part, or None: the family's protocol decides."""
+    family = MIXERS[far["mixer"]]
+    if not serves_as_far_part(family):
+        names = [name for name, cls in MIXERS.items() if serves_as_far_part(cls)]
+        return f"must be a {' or '.join(names)} spec, got mixer {far['mixer']!r}"
+    if not far.get("causal", True):
         return "the far mixer must be causal"
-    if far["mixer"] == "linear" and far["decay"] != "none":
-        return "a linear far mixer cannot decay (the window hands keys to the far state undecayed)"
-    if far["mixer"] == "linear" and far["sink"]:
-        return "a linear far mixer cannot have a sink (the hybrid combines the far state's sums itself)"
-    if far["mixer"] == "delta" and combine != "sum":
-        return "a delta far mixer needs combine='sum' (its output is normalized on its own)"
-    if far["mixer"] == "taylor" and (far["order"] == "exp" or far["cache"] == "kv"):
-        return "a taylor far mixer needs a finite order and a recurrent state (not order='exp' or cache='kv')"
-    if combine == "shared":
-        positive = (
-            far["mixer"] == "linear"
-            and far["normalize"] == "denominator"
-            and far["feature_map"] in NONNEGATIVE_MAPS
-        ) or (far["mixer"] == "taylor" and far["denominator"] == "exact")
-        if not positive:
-            return (
-                "combine='shared' needs a far mixer with a positive denominator: linear with "
-                f"normalize='denominator' and feature_map in {list(NONNEGATIVE_MAPS)}, or taylor with "
-                "denominator='exact'; use combine='sum' otherwise"
-            )
-    return None
+    if combine == "shared" and not family.far_shared:
+        return f"a {family.name} far mixer needs combine='sum' (its output is normalized on its own)"
+    return family.far_part_problem(far, combine)
+
+
+def _window_key(key: str) -> str | None:
+    """window-only: the far part's keys have no place; the hybrid's own (``mix_logit``, kept by a window with
+    sinks, which never reads it) keep their names."""
+    return None if key.startswith(FAR_PREFIX) else key
+
+
+def _far_key(key: str) -> str | None:
+    """far-only: the far part's keys without the prefix; the mixing weights have no place."""
+    return key[len(FAR_PREFIX) :] if key.startswith(FAR_PREFIX) else None
 
 
 def _far_state(state: State) -> State:
     """The far mixer's part of a hybrid state, without the prefix."""
     return {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
-
-
-def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if x is None else x.to(dtype)
 
 
 class HybridMixer(Mixer):
@@ -106,7 +98,8 @@ class HybridMixer(Mixer):
         "far": Option(
             (dict, str),
             {"mixer": "linear", "feature_map": "hedgehog"},
-            "spec of the far mixer: linear or taylor (tokens before the window), delta (every token), or 'none'",
+            "spec of the far mixer, a family that serves as a far part (far_part.py; its far_reads says whether it "
+            "reads the tokens leaving the window or every token), or 'none'",
         ),
         "sink_tokens": Option(
             (int,), 0, "the first N real tokens stay visible to every query as softmax keys", minimum=0
@@ -130,8 +123,6 @@ class HybridMixer(Mixer):
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        from .mixers import validate_spec  # the registry imports this module
-
         check_open_unit(spec, where, "mix_init")
         if spec["far"] == NO_FAR:
             return
@@ -141,6 +132,18 @@ class HybridMixer(Mixer):
         if problem is not None:
             raise ValueError(f"{where}: option 'far' {problem}")
         spec["far"] = far
+
+    @classmethod
+    def variants(cls, spec: dict[str, Any]) -> dict[str, tuple[dict[str, Any], KeyMap]]:
+        """window-only: softmax over the window (and the sinks: then a hybrid without far part); far-only: the
+        far mixer alone. None without a far part."""
+        if spec["far"] == NO_FAR:
+            return {}
+        window: dict[str, Any] = {"mixer": "sliding_window", "window": int(spec["window"])}
+        if spec["sink_tokens"]:
+            window = {"mixer": cls.name, "window": int(spec["window"]), "far": NO_FAR,
+                      "sink_tokens": int(spec["sink_tokens"])}
+        return {"window-only": (window, _window_key), "far-only": (dict(spec["far"]), _far_key)}
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
@@ -152,18 +155,12 @@ class HybridMixer(Mixer):
         self.sink_tokens = int(spec["sink_tokens"])
         self.far: Mixer | None = None
         if spec["far"] != NO_FAR:
-            far = dict(spec["far"])
-            if far["mixer"] == "taylor":  # the far part must be recurrent: a budget overrun is an error here
-                far["cache"] = "recurrent"
-                self.far = TaylorMixer(far, shape, config)
-            elif far["mixer"] == "delta":
-                self.far = DeltaMixer(far, shape, config)
-            else:
-                self.far = LinearMixer(far, shape, config)
+            family = mixer_class(spec["far"]["mixer"], f"layer {shape.layer_idx}: option 'far'")
+            self.far = build_mixer(family.far_part_spec(dict(spec["far"])), shape, config)
         self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), self._logit_init()))
 
     def input_weights(self) -> dict[str, nn.Parameter]:
-        """The far mixer's (a delta far part reads the layer input through its own weights)."""
+        """The far mixer's (a far part may read the layer input through weights of its own)."""
         return {} if self.far is None else self.far.input_weights()
 
     def _logit_init(self) -> float:
@@ -172,54 +169,46 @@ class HybridMixer(Mixer):
     def init_parameters(self, init: Any) -> None:
         init.constant_(self.mix_logit, self._logit_init())
 
-    # ----- the far part through one interface -----------------------------------------------------------
-    def _far_terms(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, State | None]:
-        """The far part's (numerator, denominator, count, state) in q's dtype; its state keeps its own (float32
-        in a half-precision model: only the terms read from it are cast)."""
-        far = self.far
-        if isinstance(far, TaylorMixer):
-            num, den, cnt, state = far.terms(q, k, v, inputs, state, form)
-            return _cast(num, q.dtype), _cast(den, q.dtype), _cast(cnt, q.dtype), state
-        qf, kf = far.features(q, k, inputs)
-        if form == "parallel":
-            num, den = linear_parallel(qf, kf, v)
-            return num, den, None, None
-        if form == "step":
-            S, z = state["S"], state["z"]
-            num, den, S, z = linear_step(qf, kf, v, S, z, in_place=writable(S, z))
-        else:
-            num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], far.chunk_size)
-        return num.to(q.dtype), den.to(q.dtype), None, {"S": S, "z": z}
+    # ----- the far part, through the protocol of far_part.py -------------------------------------------------
+    def _far_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, None]:
+        return self.far.far_parallel(q, k, v, inputs), None
 
-    def _far_sums(
+    def _far_chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, State]:
+        return self.far.far_chunked(q, k, v, inputs, state)
+
+    def _far_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, State]:
+        return self.far.far_step(q, k, v, inputs, state)
+
+    def _far_terms(
         self,
         q: torch.Tensor,
+        entering: tuple[torch.Tensor, torch.Tensor],
         leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         inputs: MixerInputs,
         state: State,
         new_state: State,
-        form: str,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, MixerInputs]:
-        """The far part's (numerator, denominator, count) for queries q over its state plus the keys / values
-        ``leaving`` the window (query j reads keys W+T indices <= j), and the inputs it read them with; its next
-        state moves into ``new_state``."""
-        old_k, old_v, old_real = leaving
-        far_inputs = MixerInputs(
-            hidden_states=inputs.hidden_states, padding_mask=old_real, past_length=inputs.past_length
-        )
-        num, den, cnt, far_state = self._far_terms(q, old_k, old_v, far_inputs, _far_state(state), form)
+        far_form: FarForm,
+    ) -> tuple[FarTerms, MixerInputs]:
+        """The far part's terms for queries q over the tokens it reads, and the inputs it read them with: the T
+        keys / values ``entering`` the window (a far part that reads every token as it arrives) or the T
+        ``leaving`` it (with their real-token mask). Its next state moves into ``new_state``."""
+        if self.far.far_reads == ARRIVING:
+            (k, v), far_inputs = entering, inputs
+        else:
+            k, v, real = leaving
+            far_inputs = MixerInputs(
+                hidden_states=inputs.hidden_states, padding_mask=real, past_length=inputs.past_length
+            )
+        terms, far_state = far_form(q, k, v, far_inputs, _far_state(state))
         if far_state is not None:
             new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
-        return num, den, cnt, far_inputs
-
-    def _far_finish(
-        self, num: torch.Tensor, den: torch.Tensor | None, cnt: torch.Tensor | None, inputs: MixerInputs
-    ) -> torch.Tensor:
-        if isinstance(self.far, TaylorMixer):
-            return self.far.finish(num, den, cnt, inputs)
-        return self.far.finish(num, den)
+        return terms, far_inputs
 
     # ----- one block of new tokens against the sinks, the window buffer and the far state --------------------
     def _sinks(
@@ -248,7 +237,7 @@ class HybridMixer(Mixer):
         return keys, values, new_sink, visible, sink_state
 
     def _block(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
     ) -> tuple[torch.Tensor, State]:
         w, t = self.window, q.shape[2]
         new_real = inputs.token_mask
@@ -284,7 +273,7 @@ class HybridMixer(Mixer):
             out = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), soft_values))
         else:
             leaving = (keys[:, :, :t], values[:, :, :t], real[:, :t])
-            out = self._with_far(q, (k, v), leaving, scores, soft_values, inputs, state, new_state, form)
+            out = self._with_far(q, (k, v), leaving, scores, soft_values, inputs, state, new_state, far_form)
         new_state.update({"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]})
         return out, new_state
 
@@ -322,13 +311,14 @@ class HybridMixer(Mixer):
             return ungroup_output((torch.softmax(scores, dim=-1) @ values)[:, :, :, None]), new_state
         leaving = (old_k[:, :, :1], old_v[:, :, :1], old_real[:, :1])
         if self.combine == "shared":
-            return self._shared_one(q, leaving, scores, values, inputs, state, new_state), new_state
+            return self._shared_one(q, (k, v), leaving, scores, values, inputs, state, new_state), new_state
         scores = scores[..., None, :]  # [B, Hkv, G, 1, N + W]
-        return self._with_far(q, (k, v), leaving, scores, values, inputs, state, new_state, "step"), new_state
+        return self._with_far(q, (k, v), leaving, scores, values, inputs, state, new_state, self._far_step), new_state
 
     def _shared_one(
         self,
         q: torch.Tensor,
+        entering: tuple[torch.Tensor, torch.Tensor],
         leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         scores: torch.Tensor,
         values: torch.Tensor,
@@ -339,7 +329,7 @@ class HybridMixer(Mixer):
         """combine='shared' for one token in fewer ops than ``_with_far``: the softmax is shifted by
         -log g, so the far entry's logit is log den_far - lambda (log((1-g)/g) = -lambda), and its weight divides
         into the far numerator (a far part with no mass, den_far <= 0, gets logit -inf and weight 0)."""
-        num_f, den_f, _, _ = self._far_sums(q, leaving, inputs, state, new_state, "step")
+        (num_f, den_f, _), _ = self._far_terms(q, entering, leaving, inputs, state, new_state, self._far_step)
         den = den_f[..., 0, None]  # [B, Hkv, G, 1]
         far_logit = den.clamp_min(0.0).log() - self.mix_logit.view(*den.shape[1:3], 1)
         p = torch.softmax(torch.cat([scores, far_logit], dim=-1), dim=-1)  # [B, Hkv, G, N + W + 1]
@@ -357,18 +347,15 @@ class HybridMixer(Mixer):
         inputs: MixerInputs,
         state: State,
         new_state: State,
-        form: str,
+        far_form: FarForm,
     ) -> torch.Tensor:
-        """Combine the softmax part (``scores`` over ``soft_values``: sinks, then window) with the far part, which
-        reads the T keys / values ``leaving`` the window (with their real-token mask), or, a delta far part, the T
-        ``entering`` it; the far state moves into ``new_state``."""
+        """Combine the softmax part (``scores`` over ``soft_values``: sinks, then window) with the far part (see
+        ``_far_terms``); the far state moves into ``new_state``."""
         hk, g = self.shape.num_kv_heads, self.shape.groups
-        if isinstance(self.far, DeltaMixer):  # every new token, as it arrives
-            far_state = _far_state(state)
-            return self._with_delta_far(q, *entering, scores, soft_values, inputs, far_state, new_state, form)
-        num_f, den_f, cnt_f, far_inputs = self._far_sums(q, leaving, inputs, state, new_state, form)
+        terms, far_inputs = self._far_terms(q, entering, leaving, inputs, state, new_state, far_form)
         mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
         if self.combine == "shared":
+            num_f, den_f = terms.num, terms.den
             has_far = den_f > 0
             log_den = torch.where(
                 has_far,
@@ -382,7 +369,7 @@ class HybridMixer(Mixer):
             p = torch.softmax(logits, dim=-1)
             out = torch.einsum("bhgts,bhse->bhgte", p[..., :-1], soft_values) + p[..., -1:] * far_avg
             return ungroup_output(out)
-        return self._sum(scores, soft_values, self._far_finish(num_f, den_f, cnt_f, far_inputs))
+        return self._sum(scores, soft_values, self.far.far_output(terms, far_inputs))
 
     def _sum(self, scores: torch.Tensor, soft_values: torch.Tensor, far_out: torch.Tensor) -> torch.Tensor:
         """combine='sum': g softmax(scores) soft_values + (1 - g) far_out, g per query head."""
@@ -390,31 +377,11 @@ class HybridMixer(Mixer):
         share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
         return share * near + (1.0 - share) * far_out
 
-    def _with_delta_far(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scores: torch.Tensor,
-        soft_values: torch.Tensor,
-        inputs: MixerInputs,
-        far_state: State,
-        new_state: State,
-        form: str,
-    ) -> torch.Tensor:
-        far = self.far
-        if form == "parallel":
-            far_out = far.parallel(q, k, v, inputs)
-        else:
-            far_out, far_state = (far.step if form == "step" else far.chunked)(q, k, v, inputs, far_state)
-            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
-        return self._sum(scores, soft_values, far_out)
-
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
-        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), "parallel")
+        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), self._far_parallel)
         return out
 
     def chunked(
@@ -431,7 +398,7 @@ class HybridMixer(Mixer):
                 past_length=inputs.past_length + start,
             )
             out, state = self._block(
-                q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, "chunked"
+                q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, self._far_chunked
             )
             outs.append(out)
         return torch.cat(outs, dim=1), state
@@ -441,7 +408,7 @@ class HybridMixer(Mixer):
     ) -> tuple[torch.Tensor, State]:
         if q.shape[2] == 1 and (not self.sink_tokens or self._sinks_settled(state)):
             return self._step_one(q, k, v, inputs, state)
-        return self._block(q, k, v, inputs, state, "step")
+        return self._block(q, k, v, inputs, state, self._far_step)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         shape = (batch_size, self.shape.num_kv_heads, self.window, self.shape.head_dim)

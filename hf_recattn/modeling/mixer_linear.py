@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .decay import DECAYS, RETNET_GAMMA_MIN, Decay
+from .far_part import LEAVING, FarPart, FarTerms, shared_needs
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_linear import linear_chunked, linear_parallel, linear_scores, linear_step, noncausal_linear
@@ -20,9 +21,11 @@ from .output_norms import OUTPUT_NORMS, OutputNorm
 from .sink import AttentionSink
 
 NORMALIZATIONS = ("denominator", *OUTPUT_NORMS)
+#: feature maps whose features are never negative (so the denominator is >= 0)
+NONNEGATIVE_MAPS = ("elu", "relu", "exp", "hedgehog", "taylor2")
 
 
-class LinearMixer(Mixer):
+class LinearMixer(Mixer, FarPart):
     """Kernelized attention phi(q) . phi(k) with a fixed-size state S = sum phi(k) v^T (and z = sum phi(k))."""
 
     name = "linear"
@@ -153,6 +156,42 @@ class LinearMixer(Mixer):
         S, z = state["S"], state["z"]
         num, den, S, z = linear_step(qf, kf, v, S, z, self._log_decay(inputs), in_place=writable(S, z))
         return self.finish(*self._with_sink(qf, num, den)), {"S": S, "z": z}
+
+    # ----- as a hybrid's far part (far_part.py): the keys leaving the window, sums shared with it --------------
+    far_reads = LEAVING
+    far_shared = True
+
+    @classmethod
+    def far_part_problem(cls, spec: dict[str, Any], combine: str) -> str | None:
+        if spec["decay"] != "none":
+            return "a linear far mixer cannot decay (the window hands keys to the far state undecayed)"
+        if spec["sink"]:
+            return "a linear far mixer cannot have a sink (the hybrid combines the far state's sums itself)"
+        if combine == "shared" and (spec["normalize"] != "denominator" or spec["feature_map"] not in NONNEGATIVE_MAPS):
+            return shared_needs(f"linear with normalize='denominator' and feature_map in {list(NONNEGATIVE_MAPS)}")
+        return None
+
+    def far_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> FarTerms:
+        qf, kf = self.features(q, k, inputs)
+        return FarTerms(*linear_parallel(qf, kf, v))
+
+    def far_chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, State]:
+        qf, kf = self.features(q, k, inputs)
+        num, den, S, z = linear_chunked(qf, kf, v, state["S"], state["z"], self.chunk_size)
+        return FarTerms(num, den).to(q.dtype), {"S": S, "z": z}
+
+    def far_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, State]:
+        qf, kf = self.features(q, k, inputs)
+        S, z = state["S"], state["z"]
+        num, den, S, z = linear_step(qf, kf, v, S, z, in_place=writable(S, z))
+        return FarTerms(num, den).to(q.dtype), {"S": S, "z": z}
+
+    def far_output(self, terms: FarTerms, inputs: MixerInputs) -> torch.Tensor:
+        return self.finish(terms.num, terms.den)
 
     def attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor | None:
         """phi(q_t) . phi(k_s) (decayed) over the denominator (+ eps), as the output divides them; None with an

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State
+from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State
 from .mixer_softmax import SoftmaxMixer
 from .options import Option
+from .registry import build_mixer, mixer_class, validate_spec
 
 FULL_PREFIX = "full."
 REST_PREFIX = "rest."
@@ -37,6 +38,18 @@ def _prefixed(prefix: str, state: State) -> State:
 
 def _part(prefix: str, state: State) -> State:
     return {name[len(prefix) :]: x for name, x in state.items() if name.startswith(prefix)}
+
+
+def _rest_keys(key_map: KeyMap) -> KeyMap:
+    """A variant's key map of the ``others`` mixer applied under ``rest.``; the softmax heads' keys stay."""
+
+    def mapped(key: str) -> str | None:
+        if not key.startswith(REST_PREFIX):
+            return key
+        inner = key_map(key[len(REST_PREFIX) :])
+        return None if inner is None else REST_PREFIX + inner
+
+    return mapped
 
 
 class RetrievalHeadsMixer(Mixer):
@@ -57,16 +70,12 @@ class RetrievalHeadsMixer(Mixer):
     @classmethod
     def layer_type(cls, spec: dict[str, Any]) -> str:
         """Softmax heads beside another mixer's: "hybrid" (the other mixer's type without softmax heads)."""
-        from .mixers import mixer_class  # the registry imports this module
-
         others = mixer_class(spec["others"]["mixer"], "others")
         return others.layer_type(spec["others"]) if not spec["heads"] else "hybrid"
     has_chunked = True
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        from .mixers import validate_spec  # the registry imports this module
-
         heads = spec["heads"]
         if any(not isinstance(h, int) or isinstance(h, bool) or h < 0 for h in heads):
             raise ValueError(f"{where}: option 'heads' takes KV head indices (ints >= 0), got {heads!r}")
@@ -80,10 +89,17 @@ class RetrievalHeadsMixer(Mixer):
             raise ValueError(f"{where}: option 'others' must be causal")
         spec["others"] = others
 
+    @classmethod
+    def variants(cls, spec: dict[str, Any]) -> dict[str, tuple[dict[str, Any], KeyMap]]:
+        """The ``others`` mixer's variants, the softmax heads kept exact in each."""
+        others = spec["others"]
+        return {
+            name: ({**spec, "others": part}, _rest_keys(key_map))
+            for name, (part, key_map) in mixer_class(others["mixer"], "others").variants(others).items()
+        }
+
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
-        from .mixers import build_mixer  # the registry imports this module
-
         heads = list(spec["heads"])
         if heads and heads[-1] >= shape.num_kv_heads:
             raise ValueError(

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .far_part import LEAVING, FarPart, FarTerms, shared_needs
 from .feature_maps import FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
 from .ops_taylor import packed_dim, quadratic_weights, taylor_chunked, taylor_step
@@ -54,7 +55,7 @@ def _clamp_norm(x: torch.Tensor, bound: float) -> torch.Tensor:
     return x * (bound / norm.clamp_min(bound))
 
 
-class TaylorMixer(Mixer):
+class TaylorMixer(Mixer, FarPart):
     """Softmax attention with exp replaced by its order-N Taylor polynomial (or exact), any denominator."""
 
     name = "taylor"
@@ -242,6 +243,41 @@ class TaylorMixer(Mixer):
             in_place = writable(*state.values())
             return taylor_step(qg, kf, v, state, int(self.order), inputs.token_mask, in_place=in_place)
         return taylor_chunked(qg, kf, v, state, int(self.order), self.chunk_size, inputs.token_mask)
+
+    # ----- as a hybrid's far part (far_part.py): the keys leaving the window, sums shared with it --------------
+    far_reads = LEAVING
+    far_shared = True
+
+    @classmethod
+    def far_part_problem(cls, spec: dict[str, Any], combine: str) -> str | None:
+        if spec["order"] == "exp" or spec["cache"] == "kv":
+            return "a taylor far mixer needs a finite order and a recurrent state (not order='exp' or cache='kv')"
+        if combine == "shared" and spec["denominator"] != "exact":
+            return shared_needs("taylor with denominator='exact'")
+        return None
+
+    @classmethod
+    def far_part_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        """Packed states always: a state over the budget is an error, not a KV cache."""
+        return {**spec, "cache": "recurrent"}
+
+    def far_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> FarTerms:
+        return FarTerms(*self.terms(q, k, v, inputs, None, "parallel")[:3]).to(q.dtype)
+
+    def far_chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, State]:
+        num, den, cnt, state = self.terms(q, k, v, inputs, state, "chunked")
+        return FarTerms(num, den, cnt).to(q.dtype), state
+
+    def far_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[FarTerms, State]:
+        num, den, cnt, state = self.terms(q, k, v, inputs, state, "step")
+        return FarTerms(num, den, cnt).to(q.dtype), state
+
+    def far_output(self, terms: FarTerms, inputs: MixerInputs) -> torch.Tensor:
+        return self.finish(terms.num, terms.den, terms.count, inputs)
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import create_repo
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
@@ -269,8 +270,6 @@ class RecAttnPreTrainedModel(PreTrainedModel):
         if MODEL_CARD_WRITER is None:
             return super().push_to_hub(repo_id, private=private, max_shard_size=max_shard_size, tags=tags or [],
                                       **options)
-        from huggingface_hub import create_repo
-
         repo_id = create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, max_shard_size=max_shard_size)
