@@ -15,15 +15,6 @@ import hf_recattn
 
 PACKAGE_DIR = Path(hf_recattn.__file__).parent
 
-# Known circle, to be deleted once the modeling registry change is merged: modeling/mixers.py imports the hybrid,
-# the retrieval heads and the presets, which import the registry back inside functions. Nothing may join it.
-KNOWN_MODELING_CIRCLE_EDGES = frozenset({
-    ("hf_recattn.modeling.mixer_hybrid", "hf_recattn.modeling.mixers"),
-    ("hf_recattn.modeling.mixer_retrieval", "hf_recattn.modeling.mixers"),
-    ("hf_recattn.modeling.presets", "hf_recattn.modeling.mixers"),
-})
-
-
 def _modules(package_dir: Path) -> dict[str, tuple[Path, str]]:
     """Every module under ``package_dir``: its dotted name -> (file, the package its relative imports start in)."""
     modules = {}
@@ -107,10 +98,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_another_in_a_circle() -> None:
     graph = import_graph(PACKAGE_DIR)
     assert "hf_recattn.evaluation.suite" in graph and "hf_recattn.modeling.mixers" in graph  # the walk saw it all
-    stale = {edge for edge in KNOWN_MODELING_CIRCLE_EDGES if edge[1] not in graph.get(edge[0], set())}
-    assert not stale, f"the known modeling circle is gone: delete KNOWN_MODELING_CIRCLE_EDGES ({sorted(stale)})"
-    for source, target in KNOWN_MODELING_CIRCLE_EDGES:
-        graph[source].discard(target)
     assert cycles(graph) == []
 
 

@@ -1,7 +1,5 @@
-"""The package's imports: the registry knows no family, no module imports inside a function, no import circle.
-
-The circle checks read every import statement, those inside functions included (an import moved into a function
-hides a circle without removing it), and import each module first in a fresh interpreter.
+"""The runtime's imports: the registry knows no family, no module imports inside a function (where it would hide
+a circle), and each module imports first in a fresh interpreter (the static circle check is test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_import_graph import import_graph
 
 import hf_recattn
 
@@ -21,70 +20,18 @@ PACKAGE = Path(hf_recattn.__file__).parent
 MODELING = PACKAGE / "modeling"
 #: optional dependencies a function may import where it is first needed
 OPTIONAL = {"triton"}
-#: known circles outside the runtime, as sets of module names (empty once every circle is gone)
-KNOWN_CIRCLES: list[set[str]] = [{"hf_recattn.evaluation", "hf_recattn.recall"}]
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The package's modules an import statement of ``module`` loads."""
-    if isinstance(node, ast.Import):
-        return {alias.name for alias in node.names if alias.name in MODULES}
-    base = module.split(".")
-    if MODULES[module].name != "__init__.py":
-        base = base[:-1]
-    if node.level:
-        base = base[: len(base) - node.level + 1]
-        target = ".".join([*base, node.module] if node.module else base)
-    else:
-        target = node.module or ""
-    found = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
-    return found or ({target} & MODULES.keys())
-
-
-def _imports(module: str) -> list[ast.Import | ast.ImportFrom]:
-    tree = ast.parse(MODULES[module].read_text())
-    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
-
-
-def _circles(prefix: str) -> list[set[str]]:
-    """Strongly connected groups of more than one module among those under ``prefix`` (every import counted)."""
-    names = [m for m in MODULES if m.startswith(prefix)]
-    graph = {m: {t for node in _imports(m) for t in _imported(m, node) if t.startswith(prefix)} for m in names}
-    reach = {m: set() for m in names}
-    for m in names:  # the modules each one reaches (a few dozen modules: plain search is enough)
-        todo = list(graph[m])
-        while todo:
-            n = todo.pop()
-            if n not in reach[m]:
-                reach[m].add(n)
-                todo.extend(graph[n])
-    groups = {frozenset({m} | {n for n in reach[m] if m in reach[n]}) for m in names if m in reach[m]}
-    return [set(g) for g in groups]
 
 
 def test_registry_imports_no_mixer_module() -> None:
     """registry.py reads only the mixer contract: every family module imports it, never the other way."""
-    module = "hf_recattn.modeling.registry"
-    loaded = {t for node in _imports(module) for t in _imported(module, node)}
-    assert loaded == {"hf_recattn.modeling.mixer_base"}
+    assert import_graph(PACKAGE)["hf_recattn.modeling.registry"] == {"hf_recattn.modeling.mixer_base"}
 
 
 def test_no_import_inside_a_function_in_the_runtime() -> None:
     """Dependencies stand at the top of each runtime module; only optional kernels load late."""
     late = []
-    for module, path in MODULES.items():
-        if not module.startswith("hf_recattn.modeling"):
-            continue
-        tree = ast.parse(path.read_text())
-        for fn in ast.walk(tree):
+    for path in sorted(MODELING.glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             for node in ast.walk(fn):
@@ -93,15 +40,6 @@ def test_no_import_inside_a_function_in_the_runtime() -> None:
                     if not {n.split(".")[0] for n in names} <= OPTIONAL:
                         late.append(f"{path.name}:{node.lineno}")
     assert late == []
-
-
-def test_no_import_circle_in_the_runtime() -> None:
-    assert _circles("hf_recattn.modeling.") == []
-
-
-def test_no_new_import_circle_in_the_package() -> None:
-    circles = _circles("hf_recattn")
-    assert [c for c in circles if c not in KNOWN_CIRCLES] == []
 
 
 CHILD = textwrap.dedent(
@@ -151,4 +89,4 @@ def test_every_runtime_module_imports_first_in_a_fresh_interpreter() -> None:
 def test_every_package_module_imports_first_in_a_fresh_interpreter() -> None:
     """The whole package, each module imported first (the circle checks above cover every order statically;
     this runs them)."""
-    assert _import_each_first("hf_recattn", sorted(MODULES)) == []
+    assert _import_each_first("hf_recattn", sorted(import_graph(PACKAGE))) == []
