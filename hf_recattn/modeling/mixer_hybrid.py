@@ -98,8 +98,7 @@ class HybridMixer(Mixer):
         "far": Option(
             (dict, str),
             {"mixer": "linear", "feature_map": "hedgehog"},
-            "spec of the far mixer, a family that serves as a far part (far_part.py; its far_reads says whether it "
-            "reads the tokens leaving the window or every token), or 'none'",
+            "spec of the far mixer: a family that declares the far-part protocol (modeling/far_part.py), or 'none'",
         ),
         "sink_tokens": Option(
             (int,), 0, "the first N real tokens stay visible to every query as softmax keys", minimum=0
