@@ -4,8 +4,9 @@ A spec names a family (``"linear"``: the family with its defaults) or a preset (
 ``mixer`` is a preset, ``{"mixer": "gdn", "conv_size": 0}``, is that preset with the given options overridden.
 Family names and preset names share one namespace: registering either refuses a name the other holds.
 
-This module knows no family: ``mixers.py`` registers the built-in ones and ``presets.py`` the built-in presets,
-so a mixer module may import it (a composite validates and builds its parts through it) without a circle.
+This module knows no family: ``mixers.py`` registers the built-in families and the built-in presets (the data of
+``presets.py``), so a mixer module may import it (a composite validates and builds its parts through it) without
+a circle.
 """
 
 from __future__ import annotations
