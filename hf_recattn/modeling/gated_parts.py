@@ -1,0 +1,102 @@
+"""Parts shared by the gated families (delta, mesa, gated_linear, softmax_delta, softmax_householder, and any later
+one): the option vocabularies, option fragments, the q/k norm, the logit of a gate's initial value, and the gated
+output, an RMSNorm of each head's output times a gate act(W_g x) read from the layer input.
+
+``GatedOutputMixer`` is the gated output as a base class of the mixer rather than a child module: its parameters
+keep the keys ``output_norm.weight`` and ``gate_weight`` of the mixer, which saved checkpoints and the decode layout
+(``Mixer.input_weights``) name. A child module would move the gate to ``<child>.gate_weight``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mixer_base import Mixer, MixerInputs, ungroup_output
+from .options import Option
+from .output_norms import OutputNorm
+
+#: ``init``: the published initialization, or one that starts a converted softmax layer close to itself
+INITS = ("scratch", "convert")
+#: applied to q, k (and v) after the short convolution
+ACTIVATIONS = ("none", "silu")
+#: normalization of q and k: l2 (x / sqrt(|x|^2 + eps)) or none
+QK_NORMS = ("l2", "none")
+
+
+def output_options(gate: bool) -> dict[str, Option]:
+    """``output_norm`` and ``output_gate`` (default ``gate``), the options of ``GatedOutputMixer``."""
+    return {
+        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
+        "output_gate": Option((bool,), gate, "multiply the output by silu(W_g x) from the layer input"),
+    }
+
+
+def convert_init_options(convert: str, gate: str, beta: str | None = None) -> dict[str, Option]:
+    """``init`` (``convert``: what init=convert starts from), ``half_life_min`` / ``half_life_max`` (the initial
+    half-lives of the ``gate``) and, with ``beta`` (what b is), ``beta_init``."""
+    options = {
+        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
+                       f"convert ({convert})", choices=INITS),
+        "half_life_min": Option((float,), 8.0, f"init=convert: shortest initial {gate} half-life in tokens",
+                                minimum=1e-3),
+        "half_life_max": Option((float,), 1024.0, f"init=convert: longest initial {gate} half-life in tokens",
+                                minimum=1e-3),
+    }
+    if beta is not None:
+        options["beta_init"] = Option((float,), 0.5, f"init=convert: initial {beta}, in (0, 1)")
+    return options
+
+
+def logit(p: float) -> float:
+    """log(p / (1 - p)): the bias that starts a sigmoid gate at p."""
+    return math.log(p / (1.0 - p))
+
+
+def qk_norm(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim for ``kind`` l2 (written as one rms_norm), x for none."""
+    if kind != "l2":
+        return x
+    f = x.shape[-1]
+    return F.rms_norm(x, (f,), eps=eps / f) * f**-0.5
+
+
+class GatedOutputMixer(Mixer):
+    """A mixer whose output [B, Hk, G, T, E] goes through ``finish_output``: an RMSNorm of each head (gain per query
+    head, ``output_norm``, None without it) times silu(W_g x) (``gate_weight`` [H E, C], the input weight
+    ``output_gate``), as the ``output_options`` choose."""
+
+    def build_output(self, eps: float) -> None:
+        """Create the norm and gate the spec asks for (call it where the family created them before, so that
+        parameters keep their order)."""
+        h, d = self.shape.num_heads, self.shape.head_dim
+        self.output_norm = OutputNorm("rms", self.shape, d, eps) if self.spec["output_norm"] else None
+        if self.spec["output_gate"]:
+            self.gate_weight = nn.Parameter(torch.zeros(h * d, self.shape.hidden_size))
+
+    @property
+    def has_output_gate(self) -> bool:
+        return hasattr(self, "gate_weight")
+
+    def output_input_weights(self) -> dict[str, nn.Parameter]:
+        """{"output_gate": W_g} when there is a gate, for ``input_weights``."""
+        return {"output_gate": self.gate_weight} if self.has_output_gate else {}
+
+    def init_output_gate(self, init: Any, std: float) -> None:
+        """W_g ~ N(0, std), when there is a gate."""
+        if self.has_output_gate:
+            init.normal_(self.gate_weight, 0.0, std)
+
+    def finish_output(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+        """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
+        if self.output_norm is not None:
+            o = self.output_norm(o)
+        o = ungroup_output(o)
+        if self.has_output_gate:
+            gate = F.silu(inputs.linear("output_gate", self.gate_weight))
+            o = o * gate.view(*o.shape)
+        return o
