@@ -57,6 +57,22 @@ def logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
+def head_gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x W^T + c in x's dtype: the logits of a gate read from the layer input x [B, T, C] (W [N, C], c [N])."""
+    return F.linear(x, weight.to(x.dtype), bias.to(x.dtype))
+
+
+def init_head_gate(init: Any, weight: nn.Parameter, bias: nn.Parameter, start: float | None, std: float) -> None:
+    """A sigmoid gate read from the layer input: with ``start`` (init=convert) W = 0 and c = logit(start), so that
+    it starts at ``start`` for every token; without, W ~ N(0, std) and c = 0."""
+    if start is not None:
+        init.zeros_(weight)
+        init.constant_(bias, logit(start))
+    else:
+        init.normal_(weight, 0.0, std)
+        init.zeros_(bias)
+
+
 def qk_norm(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim for ``kind`` l2 (written as one rms_norm), x for none."""
     if kind != "l2":
