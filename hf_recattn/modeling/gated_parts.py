@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mixer_base import Mixer, MixerInputs, ungroup_output
-from .options import Option
+from .options import Option, check_not_above, check_open_unit
 from .output_norms import OutputNorm
 
 #: ``init``: the published initialization, or one that starts a converted softmax layer close to itself
@@ -50,6 +50,21 @@ def convert_init_options(convert: str, gate: str, beta: str | None = None) -> di
     if beta is not None:
         options["beta_init"] = Option((float,), 0.5, f"init=convert: initial {beta}, in (0, 1)")
     return options
+
+
+def chunk_options(eps: str) -> dict[str, Option]:
+    """``chunk_size`` of the chunked form and ``eps`` (``eps``: where it is added)."""
+    return {
+        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
+        "eps": Option((float,), 1e-6, f"added inside the {eps}", minimum=0.0),
+    }
+
+
+def check_convert_init(spec: dict[str, Any], where: str) -> None:
+    """The checks of ``convert_init_options``: beta_init (if any) in (0, 1), half_life_min <= half_life_max."""
+    if "beta_init" in spec:
+        check_open_unit(spec, where, "beta_init")
+    check_not_above(spec, where, "half_life_min", "half_life_max")
 
 
 def logit(p: float) -> float:

@@ -259,6 +259,29 @@ class Mixer(nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items() if k != "mixer")
 
 
+class ContinuingMixer(Mixer):
+    """A mixer whose forms are one function of the new tokens and the cached state, ``_run``: without a state it
+    is the parallel form; with one, a prefill or a decode step continues from it (KV-cache families)."""
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
+    ) -> tuple[torch.Tensor, State]:
+        raise NotImplementedError
+
+    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+        return self._run(q, k, v, inputs, None)[0]
+
+    def chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._run(q, k, v, inputs, state)
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        return self._run(q, k, v, inputs, state)
+
+
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, H, T, D] -> [B, Hkv, G, T, D]: the query heads that share one key/value head."""
     b, h, t, d = q.shape

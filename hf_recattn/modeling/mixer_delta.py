@@ -27,10 +27,19 @@ from torch import nn
 
 from .delta_gates import RULES, DeltaGates
 from .feature_maps import FEATURE_MAPS, FeatureMap
-from .gated_parts import ACTIVATIONS, QK_NORMS, GatedOutputMixer, convert_init_options, output_options, qk_norm
+from .gated_parts import (
+    ACTIVATIONS,
+    QK_NORMS,
+    GatedOutputMixer,
+    check_convert_init,
+    chunk_options,
+    convert_init_options,
+    output_options,
+    qk_norm,
+)
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_delta import delta_chunked, delta_parallel, delta_step
-from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
+from .options import Option, check_gate_after_norm
 from .short_conv import ShortConvolution, conv_step, convolve_streams
 
 CONV_STATES = ("conv_q", "conv_k", "conv_v")
@@ -53,8 +62,7 @@ class DeltaMixer(GatedOutputMixer):
         **output_options(gate=True),
         "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
         **convert_init_options("identity convolution, input-independent gates", "decay", "write strength b"),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-6, "added inside the q/k and output norms", minimum=0.0),
+        **chunk_options("q/k and output norms"),
         "causal": Option((bool,), True, "causal (decoder) or bidirectional (rule delta only)"),
     }
     state_kind = "recurrent"
@@ -66,8 +74,7 @@ class DeltaMixer(GatedOutputMixer):
             raise ValueError(
                 f"{where}: option 'causal' must be True with rule {spec['rule']!r} (a decay gate has a direction)"
             )
-        check_open_unit(spec, where, "beta_init")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
+        check_convert_init(spec, where)
         check_gate_after_norm(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:

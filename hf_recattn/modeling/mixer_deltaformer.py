@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from .gated_parts import INITS, head_gate_logits, init_head_gate
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_deltaformer import deltaformer_attention
 from .options import Option, check_open_unit
 
 WRITE_STRENGTHS = ("none", "sigmoid")
 
 
-class DeltaFormerMixer(Mixer):
+class DeltaFormerMixer(ContinuingMixer):
     """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax."""
 
     name = "softmax_delta"
@@ -69,18 +69,8 @@ class DeltaFormerMixer(Mixer):
             start = self.spec["beta_init"] if self.spec["init"] == "convert" else None
             init_head_gate(init, self.beta_weight, self.beta_bias, start, self.initializer_range)
 
-    # ----- forms: one function of the new tokens and the cache (none: the parallel form) ------------------------
-    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
-        return self._attend(q, k, v, inputs, None)[0]
-
-    def chunked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        return self._attend(q, k, v, inputs, state)
-
-    step = chunked
-
-    def _attend(
+    # ----- forms ------------------------------------------------------------------------------------------
+    def _run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
     ) -> tuple[torch.Tensor, State]:
         write = None

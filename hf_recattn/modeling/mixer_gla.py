@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_parts import GatedOutputMixer, convert_init_options, output_options
+from .gated_parts import GatedOutputMixer, check_convert_init, chunk_options, convert_init_options, output_options
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
-from .options import Option, check_not_above
+from .options import Option
 
 
 def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest: float) -> torch.Tensor:
@@ -55,8 +55,7 @@ class GLAMixer(GatedOutputMixer):
         **output_options(gate=True),
         "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
         **convert_init_options("input-independent gates at the given half-lives", "gate"),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-6, "added inside the output RMSNorm", minimum=0.0),
+        **chunk_options("output RMSNorm"),
         "causal": Option((bool,), True, "must be True: GLA has no bidirectional form"),
     }
     state_kind = "recurrent"
@@ -68,7 +67,7 @@ class GLAMixer(GatedOutputMixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         if not spec["gate_temperature"] > 0.0:
             raise ValueError(f"{where}: option 'gate_temperature' must be > 0, got {spec['gate_temperature']!r}")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
+        check_convert_init(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)

@@ -35,6 +35,8 @@ from .gated_parts import (
     ACTIVATIONS,
     QK_NORMS,
     GatedOutputMixer,
+    check_convert_init,
+    chunk_options,
     convert_init_options,
     logit,
     output_options,
@@ -42,7 +44,7 @@ from .gated_parts import (
 )
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_mesanet import SOLVERS, mesa_chunked, mesa_parallel, mesa_step
-from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
+from .options import Option, check_gate_after_norm
 from .short_conv import ShortConvolution, convolve_streams
 
 #: what the forms of ``MesaMixer`` hand to the ops: q, k, v, log gamma, beta and Lambda in the solves' dtype
@@ -68,8 +70,7 @@ class MesaMixer(GatedOutputMixer):
         "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
         **output_options(gate=False),
         **convert_init_options("identity convolution, input-independent gates", "forget", "input gate beta"),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-6, "added inside the q/k and output norms", minimum=0.0),
+        **chunk_options("q/k and output norms"),
         "causal": Option((bool,), True, "must be True: MesaNet has no bidirectional form"),
     }
     state_kind = "recurrent"
@@ -84,8 +85,7 @@ class MesaMixer(GatedOutputMixer):
                 f"{where}: option 'lambda_init' ({spec['lambda_init']}) must be above 'lambda_min' "
                 f"({spec['lambda_min']})"
             )
-        check_open_unit(spec, where, "beta_init")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
+        check_convert_init(spec, where)
         check_gate_after_norm(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:

@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gated_parts import INITS, head_gate_logits, init_head_gate
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
+from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_path import path_attention
 from .options import Option
 
 
-class PathMixer(Mixer):
+class PathMixer(ContinuingMixer):
     """PaTH: softmax attention with data-dependent Householder transports between query and key positions."""
 
     name = "softmax_householder"
@@ -92,18 +92,8 @@ class PathMixer(Mixer):
             b = b * mask[..., None].to(b.dtype)
         return w, b.transpose(1, 2)
 
-    # ----- forms: one function of the new tokens and the cache (none: the parallel form) ------------------------
-    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
-        return self._attend(q, k, v, inputs, None)[0]
-
-    def chunked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        return self._attend(q, k, v, inputs, state)
-
-    step = chunked
-
-    def _attend(
+    # ----- forms ------------------------------------------------------------------------------------------
+    def _run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
     ) -> tuple[torch.Tensor, State]:
         if state is None:
