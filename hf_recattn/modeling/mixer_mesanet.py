@@ -43,12 +43,9 @@ from .gated_parts import (
     qk_norm,
 )
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
-from .ops_mesanet import SOLVERS, mesa_chunked, mesa_parallel, mesa_step
+from .ops_mesanet import SOLVERS, MesaOperands, mesa_chunked, mesa_parallel, mesa_step
 from .options import Option, check_gate_after_norm
 from .short_conv import ShortConvolution, convolve_streams
-
-#: what the forms of ``MesaMixer`` hand to the ops: q, k, v, log gamma, beta and Lambda in the solves' dtype
-Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _inverse_softplus(y: float) -> float:
@@ -164,14 +161,14 @@ class MesaMixer(GatedOutputMixer):
 
     def _operands(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
-    ) -> tuple[Operands, State]:
+    ) -> tuple[MesaOperands, State]:
         """The ops' operands in the solves' dtype (float32 or more), and the new convolution states."""
         dtype = q.dtype
         work = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # solves need fp32 or more
         qg, kd, new_state = self._prepare(q, k, inputs, state)
         log_gamma, beta = self._gates(inputs.hidden_states, inputs.token_mask)
         qg, kd, vd, log_gamma, beta = (y.to(work) for y in (qg, kd, v, log_gamma, beta))
-        return (qg, kd, vd, log_gamma, beta, self.regularizer().to(work)), new_state
+        return MesaOperands(qg, kd, vd, log_gamma, beta, self.regularizer().to(work)), new_state
 
     def input_weights(self) -> dict[str, nn.Parameter]:
         """The output gate, read from the layer input."""
@@ -182,15 +179,15 @@ class MesaMixer(GatedOutputMixer):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
         operands, _ = self._operands(q, k, v, inputs, None)
-        o, _, _ = mesa_parallel(*operands, None, None, self.solver, self.cg_steps)
+        o, _, _ = mesa_parallel(operands, None, None, self.solver, self.cg_steps)
         return self.finish_output(o.to(q.dtype), inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         operands, new_state = self._operands(q, k, v, inputs, state)
-        h0, g0 = state["H"].to(operands[0].dtype), state["G"].to(operands[0].dtype)
-        o, h, g = mesa_chunked(*operands, h0, g0, self.chunk_size, self.solver, self.cg_steps)
+        h0, g0 = state["H"].to(operands.q.dtype), state["G"].to(operands.q.dtype)
+        o, h, g = mesa_chunked(operands, h0, g0, self.chunk_size, self.solver, self.cg_steps)
         new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
         return self.finish_output(o.to(q.dtype), inputs), new_state
 
@@ -198,9 +195,9 @@ class MesaMixer(GatedOutputMixer):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         operands, new_state = self._operands(q, k, v, inputs, state)
-        h0, g0 = state["H"].to(operands[0].dtype), state["G"].to(operands[0].dtype)
+        h0, g0 = state["H"].to(operands.q.dtype), state["G"].to(operands.q.dtype)
         in_place = h0 is state["H"] and g0 is state["G"] and writable(h0, g0)
-        o, h, g = mesa_step(*operands, h0, g0, self.solver, self.cg_steps, in_place=in_place)
+        o, h, g = mesa_step(operands, h0, g0, self.solver, self.cg_steps, in_place=in_place)
         new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
         return self.finish_output(o.to(q.dtype), inputs), new_state
 

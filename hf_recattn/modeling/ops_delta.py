@@ -207,17 +207,11 @@ class _ChunkRecurrence(torch.autograd.Function):
 
 
 def _chunk_group(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_alpha: torch.Tensor,
-    beta: torch.Tensor,
-    erase: torch.Tensor,
-    state: torch.Tensor,
-    chunk_size: int,
-    steps: int,
+    operands: tuple[torch.Tensor, ...], state: torch.Tensor, chunk_size: int, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Consecutive tokens (delta_chunked's layout) from state [X, D, E]: (o [B, chunks * Cq, Hk, G, E], state)."""
+    """Consecutive tokens (delta_chunked's layout) from state [X, D, E]: (o [B, chunks * Cq, Hk, G, E], state);
+    ``operands``: q, k, v, log_alpha, beta, erase."""
+    q, k, v, log_alpha, beta, erase = operands
     b, hk, groups, t, d = q.shape
     e = v.shape[-1]
     pad = (-t) % chunk_size
@@ -308,13 +302,13 @@ def delta_chunked(
     # kept: about one more forward, for activation memory that no longer grows with the chunk size
     tracked = torch.is_grad_enabled() and any(y.requires_grad for y in (q, k, v, log_alpha, beta, erase, state))
     outs = []
-    for qg, kg, vg, lag, bg, eg in pieces:
+    for group in pieces:
         if tracked:
-            o, state = checkpoint(_chunk_group, qg, kg, vg, lag, bg, eg, state, chunk_size, steps,
+            o, state = checkpoint(_chunk_group, group, state, chunk_size, steps,
                                   use_reentrant=False, preserve_rng_state=False)
         else:
-            o, state = _chunk_group(qg, kg, vg, lag, bg, eg, state, chunk_size, steps)
-        outs.append(o[:, : qg.shape[3]])
+            o, state = _chunk_group(group, state, chunk_size, steps)
+        outs.append(o[:, : group[0].shape[3]])
     # one copy into [B, T, Hk, G, E] memory (a cat, whose backward only slices), returned as [B, Hk, G, T, E]
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return out.permute(0, 2, 3, 1, 4), state.view(b, hk, d, e)

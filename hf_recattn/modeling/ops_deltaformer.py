@@ -63,7 +63,7 @@ def deltaformer_attention(
     """
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return deltaformer_step(q, k, v, write, past_keys, past_u, key_real, scale, key_scale)
+        return _one_token(q, k, v, write, (past_keys, past_u), key_real, (scale, key_scale))
     keys = torch.cat([past_keys, k], dim=2) if num_past else k
     before = key_visibility(num_past, num_new, key_real, True, k.device)
     feedback = masked_softmax((k @ keys.transpose(-1, -2)) * key_scale, before)  # B rows: [B, Hk, T, P + T]
@@ -80,23 +80,23 @@ def deltaformer_attention(
     return probs @ values.unsqueeze(2), keys, values
 
 
-def deltaformer_step(
+def _one_token(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     write: torch.Tensor | None,
-    past_keys: torch.Tensor,
-    past_u: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
     key_real: torch.Tensor | None,
-    scale: float,
-    key_scale: float,
+    scales: tuple[float, float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One new token after ``P >= 1`` cached ones, with one pass over the cached keys and one over the u's.
 
     The new key's feedback row (keys j < t) and the G query rows (keys j <= t) share the score product with the
     cached keys and the read of the cached u's; the query rows then add the new token's own term, whose u is
     only known after the feedback row is read. Same result as :func:`deltaformer_attention` up to rounding.
+    ``cache``: the cached keys and u's; ``scales``: (scale, key_scale).
     """
+    (past_keys, past_u), (scale, key_scale) = cache, scales
     rows = torch.cat([k * key_scale, q[:, :, :, 0] * scale], dim=2)  # [B, Hk, 1 + G, D]
     scores = rows @ past_keys.transpose(-1, -2)  # [B, Hk, 1 + G, P]
     if key_real is not None:

@@ -57,7 +57,7 @@ def path_attention(
     """
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return path_step(q, k, v, w, b, past_keys, past_values, key_real, scale)
+        return _one_token(q, k, v, (w, b), (past_keys, past_values), key_real, scale)
     keys, values = past_keys, past_values
     seen = key_visibility(num_past, num_new, key_real, False, k.device).unsqueeze(2)  # [B|1, 1, 1, T, P + T]
     outs = []
@@ -79,20 +79,20 @@ def path_attention(
     return torch.cat(outs, dim=3) if len(outs) > 1 else outs[0], keys, values
 
 
-def path_step(
+def _one_token(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor,
-    past_keys: torch.Tensor,
-    past_values: torch.Tensor,
+    householder: tuple[torch.Tensor, torch.Tensor],
+    cache: tuple[torch.Tensor, torch.Tensor],
     key_real: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One new token after ``P >= 1`` cached ones: one product of [w; queries] with the cached keys gives both
     ``K~ w`` (for carrying the keys over H_t) and the queries' scores, ``q . H_t k~_j = q . k~_j - b (q . w)
-    (k~_j . w)``; the carried keys are written straight into the grown cache. Same result as the block form."""
+    (k~_j . w)``; the carried keys are written straight into the grown cache. Same result as the block form.
+    ``householder``: (w, b) of the token; ``cache``: the cached keys and values."""
+    (w, b), (past_keys, past_values) = householder, cache
     bsz, hk, num_past, d = past_keys.shape
     wt, qt = w[:, :, 0], q[:, :, :, 0]  # [B, Hk, D], [B, Hk, G, D]
     bt = b[:, :, :1]  # [B, Hk, 1]
