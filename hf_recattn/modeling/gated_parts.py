@@ -2,7 +2,7 @@
 one): the option vocabularies, option fragments, the q/k norm, the logit of a gate's initial value, and the gated
 output, an RMSNorm of each head's output times a gate act(W_g x) read from the layer input.
 
-``GatedOutputMixer`` is the gated output as a base class of the mixer rather than a child module: its parameters
+``GatedMixer`` holds the gated output as a base class of the mixer rather than a child module: its parameters
 keep the keys ``output_norm.weight`` and ``gate_weight`` of the mixer, which saved checkpoints and the decode layout
 (``Mixer.input_weights``) name. A child module would move the gate to ``<child>.gate_weight``.
 """
@@ -10,14 +10,14 @@ keep the keys ``output_norm.weight`` and ``gate_weight`` of the mixer, which sav
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, ungroup_output
-from .options import Option, check_not_above, check_open_unit
+from .mixer_base import Mixer, MixerInputs, MixerShape, ungroup_output
+from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
 from .output_norms import OutputNorm
 
 #: ``init``: the published initialization, or one that starts a converted softmax layer close to itself
@@ -60,11 +60,12 @@ def chunk_options(eps: str) -> dict[str, Option]:
     }
 
 
-def check_convert_init(spec: dict[str, Any], where: str) -> None:
-    """The checks of ``convert_init_options``: beta_init (if any) in (0, 1), half_life_min <= half_life_max."""
-    if "beta_init" in spec:
-        check_open_unit(spec, where, "beta_init")
-    check_not_above(spec, where, "half_life_min", "half_life_max")
+def conv_options(streams: str) -> dict[str, Option]:
+    """``conv_size`` and ``activation`` of the short convolution on ``streams`` (e.g. "q and k")."""
+    return {
+        "conv_size": Option((int,), 4, f"taps of the short causal convolution on {streams} (0: none)", minimum=0),
+        "activation": Option((str,), "silu", f"applied to {streams} after the convolution", choices=ACTIVATIONS),
+    }
 
 
 def logit(p: float) -> float:
@@ -96,16 +97,41 @@ def qk_norm(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (f,), eps=eps / f) * f**-0.5
 
 
-class GatedOutputMixer(Mixer):
-    """A mixer whose output [B, Hk, G, T, E] goes through ``finish_output``: an RMSNorm of each head (gain per query
-    head, ``output_norm``, None without it) times silu(W_g x) (``gate_weight`` [H E, C], the input weight
-    ``output_gate``), as the ``output_options`` choose."""
+class GatedMixer(Mixer):
+    """The base of the gated families: the settings every one reads (``chunk_size``, ``eps``, the initializer range,
+    ``init``), the checks of ``convert_init_options`` and ``output_options``, and the gated output.
 
-    def build_output(self, eps: float) -> None:
-        """Create the norm and gate the spec asks for (call it where the family created them before, so that
-        parameters keep their order)."""
+    A family's output [B, Hk, G, T, E] goes through ``finish_output``: an RMSNorm of each head (gain per query head,
+    ``output_norm``, None without it) times silu(W_g x) (``gate_weight`` [H E, C], the input weight
+    ``output_gate``). A family calls ``build_output`` in ``__init__``, ``init_output_gate`` in ``init_parameters``
+    and lists ``output_input_weights`` in ``input_weights``.
+    """
+
+    #: whether ``output_gate`` needs ``output_norm`` (the gate then follows the norm)
+    gate_needs_norm: ClassVar[bool] = True
+
+    def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
+        super().__init__(spec, shape, config)
+        self.chunk_size = int(spec["chunk_size"])
+        self.eps = float(spec["eps"])
+        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+        self.convert_init = spec["init"] == "convert"
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any], where: str) -> None:
+        """beta_init (if any) in (0, 1), half_life_min <= half_life_max, and the gate after the norm; a family with
+        checks of its own runs them first, then this."""
+        if "beta_init" in spec:
+            check_open_unit(spec, where, "beta_init")
+        check_not_above(spec, where, "half_life_min", "half_life_max")
+        if cls.gate_needs_norm:
+            check_gate_after_norm(spec, where)
+
+    def build_output(self) -> None:
+        """Create the norm and gate the spec asks for (where the family creates its parameters: their order is
+        the order of initialization)."""
         h, d = self.shape.num_heads, self.shape.head_dim
-        self.output_norm = OutputNorm("rms", self.shape, d, eps) if self.spec["output_norm"] else None
+        self.output_norm = OutputNorm("rms", self.shape, d, self.eps) if self.spec["output_norm"] else None
         if self.spec["output_gate"]:
             self.gate_weight = nn.Parameter(torch.zeros(h * d, self.shape.hidden_size))
 

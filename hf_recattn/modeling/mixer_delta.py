@@ -28,24 +28,23 @@ from torch import nn
 from .delta_gates import RULES, DeltaGates
 from .feature_maps import FEATURE_MAPS, FeatureMap
 from .gated_parts import (
-    ACTIVATIONS,
     QK_NORMS,
-    GatedOutputMixer,
-    check_convert_init,
+    GatedMixer,
     chunk_options,
+    conv_options,
     convert_init_options,
     output_options,
     qk_norm,
 )
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_delta import delta_chunked, delta_parallel, delta_step
-from .options import Option, check_gate_after_norm
+from .options import Option
 from .short_conv import ShortConvolution, conv_step, convolve_streams
 
 CONV_STATES = ("conv_q", "conv_k", "conv_v")
 
 
-class DeltaMixer(GatedOutputMixer):
+class DeltaMixer(GatedMixer):
     """Delta-rule state S per key head, updated by `rule`, read by the queries."""
 
     name = "delta"
@@ -53,8 +52,7 @@ class DeltaMixer(GatedOutputMixer):
         "rule": Option((str,), "gated", "state update: delta (DeltaNet), gated (Gated DeltaNet) or comba",
                        choices=RULES),
         "householder_steps": Option((int,), 1, "delta updates per token (> 1: DeltaProduct)", minimum=1),
-        "conv_size": Option((int,), 4, "taps of the short causal convolution on q, k and v (0: none)", minimum=0),
-        "activation": Option((str,), "silu", "applied to q, k and v after the convolution", choices=ACTIVATIONS),
+        **conv_options("q, k and v"),
         "feature_map": Option((str,), "identity", "phi applied to q and k before their norm (as in linear)",
                               choices=FEATURE_MAPS),
         "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
@@ -74,18 +72,13 @@ class DeltaMixer(GatedOutputMixer):
             raise ValueError(
                 f"{where}: option 'causal' must be True with rule {spec['rule']!r} (a decay gate has a direction)"
             )
-        check_convert_init(spec, where)
-        check_gate_after_norm(spec, where)
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
         h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
         self.steps = int(spec["householder_steps"])
-        self.chunk_size = int(spec["chunk_size"])
-        self.eps = float(spec["eps"])
         self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
-        self.convert_init = spec["init"] == "convert"
         self.gates = DeltaGates(spec, shape, self.initializer_range)
         self.feature_map = FeatureMap(spec["feature_map"], shape)
         if self.steps > 1:  # the extra keys and values of DeltaProduct, read from the layer input
@@ -95,7 +88,7 @@ class DeltaMixer(GatedOutputMixer):
         self.convs = nn.ModuleDict(
             {name: ShortConvolution(n, size, self.convert_init) for name, n in channels.items()} if size else {}
         )
-        self.build_output(self.eps)
+        self.build_output()
 
     def init_parameters(self, init: Any) -> None:
         """Extra DeltaProduct keys / values and the output gate: N(0, initializer_range); with init=convert the
@@ -181,13 +174,16 @@ class DeltaMixer(GatedOutputMixer):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return qk_norm(x, self.spec["qk_norm"], self.eps)
 
+    def _coefficients(self, inputs: MixerInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log_alpha, beta, erase) of the rule, each [B, Hk, T * n] (see delta_gates.py)."""
+        return self.gates(inputs.hidden_states, inputs.token_mask)
+
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
         qg, kd, vd, _ = self._prepare(q, k, v, inputs, None)
-        log_alpha, beta, erase = self.gates(inputs.hidden_states, inputs.token_mask)
-        o, final = delta_parallel(qg, kd, vd, log_alpha, beta, erase, None, self.steps)
+        o, final = delta_parallel(qg, kd, vd, *self._coefficients(inputs), None, self.steps)
         if not self.is_causal_mixer:  # every query reads the state of the whole sequence
             o = qg @ final.unsqueeze(2)
         return self.finish_output(o, inputs)
@@ -197,8 +193,8 @@ class DeltaMixer(GatedOutputMixer):
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("chunked")
         qg, kd, vd, new_state = self._prepare(q, k, v, inputs, state)
-        log_alpha, beta, erase = self.gates(inputs.hidden_states, inputs.token_mask)
-        o, new_state["S"] = delta_chunked(qg, kd, vd, log_alpha, beta, erase, state["S"], self.chunk_size, self.steps)
+        coefficients = self._coefficients(inputs)
+        o, new_state["S"] = delta_chunked(qg, kd, vd, *coefficients, state["S"], self.chunk_size, self.steps)
         return self.finish_output(o, inputs), new_state
 
     def step(
@@ -206,9 +202,8 @@ class DeltaMixer(GatedOutputMixer):
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("step")
         qg, kd, vd, new_state = self._prepare_step(q, k, v, inputs, state)
-        log_alpha, beta, erase = self.gates(inputs.hidden_states, inputs.token_mask)
         start = state["S"]
-        o, new_state["S"] = delta_step(qg, kd, vd, log_alpha, beta, erase, start, in_place=writable(start))
+        o, new_state["S"] = delta_step(qg, kd, vd, *self._coefficients(inputs), start, in_place=writable(start))
         return self.finish_output(o, inputs), new_state
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:

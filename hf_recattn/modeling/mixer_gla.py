@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_parts import GatedOutputMixer, check_convert_init, chunk_options, convert_init_options, output_options
+from .gated_parts import GatedMixer, chunk_options, convert_init_options, output_options
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
 from .options import Option
@@ -45,7 +45,7 @@ def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest:
     return (log_p - torch.log(-torch.expm1(log_p))).float()  # logit of p = exp(log_p)
 
 
-class GLAMixer(GatedOutputMixer):
+class GLAMixer(GatedMixer):
     """Gated linear attention: a state per key head decayed per key dimension by a low-rank gate of the input."""
 
     name = "gated_linear"
@@ -61,28 +61,26 @@ class GLAMixer(GatedOutputMixer):
     state_kind = "recurrent"
     has_chunked = True
 
+    gate_needs_norm = False
     causal_only = "for gla (a gated state has a direction; there is no bidirectional form)"
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         if not spec["gate_temperature"] > 0.0:
             raise ValueError(f"{where}: option 'gate_temperature' must be > 0, got {spec['gate_temperature']!r}")
-        check_convert_init(spec, where)
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
         hk, d, c = shape.num_kv_heads, shape.head_dim, shape.hidden_size
         rank = int(spec["gate_rank"])
-        self.chunk_size = int(spec["chunk_size"])
         self.temperature = float(spec["gate_temperature"])
         self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
         # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
         self.gate_down = nn.Parameter(torch.zeros(rank, c))
         self.gate_up = nn.Parameter(torch.zeros(hk * d, rank))
-        convert = spec["init"] == "convert"
-        self.gate_bias = nn.Parameter(self._convert_bias() if convert else torch.zeros(hk * d))
-        self.build_output(float(spec["eps"]))
+        self.gate_bias = nn.Parameter(self._convert_bias() if self.convert_init else torch.zeros(hk * d))
+        self.build_output()
 
     def _convert_bias(self) -> torch.Tensor:
         d = self.shape.head_dim
@@ -92,7 +90,7 @@ class GLAMixer(GatedOutputMixer):
     def init_parameters(self, init: Any) -> None:
         """See the module docstring (``init`` skips loaded parameters)."""
         gated = [self.gate_down, self.gate_up, *self.output_input_weights().values()]
-        if self.spec["init"] == "scratch":
+        if not self.convert_init:
             for param in gated:
                 init.xavier_uniform_(param, gain=2**-2.5)
             init.zeros_(self.gate_bias)

@@ -32,11 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gated_parts import (
-    ACTIVATIONS,
     QK_NORMS,
-    GatedOutputMixer,
-    check_convert_init,
+    GatedMixer,
     chunk_options,
+    conv_options,
     convert_init_options,
     logit,
     output_options,
@@ -44,7 +43,7 @@ from .gated_parts import (
 )
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_mesanet import SOLVERS, MesaOperands, mesa_chunked, mesa_parallel, mesa_step
-from .options import Option, check_gate_after_norm
+from .options import Option
 from .short_conv import ShortConvolution, convolve_streams
 
 
@@ -52,7 +51,7 @@ def _inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
-class MesaMixer(GatedOutputMixer):
+class MesaMixer(GatedMixer):
     """MesaNet: gated states G and H per key head, read as G (H + Lambda)^-1 q (conjugate gradients or exact)."""
 
     name = "mesa"
@@ -62,8 +61,7 @@ class MesaMixer(GatedOutputMixer):
         "cg_steps": Option((int,), 30, "solver=cg: conjugate-gradient steps per token", minimum=0),
         "lambda_min": Option((float,), 0.25, "lower bound of the regularizer Lambda", minimum=1e-6),
         "lambda_init": Option((float,), 1.0, "initial Lambda (above lambda_min)", minimum=1e-6),
-        "conv_size": Option((int,), 4, "taps of the short causal convolution on q and k (0: none)", minimum=0),
-        "activation": Option((str,), "silu", "applied to q and k after the convolution", choices=ACTIVATIONS),
+        **conv_options("q and k"),
         "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
         **output_options(gate=False),
         **convert_init_options("identity convolution, input-independent gates", "forget", "input gate beta"),
@@ -82,19 +80,14 @@ class MesaMixer(GatedOutputMixer):
                 f"{where}: option 'lambda_init' ({spec['lambda_init']}) must be above 'lambda_min' "
                 f"({spec['lambda_min']})"
             )
-        check_convert_init(spec, where)
-        check_gate_after_norm(spec, where)
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
         h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
         self.solver = spec["solver"]
         self.cg_steps = int(spec["cg_steps"])
-        self.chunk_size = int(spec["chunk_size"])
-        self.eps = float(spec["eps"])
         self.lambda_min = float(spec["lambda_min"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
-        self.convert_init = spec["init"] == "convert"
         # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
         self.forget_weight = nn.Parameter(torch.zeros(hk, c))
         self.forget_bias = nn.Parameter(torch.zeros(hk))
@@ -106,7 +99,7 @@ class MesaMixer(GatedOutputMixer):
         self.convs = nn.ModuleDict(
             {name: ShortConvolution(n, size, self.convert_init) for name, n in channels.items()} if size else {}
         )
-        self.build_output(self.eps)
+        self.build_output()
 
     def init_parameters(self, init: Any) -> None:
         """Lambda = lambda_init. scratch: gate weights N(0, initializer_range) as logits of x, zero biases (gates
