@@ -82,7 +82,7 @@ class DeltaFormerMixer(ContinuingMixer):
         mask = inputs.padding_mask
         key_real = None if mask is None else mask[:, -(state["k"].shape[2] + k.shape[2]) :]
         o, keys, u = deltaformer_attention(
-            group_queries(q, self.shape.num_kv_heads), k, v, write, state["k"], state["u"], key_real,
+            group_queries(q, self.shape.num_kv_heads), k, v, write, (state["k"], state["u"]), key_real,
             self.scale, self.key_scale,
         )
         return ungroup_output(o), {"k": keys, "u": u}

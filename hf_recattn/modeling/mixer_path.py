@@ -107,7 +107,7 @@ class PathMixer(ContinuingMixer):
         mask = inputs.padding_mask
         key_real = None if mask is None else mask[:, -(state["k"].shape[2] + k.shape[2]) :]
         o, keys, values = path_attention(
-            group_queries(q, self.shape.num_kv_heads), k, v, w, b, state["k"], state["v"], key_real,
+            group_queries(q, self.shape.num_kv_heads), k, v, w, b, (state["k"], state["v"]), key_real,
             self.scale, self.chunk_size,
         )
         stamp = keys.new_zeros(keys.shape[0], 1, keys.shape[2])

@@ -45,19 +45,19 @@ def path_attention(
     v: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor,
-    past_keys: torch.Tensor,
-    past_values: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
     key_real: torch.Tensor | None,
     scale: float,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """New tokens after ``P`` cached ones, in blocks of ``chunk_size``.
+    """New tokens after ``P`` cached ones (``cache``: their keys and values), in blocks of ``chunk_size``.
 
     Returns (o [B, Hk, G, T, E], every key transported to the last token [B, Hk, P + T, D], every value).
     """
+    past_keys, past_values = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return _one_token(q, k, v, (w, b), (past_keys, past_values), key_real, scale)
+        return _one_token(q, k, v, (w, b), cache, key_real, scale)
     keys, values = past_keys, past_values
     seen = key_visibility(num_past, num_new, key_real, False, k.device).unsqueeze(2)  # [B|1, 1, 1, T, P + T]
     outs = []
@@ -80,13 +80,8 @@ def path_attention(
 
 
 def _one_token(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    householder: tuple[torch.Tensor, torch.Tensor],
-    cache: tuple[torch.Tensor, torch.Tensor],
-    key_real: torch.Tensor | None,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, householder: tuple[torch.Tensor, torch.Tensor],
+    cache: tuple[torch.Tensor, torch.Tensor], key_real: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One new token after ``P >= 1`` cached ones: one product of [w; queries] with the cached keys gives both
     ``K~ w`` (for carrying the keys over H_t) and the queries' scores, ``q . H_t k~_j = q . k~_j - b (q . w)
