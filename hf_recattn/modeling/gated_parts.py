@@ -10,6 +10,7 @@ keep the keys ``output_norm.weight`` and ``gate_weight`` of the mixer, which sav
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -28,11 +29,16 @@ ACTIVATIONS = ("none", "silu")
 QK_NORMS = ("l2", "none")
 
 
-def output_options(gate: bool) -> dict[str, Option]:
-    """``output_norm`` and ``output_gate`` (default ``gate``), the options of ``GatedOutputMixer``."""
+#: the activations a gated output may apply to W_g x (``GatedMixer.gate_activation``)
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+def output_options(gate: bool, activation: str = "silu") -> dict[str, Option]:
+    """``output_norm`` and ``output_gate`` (default ``gate``; ``activation``: the family's gate activation), the
+    options of ``GatedMixer``'s gated output."""
     return {
         "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
-        "output_gate": Option((bool,), gate, "multiply the output by silu(W_g x) from the layer input"),
+        "output_gate": Option((bool,), gate, f"multiply the output by {activation}(W_g x) from the layer input"),
     }
 
 
@@ -101,14 +107,18 @@ class GatedMixer(Mixer):
     """The base of the gated families: the settings every one reads (``chunk_size``, ``eps``, the initializer range,
     ``init``), the checks of ``convert_init_options`` and ``output_options``, and the gated output.
 
-    A family's output [B, Hk, G, T, E] goes through ``finish_output``: an RMSNorm of each head (gain per query head,
-    ``output_norm``, None without it) times silu(W_g x) (``gate_weight`` [H E, C], the input weight
-    ``output_gate``). A family calls ``build_output`` in ``__init__``, ``init_output_gate`` in ``init_parameters``
-    and lists ``output_input_weights`` in ``input_weights``.
+    A family's output [B, Hk, G, T, E] goes through ``finish_output``: a norm of each head (``output_norm_kind``,
+    RMSNorm by default, gain per query head; ``output_norm``, None without it) times act(W_g x) (``gate_activation``,
+    silu by default; ``gate_weight`` [H E, C], the input weight ``output_gate``). A family calls ``build_output`` in
+    ``__init__``, ``init_output_gate`` in ``init_parameters`` and lists ``output_input_weights`` in
+    ``input_weights``; its options include ``output_options``, ``convert_init_options`` and ``chunk_options``.
     """
 
     #: whether ``output_gate`` needs ``output_norm`` (the gate then follows the norm)
     gate_needs_norm: ClassVar[bool] = True
+    #: the kind of the output norm (``output_norms.OUTPUT_NORMS``) and the gate's activation (``GATE_ACTIVATIONS``)
+    output_norm_kind: ClassVar[str] = "rms"
+    gate_activation: ClassVar[str] = "silu"
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
@@ -131,7 +141,8 @@ class GatedMixer(Mixer):
         """Create the norm and gate the spec asks for (where the family creates its parameters: their order is
         the order of initialization)."""
         h, d = self.shape.num_heads, self.shape.head_dim
-        self.output_norm = OutputNorm("rms", self.shape, d, self.eps) if self.spec["output_norm"] else None
+        kind = self.output_norm_kind
+        self.output_norm = OutputNorm(kind, self.shape, d, self.eps) if self.spec["output_norm"] else None
         if self.spec["output_gate"]:
             self.gate_weight = nn.Parameter(torch.zeros(h * d, self.shape.hidden_size))
 
@@ -154,6 +165,6 @@ class GatedMixer(Mixer):
             o = self.output_norm(o)
         o = ungroup_output(o)
         if self.has_output_gate:
-            gate = F.silu(inputs.linear("output_gate", self.gate_weight))
+            gate = GATE_ACTIVATIONS[self.gate_activation](inputs.linear("output_gate", self.gate_weight))
             o = o * gate.view(*o.shape)
         return o
