@@ -64,7 +64,7 @@ def deltaformer_attention(
     past_keys, past_u = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return _one_token(q, k, v, write, cache, key_real, (scale, key_scale))
+        return deltaformer_step(q, k, v, write, cache, key_real, (scale, key_scale))
     keys = torch.cat([past_keys, k], dim=2) if num_past else k
     before = key_visibility(num_past, num_new, key_real, True, k.device)
     feedback = masked_softmax((k @ keys.transpose(-1, -2)) * key_scale, before)  # B rows: [B, Hk, T, P + T]
@@ -81,7 +81,7 @@ def deltaformer_attention(
     return probs @ values.unsqueeze(2), keys, values
 
 
-def _one_token(
+def deltaformer_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor | None,
     cache: tuple[torch.Tensor, torch.Tensor], key_real: torch.Tensor | None, scales: tuple[float, float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

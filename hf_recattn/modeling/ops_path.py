@@ -57,7 +57,7 @@ def path_attention(
     past_keys, past_values = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return _one_token(q, k, v, (w, b), cache, key_real, scale)
+        return path_step(q, k, v, (w, b), cache, key_real, scale)
     keys, values = past_keys, past_values
     seen = key_visibility(num_past, num_new, key_real, False, k.device).unsqueeze(2)  # [B|1, 1, 1, T, P + T]
     outs = []
@@ -79,7 +79,7 @@ def path_attention(
     return torch.cat(outs, dim=3) if len(outs) > 1 else outs[0], keys, values
 
 
-def _one_token(
+def path_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, householder: tuple[torch.Tensor, torch.Tensor],
     cache: tuple[torch.Tensor, torch.Tensor], key_real: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
