@@ -16,6 +16,7 @@ and the other part's under ``rest.``; ``heads=[]`` is the ``others`` mixer alone
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from .registry import build_mixer, mixer_class, validate_spec
 FULL_PREFIX = "full."
 REST_PREFIX = "rest."
 FULL_SPEC = {"mixer": "softmax", "forget": "none", "alibi_slopes": None, "fox_bias_init": None, "rope": True}
+#: a continuing form of a mixer: (q, k, v, inputs, state) -> (output, state)
+Form = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[torch.Tensor, State]]
 DEFAULT_OTHERS = {"mixer": "hybrid", "window": 64, "sink_tokens": 4, "far": "none"}
 
 
@@ -157,9 +160,10 @@ class RetrievalHeadsMixer(Mixer):
         return self._merge(full, rest)
 
     def _continue(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, rest_form: Form
     ) -> tuple[torch.Tensor, State]:
-        rest, rest_state = getattr(self.rest, form)(*self._split(q, k, v, "rest"), inputs, _part(REST_PREFIX, state))
+        """The other heads through ``rest_form`` (their mixer's chunked or step form), the softmax heads chunked."""
+        rest, rest_state = rest_form(*self._split(q, k, v, "rest"), inputs, _part(REST_PREFIX, state))
         new = _prefixed(REST_PREFIX, rest_state)
         full = None
         if self.full is not None:
@@ -170,12 +174,12 @@ class RetrievalHeadsMixer(Mixer):
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        return self._continue(q, k, v, inputs, state, "chunked")
+        return self._continue(q, k, v, inputs, state, self.rest.chunked)
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        return self._continue(q, k, v, inputs, state, "step")
+        return self._continue(q, k, v, inputs, state, self.rest.step)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         state = _prefixed(REST_PREFIX, self.rest.init_state(batch_size, device, dtype))
