@@ -84,6 +84,8 @@ FAMILIES: dict[str, Family] = {
         Family("granite", options=_granite),
         Family(
             "phi3",
+            # Phi-3's generate() recomputes the cache once the sequence passes original_max_position_embeddings
+            options=lambda c: {"recompute_cache_after": getattr(c, "original_max_position_embeddings", None)},
             windows="all",
             fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
@@ -99,6 +101,7 @@ SUPPORTED = tuple(FAMILIES)
 ARCHITECTURE_OPTIONS = (
     "norm_layout", "norm_unit_offset", "qk_norm", "attention_multiplier", "embedding_multiplier",
     "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "rope_layer_groups",
+    "recompute_cache_after",
 )
 
 

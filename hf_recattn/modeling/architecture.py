@@ -49,6 +49,9 @@ def check_architecture(config: Any) -> None:
         _positive_number(config, name, nullable=False)
     for name in ("attention_multiplier", "attn_logit_softcapping", "final_logit_softcapping"):
         _positive_number(config, name, nullable=True)
+    after = config.recompute_cache_after
+    if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 1):
+        raise ValueError(f"recompute_cache_after must be a positive int or None, got {after!r}")
     groups = config.rope_layer_groups
     if groups is None:
         return

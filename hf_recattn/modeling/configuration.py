@@ -92,6 +92,9 @@ class RecAttnConfig(LlamaConfig):
         final_logit_softcapping: the same on the output logits (Gemma 2).
         rope_layer_groups: one key of a nested ``rope_parameters`` per layer (Gemma 3: ``full_attention`` and
             ``sliding_attention`` layers rotate with different bases); None: ``rope_parameters`` is one flat set.
+        recompute_cache_after: ``generate()`` drops the cache once, when the sequence first grows past this many
+            tokens, and runs the whole sequence again (Phi-3: its longrope rotary switches to the long factors there,
+            and Phi-3 recomputes the cached keys with them). None: never.
         prefill_block_size: a prompt longer than this, run into a cache, goes through the layers in blocks of
             this many tokens, each continuing from the cache the previous one left (the same function: every form
             continues exactly). Activations then stay O(block) and tokens/s stays flat in the prompt length.
@@ -114,6 +117,7 @@ class RecAttnConfig(LlamaConfig):
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_layer_groups: list[str] | None = None
+    recompute_cache_after: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.attention is None:

@@ -642,6 +642,20 @@ class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, Gener
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
 
+    def prepare_inputs_for_generation(  # noqa: ANN001
+        self, input_ids: torch.Tensor, next_sequence_length=None, cache: Cache | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """transformers' inputs; once the sequence first passes ``config.recompute_cache_after`` tokens, the whole
+        sequence again without the cache (the teacher's rotary changed for every cached position: Phi-3)."""
+        after = self.config.recompute_cache_after
+        held = cache if cache is not None else kwargs.get("past_key_values")
+        if after and held is not None and input_ids.shape[1] > after and held.get_seq_length() <= after:
+            cache, next_sequence_length = None, None
+            kwargs.pop("past_key_values", None)
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs
+        )
+
     def _expand_inputs_for_generation(  # noqa: ANN001, ANN003
         self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs
     ):
