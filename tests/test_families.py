@@ -19,7 +19,7 @@ from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_tokenizer,
 from isolated import HIDE_HF_RECATTN
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, evaluation, from_llama
 from hf_recattn.cli import main
 from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import check_against_teacher, recipe_from_dict
@@ -165,8 +165,8 @@ CHILD = HIDE_HF_RECATTN + textwrap.dedent(
 
 
 def test_loads_without_the_package(tmp_path: Path) -> None:
-    """Gemma 3 (rope groups, sandwich and unit-offset norms, q/k norms, scale, soft-cap) and Granite
-    (multipliers, logits scaling) in one child Python where hf_recattn cannot be imported."""
+    """Gemma 3 (rope groups, sandwich and unit-offset norms, q/k norms, attention scale, logit soft-cap) in a child
+    Python where hf_recattn cannot be imported (one family: the child costs seconds)."""
     from safetensors.torch import load_file, save_file
 
     from hf_recattn.registration import register_auto_classes
@@ -175,7 +175,7 @@ def test_loads_without_the_package(tmp_path: Path) -> None:
     x = ids()
     save_file({"input_ids": x}, str(tmp_path / "inputs.safetensors"))
     students = {}
-    for case in ("gemma3", "granite"):
+    for case in ("gemma3",):
         t = teacher(case)
         students[case] = (t, from_llama(t, "softmax"))
         students[case][1].save_pretrained(tmp_path / case)
@@ -280,6 +280,15 @@ def test_recipe_naming_layers_the_teacher_lacks_is_one_error() -> None:
             check_against_teacher(recipe, llama)
 
 
+def test_attention_kl_is_refused_where_the_teacher_attends_otherwise() -> None:
+    recipe = recipe_from_dict(tiny_recipe_dict(stage1={"attention_kl": 0.1}), source="kl.yaml")
+    with pytest.raises(ValueError, match=r"kl\.yaml: stage1\.attention_kl .* its attention uses qk_norm"):
+        check_against_teacher(recipe, teacher("qwen3").config)
+    with pytest.raises(ValueError, match=r"layer 0 is a sliding window layer in the teacher"):
+        check_against_teacher(recipe, teacher("mistral-window").config)
+    check_against_teacher(recipe, teacher("llama", max_position_embeddings=2048).config)
+
+
 def test_state_size_and_card_show_each_layer(tmp_path: Path) -> None:
     from hf_recattn.model_card import attention_table
 
@@ -297,6 +306,9 @@ def test_convert_end_to_end_with_recurrent_full_layers(tmp_path: Path, monkeypat
     """``hf-recattn convert`` of a Qwen3 teacher with sliding layers: only its full-attention layers become
     recurrent, the window layers keep the teacher's weights and window."""
     monkeypatch.setenv("HF_RECATTN_CACHE", str(tmp_path / "cache"))
+    small = evaluation.RecallSizes(passkey_lengths=(256,), passkey_depths=(0.5,), passkey_trials=1,
+                                   recall_lengths=(256,), recall_pairs=(1,), recall_trials=1)
+    monkeypatch.setattr(evaluation.RecallSizes, "for_mode", classmethod(lambda cls, quick: small))
     tokenizer = tiny_tokenizer()
     t = teacher("qwen3", vocab_size=len(tokenizer), max_position_embeddings=2048, pad_token_id=2)
     t.save_pretrained(tmp_path / "teacher")

@@ -431,7 +431,8 @@ class RecAttnModel(RecAttnPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
             if self.embedding_multiplier != 1.0:  # in the model's dtype, as Gemma scales by sqrt(hidden)
-                inputs_embeds = inputs_embeds * torch.tensor(self.embedding_multiplier, dtype=inputs_embeds.dtype)
+                scale = torch.tensor(self.embedding_multiplier, dtype=torch.float32).to(inputs_embeds.dtype)
+                inputs_embeds = inputs_embeds * scale
         batch_size, seq_len = inputs_embeds.shape[:2]
         cache = self._checked_cache(past_key_values, bool(use_cache), batch_size)
         past = cache.get_seq_length() if cache is not None else 0
