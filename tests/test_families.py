@@ -300,6 +300,7 @@ def test_state_size_and_card_show_each_layer(tmp_path: Path) -> None:
     assert "sliding_window(5)" in text.splitlines()[1]
     table = attention_table(config)
     assert table.count("`sliding_window`") == 2 and 'window=5' in table and table.count("`linear`") == 2
+    assert "| 0 | `sliding_window` | window=5 | 0.5 KiB |" in table  # 4 keys and values of 2 heads x 16, 2 bytes
 
 
 def test_convert_end_to_end_with_recurrent_full_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,6 +341,9 @@ def test_unsupported_family_and_unmapped_features_are_refused_before_any_work() 
     both_ways = AutoConfig.for_model("gemma3_text", **BASE, head_dim=16, use_bidirectional_attention=True)
     with pytest.raises(ValueError, match=r"teacher family 'gemma3_text': use_bidirectional_attention=True"):
         recattn_config_from(both_ways, "softmax")
+    dropout = AutoConfig.for_model("phi3", **BASE, resid_pdrop=0.1)
+    with pytest.raises(ValueError, match=r"'phi3': resid_pdrop=0.1 has no mapping \(dropout on the residual"):
+        recattn_config_from(dropout, "softmax")
     chunked = AutoConfig.for_model("qwen3", **BASE)
     chunked.layer_types = ["chunked_attention"] * 4
     with pytest.raises(ValueError, match=r"'qwen3': layer_types \['chunked_attention'\] have no mapping"):

@@ -32,10 +32,10 @@ class Family:
     windows: str = "none"
     #: q/k/v biases without an o_proj bias (Qwen2)
     qkv_bias_only: bool = False
-    #: fused projections split on load: teacher weight suffix -> (our suffixes, how to split)
+    #: fused projections split on load (rows in order): the teacher's module -> ours
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: config flags that must be off (False / None / 0) because nothing maps them
-    must_be_off: tuple[str, ...] = ()
+    #: config flags that must be off (False / None / 0), with what they would do that nothing here maps
+    must_be_off: dict[str, str] = field(default_factory=dict)
 
 
 def _granite(config: Any) -> dict[str, Any]:
@@ -63,13 +63,16 @@ def _gemma2(config: Any) -> dict[str, Any]:
 
 
 def _gemma3(config: Any) -> dict[str, Any]:
-    nested = isinstance(config.rope_parameters, dict) and FULL in config.rope_parameters
     return {
         **_gemma2(config),
         "qk_norm": "head",
         "attn_logit_softcapping": None,  # in its config, but Gemma 3's attention never applies it
-        "rope_layer_groups": list(config.layer_types) if nested else None,
     }
+
+
+BIDIRECTIONAL = {"use_bidirectional_attention": "every token attending to later ones (only causal decoders convert)"}
+#: Phi-3's dropouts act in training only, where the student would have to apply them too
+PHI3_DROPOUTS = {"resid_pdrop": "dropout on the residual branches", "embd_pdrop": "dropout on the embeddings"}
 
 
 FAMILIES: dict[str, Family] = {
@@ -87,12 +90,13 @@ FAMILIES: dict[str, Family] = {
             # Phi-3's generate() recomputes the cache once the sequence passes original_max_position_embeddings
             options=lambda c: {"recompute_cache_after": getattr(c, "original_max_position_embeddings", None)},
             windows="all",
+            must_be_off=PHI3_DROPOUTS,
             fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
         ),
-        Family("gemma", options=_gemma, must_be_off=("use_bidirectional_attention",)),
-        Family("gemma2", options=_gemma2, windows="layer_types", must_be_off=("use_bidirectional_attention",)),
-        Family("gemma3_text", options=_gemma3, windows="layer_types", must_be_off=("use_bidirectional_attention",)),
+        Family("gemma", options=_gemma, must_be_off=BIDIRECTIONAL),
+        Family("gemma2", options=_gemma2, windows="layer_types", must_be_off=BIDIRECTIONAL),
+        Family("gemma3_text", options=_gemma3, windows="layer_types", must_be_off=BIDIRECTIONAL),
     )
 }
 SUPPORTED = tuple(FAMILIES)
@@ -119,10 +123,16 @@ def family_of(config: Any) -> Family:
     return family
 
 
+def _nested_rope(config: Any) -> bool:
+    """Whether ``rope_parameters`` holds one set per layer type (Gemma 3) rather than one flat set."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return isinstance(params.get(FULL), dict) or isinstance(params.get(SLIDING), dict)
+
+
 def _rope_sets(config: Any) -> dict[str, dict[str, Any]]:
     params = getattr(config, "rope_parameters", None) or {}
-    if FULL in params or SLIDING in params:
-        return {key: value for key, value in params.items() if isinstance(value, dict)}
+    if _nested_rope(config):
+        return {f"rope_parameters[{key!r}]": value for key, value in params.items() if isinstance(value, dict)}
     return {"rope_parameters": params}
 
 
@@ -130,9 +140,9 @@ def check_teacher(config: Any) -> Family:
     """The teacher's family, once every feature its config uses is known to map exactly (ValueError otherwise)."""
     family = family_of(config)
     where = f"teacher family {family.model_type!r}"
-    for flag in family.must_be_off:
+    for flag, meaning in family.must_be_off.items():
         if getattr(config, flag, None):
-            raise ValueError(f"{where}: {flag}={getattr(config, flag)!r} has no mapping (only causal decoders convert)")
+            raise ValueError(f"{where}: {flag}={getattr(config, flag)!r} has no mapping ({meaning})")
     for name, params in _rope_sets(config).items():
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
@@ -145,10 +155,12 @@ def check_teacher(config: Any) -> Family:
         if types and len(types) != config.num_hidden_layers:
             raise ValueError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is "
                              f"{config.num_hidden_layers}")
-    if family.model_type == "gemma3_text" and _rope_sets(config).keys() - {"rope_parameters"}:
-        missing = sorted(set(config.layer_types) - set(config.rope_parameters))
-        if missing:
-            raise ValueError(f"{where}: rope_parameters has no entry for layer types {missing}")
+    if _nested_rope(config):
+        types = list(getattr(config, "layer_types", None) or [])
+        missing = sorted(set(types) - {k for k, v in config.rope_parameters.items() if isinstance(v, dict)})
+        if not types or missing:
+            raise ValueError(f"{where}: rope_parameters holds one set per layer type but none for the layer types "
+                             f"{missing or ['(no layer_types)']}")
     return family
 
 
@@ -192,6 +204,8 @@ def architecture_options(config: Any) -> dict[str, Any]:
     if family.qkv_bias_only:
         options.update(attention_bias=True, o_proj_bias=False)
     options.update(family.options(config))
+    if _nested_rope(config):  # each layer rotates with the set of its teacher layer type
+        options["rope_layer_groups"] = list(config.layer_types)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if options["attention_multiplier"] == head_dim**-0.5:  # the mixers' own scale: nothing to apply
         options["attention_multiplier"] = None

@@ -643,8 +643,14 @@ class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, Gener
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
 
-    def prepare_inputs_for_generation(  # noqa: ANN001
-        self, input_ids: torch.Tensor, next_sequence_length=None, cache: Cache | None = None, **kwargs: Any
+    def prepare_inputs_for_generation(  # noqa: ANN001 - transformers' signature (generate() inspects it)
+        self,
+        input_ids: torch.Tensor,
+        next_sequence_length=None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> dict[str, Any]:
         """transformers' inputs; once the sequence first passes ``config.recompute_cache_after`` tokens, the whole
         sequence again without the cache (the teacher's rotary changed for every cached position: Phi-3)."""
@@ -654,7 +660,8 @@ class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, Gener
             cache, next_sequence_length = None, None
             kwargs.pop("past_key_values", None)
         return super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, **kwargs
         )
 
     def _expand_inputs_for_generation(  # noqa: ANN001, ANN003
