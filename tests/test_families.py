@@ -365,6 +365,7 @@ def test_attention_soft_cap_is_refused_for_other_mixers() -> None:
     ("qk_norm", "l2", r"qk_norm must be one of \['head', 'projection'\] or None, got 'l2'"),
     ("residual_multiplier", 0.0, r"residual_multiplier must be a finite number > 0, got 0.0"),
     ("final_logit_softcapping", -1.0, r"final_logit_softcapping must be a finite number > 0 or None"),
+    ("recompute_cache_after", 0, r"recompute_cache_after must be a positive int or None, got 0"),
     ("rope_layer_groups", ["local"], r"rope_layer_groups must list one group per layer \(2\)"),
     ("rope_layer_groups", ["local", "local"], r"rope_layer_groups names \['local'\] but rope_parameters has no"),
 ])
@@ -372,6 +373,11 @@ def test_bad_architecture_options_are_named(option: str, value: Any, message: st
     with pytest.raises(ValueError, match=message):
         RecAttnConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       vocab_size=VOCAB, **{option: value})
+
+
+def test_whole_projection_qk_norm_refuses_tensor_parallelism() -> None:
+    assert "qk_norm='projection'" in from_llama(teacher("olmo2"), "softmax").tensor_parallel_refusal()
+    assert from_llama(teacher("qwen3"), "softmax").tensor_parallel_refusal() is None  # per head: splits by head
 
 
 def test_defaults_are_llama() -> None:

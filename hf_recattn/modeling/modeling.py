@@ -231,6 +231,9 @@ class RecAttnPreTrainedModel(PreTrainedModel):
     def tensor_parallel_refusal(self) -> str | None:
         """Why this model cannot be split by the tensor-parallel plan, or None. The plan splits q/k/v by heads;
         only mixers that work on any subset of heads (plain softmax and sliding window) run under it."""
+        if self.config.qk_norm == "projection":
+            return ("tensor parallelism: qk_norm='projection' (OLMo 2) normalizes q and k over all heads at once, "
+                    "which the plan splits across ranks")
         base = self.base_model
         for i, layer in enumerate(base.layers):
             mixer = layer.self_attn.mixer
