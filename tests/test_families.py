@@ -106,6 +106,19 @@ def test_softmax_passthrough_equals_the_teacher(case: str) -> None:
     assert torch.equal(greedy(student, prompt), greedy(t, prompt)), case  # token by token through the cache
 
 
+@pytest.mark.parametrize("case", ["gemma", "granite"])
+def test_embedding_multiplier_with_inputs_embeds(case: str) -> None:
+    """Embeddings from ``get_input_embeddings()`` passed as ``inputs_embeds`` give the teacher's logits (Gemma's
+    embedding module scales them, Granite's model does: the student does the latter)."""
+    t = teacher(case)
+    student = from_llama(t, "softmax")
+    x = ids()
+    with torch.no_grad():
+        want = t(inputs_embeds=t.get_input_embeddings()(x)).logits
+        got = student(inputs_embeds=student.get_input_embeddings()(x)).logits
+    assert (got - want).abs().max() <= ATOL
+
+
 def test_teacher_windows_and_nope_layers_are_kept_per_layer() -> None:
     specs = {case: from_llama(teacher(case), "softmax").config.layer_specs()
              for case in ("mistral-window", "qwen2-window", "qwen3", "smollm3-nope", "gemma3")}
@@ -213,6 +226,17 @@ def test_options_work_with_recurrent_mixers_through_the_cache(case: str, spec: d
         for i in range(5, 12):
             steps.append(student(x[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-4, case
+
+
+def test_prompt_in_blocks_keeps_each_layers_rotary() -> None:
+    """A long prompt run into a cache block by block slices every rope group's cos / sin (Gemma 3)."""
+    student = from_llama(teacher("gemma3"), "softmax")
+    x = ids(batch=1, length=13)
+    with torch.no_grad():
+        whole = student(x).logits
+        student.config.prefill_block_size = 4
+        blocks = student(x, past_key_values=student.new_cache(), use_cache=True).logits
+    assert (blocks - whole).abs().max() <= ATOL
 
 
 def test_qk_norm_and_scale_reach_every_mixer() -> None:

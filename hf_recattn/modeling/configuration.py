@@ -83,8 +83,8 @@ class RecAttnConfig(LlamaConfig):
         attention_multiplier: the softmax scale of q.k; None is ``head_dim ** -0.5``. Applied to q before the
             mixer (every mixer sees the teacher's q). Granite's ``attention_multiplier``, Gemma's
             ``query_pre_attn_scalar ** -0.5``.
-        embedding_multiplier: the token embeddings are multiplied by this, rounded to the model's dtype
-            (Granite; Gemma's ``sqrt(hidden_size)``).
+        embedding_multiplier: the input embeddings (looked up or passed as ``inputs_embeds``) are multiplied by
+            this, rounded to the model's dtype (Granite; Gemma's ``sqrt(hidden_size)``).
         residual_multiplier: attention and MLP outputs are multiplied by this before the residual add (Granite).
         logits_scaling: logits are divided by this (Granite).
         attn_logit_softcapping: ``cap * tanh(logits / cap)`` on the attention logits (Gemma 2); softmax and

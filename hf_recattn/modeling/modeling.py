@@ -433,9 +433,11 @@ class RecAttnModel(RecAttnPreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-            if self.embedding_multiplier != 1.0:  # in the model's dtype, as Gemma scales by sqrt(hidden)
-                scale = torch.tensor(self.embedding_multiplier, dtype=torch.float32).to(inputs_embeds.dtype)
-                inputs_embeds = inputs_embeds * scale
+        if self.embedding_multiplier != 1.0:  # rounded to the model's dtype, as Gemma scales by sqrt(hidden)
+            # also embeddings passed in, which come from get_input_embeddings() unscaled (Granite scales those too;
+            # Gemma's embedding module scales what it returns: the same numbers either way)
+            scale = torch.tensor(self.embedding_multiplier, dtype=torch.float32).to(inputs_embeds.dtype)
+            inputs_embeds = inputs_embeds * scale
         batch_size, seq_len = inputs_embeds.shape[:2]
         cache = self._checked_cache(past_key_values, bool(use_cache), batch_size)
         past = cache.get_seq_length() if cache is not None else 0
