@@ -411,3 +411,11 @@ def test_defaults_are_llama() -> None:
     names = set(RecAttnForCausalLM(config).state_dict())
     assert {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"} <= names
     assert not any("q_norm" in n or "feedforward" in n for n in names)
+
+
+def test_unit_offset_norms_start_as_identity_scales() -> None:
+    """A fresh model with Gemma's norms stores their weights as offsets from 1: they start at 0."""
+    config = RecAttnConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           vocab_size=VOCAB, norm_unit_offset=True, norm_layout="sandwich", qk_norm="head")
+    norms = {n: p for n, p in RecAttnForCausalLM(config).named_parameters() if "norm" in n}
+    assert len(norms) == 7 and all(bool((p == 0).all()) for p in norms.values())
