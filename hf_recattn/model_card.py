@@ -72,18 +72,21 @@ def human_bytes(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
-def attention_table(config: RecAttnConfig) -> str:
-    """One row per run of consecutive layers with the same spec."""
+def attention_table(config: RecAttnConfig, context: int = STATE_CONTEXTS[-1]) -> str:
+    """One row per run of consecutive layers with the same spec, with each such layer's decode state at
+    ``context`` tokens (a KV cache grows with the context; a window or a recurrent state stops growing)."""
+    state = [row.state_elements * BYTES_PER_ELEMENT for row in state_size_report(config, context)]
     runs: list[tuple[int, int, dict[str, Any]]] = []
     for i, spec in enumerate(config.layer_specs()):
         if runs and runs[-1][2] == spec:
             runs[-1] = (runs[-1][0], i, spec)
         else:
             runs.append((i, i, spec))
-    lines = ["| layers | mixer | options (beyond the family's defaults) |", "|---|---|---|"]
+    lines = [f"| layers | mixer | options (beyond the family's defaults) | state per layer at {context:,} tokens |",
+             "|---|---|---|---:|"]
     for first, last, spec in runs:
         layers = str(first) if first == last else f"{first}-{last}"
-        lines.append(f"| {layers} | `{spec['mixer']}` | {_spec_text(spec) or '-'} |")
+        lines.append(f"| {layers} | `{spec['mixer']}` | {_spec_text(spec) or '-'} | {human_bytes(state[first])} |")
     return "\n".join(lines)
 
 

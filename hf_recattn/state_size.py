@@ -20,6 +20,12 @@ class LayerStateSize:
     state_elements: int  # per sequence at the requested context
     kv_cache_elements: int  # what softmax attention would hold at that context
     break_even_context: int | None  # first context where a KV cache is at least as large; None: never smaller
+    window: int | None = None  # a sliding window's visible keys (a teacher's window layer kept as it is)
+
+    @property
+    def label(self) -> str:
+        """The mixer, with its window when it has one: ``sliding_window(512)``."""
+        return self.mixer if self.window is None else f"{self.mixer}({self.window})"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +58,7 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
                     state_elements=mixer.state_size(context_length),
                     kv_cache_elements=kv_per_token * context_length,
                     break_even_context=_break_even(mixer, kv_per_token),
+                    window=spec.get("window") if isinstance(spec.get("window"), int) else None,
                 )
             )
     return rows
@@ -59,11 +66,11 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
 
 def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str:
     """A plain-text table with totals in MiB at the given element size."""
-    lines = [f"{'layer':>5} {'mixer':<16} {'kind':<9} {'state':>14} {'kv cache':>14} {'break-even':>11}"]
+    lines = [f"{'layer':>5} {'mixer':<20} {'kind':<9} {'state':>14} {'kv cache':>14} {'break-even':>11}"]
     for r in rows:
         be = "-" if r.break_even_context is None else str(r.break_even_context)
         lines.append(
-            f"{r.layer:>5} {r.mixer:<16} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}"
+            f"{r.layer:>5} {r.label:<20} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}"
         )
     total_state = sum(r.state_elements for r in rows) * bytes_per_element / 2**20
     total_kv = sum(r.kv_cache_elements for r in rows) * bytes_per_element / 2**20

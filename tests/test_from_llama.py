@@ -125,10 +125,10 @@ def test_non_llama_teacher_is_a_clear_error(tmp_path) -> None:  # noqa: ANN001
     gpt2 = GPT2LMHeadModel(
         GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
     )
-    with pytest.raises(ValueError, match=r"teacher model_type 'gpt2' is not Llama-shaped"):
+    with pytest.raises(ValueError, match=r"teacher model_type 'gpt2' is not a supported Llama-variant family"):
         from_llama(gpt2)
     gpt2.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'gpt2' is not Llama-shaped"):
+    with pytest.raises(ValueError, match=r"'gpt2' is not a supported"):
         from_llama(str(tmp_path))
 
 

@@ -37,6 +37,7 @@ LAYERS = [
 RUNTIME_CORE = {
     "configuration.py",
     "modeling.py",
+    "architecture.py",
     "cache.py",
     "mixers.py",
     "registry.py",

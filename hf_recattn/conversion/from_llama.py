@@ -1,4 +1,5 @@
-"""Build a hf_recattn model from a Llama-shaped causal LM: copy every weight, add only the new mixer parameters."""
+"""Build a hf_recattn model from a causal LM of a Llama-variant family (families.py): copy every weight, add only
+the new mixer parameters."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..modeling.configuration import RecAttnConfig
+from ..modeling.configuration import RecAttnConfig, resolve_layer_specs
 from ..modeling.modeling import RecAttnForCausalLM
+from .families import (
+    ARCHITECTURE_OPTIONS,
+    SUPPORTED,
+    architecture_options,
+    split_fused,
+    teacher_layer_specs,
+    teacher_layer_types,
+)
+from .layer_selection import selected_layers
 
-#: architectures whose weights map one to one onto ours (qwen2: q/k/v biases, no o_proj bias)
-LLAMA_SHAPED = ("llama", "mistral", "qwen2")
+#: every teacher family whose weights map onto ours (families.py says how)
+LLAMA_SHAPED = SUPPORTED
 
 # config keys of the teacher that do not describe the architecture we copy
 _DROP_KEYS = {
@@ -28,58 +38,68 @@ _DROP_KEYS = {
     "use_sliding_window",
     "max_window_layers",
     "quantization_config",
+    *ARCHITECTURE_OPTIONS,
 }
 
 
 def recattn_config_from(
-    teacher_config: Any, attention: Any, attention_overrides: dict | None = None
+    teacher_config: Any, attention: Any, attention_overrides: dict | None = None, layers: dict | None = None
 ) -> RecAttnConfig:
-    """A RecAttnConfig with the teacher's architecture and the given attention specs."""
-    model_type = getattr(teacher_config, "model_type", None)
-    if model_type not in LLAMA_SHAPED:
-        raise ValueError(
-            f"teacher model_type {model_type!r} is not Llama-shaped; supported: {list(LLAMA_SHAPED)}"
-        )
-    if model_type == "mistral" and getattr(teacher_config, "sliding_window", None):
-        raise ValueError(
-            "teacher is a Mistral model with sliding_window set; give its layers "
-            "{'mixer': 'sliding_window', 'window': N} explicitly after converting a copy with sliding_window=None"
-        )
-    if model_type == "qwen2" and getattr(teacher_config, "use_sliding_window", False):
-        raise ValueError(
-            "teacher is a Qwen2 model with use_sliding_window=True; only full attention converts"
-        )
+    """A RecAttnConfig with the teacher's architecture and the given attention specs.
+
+    ``layers`` (see layer_selection.py) picks the teacher layers that take ``attention``; the others keep the
+    teacher's own attention (softmax, or sliding_window with its window). A ``softmax`` spec given to a layer the
+    teacher runs with a sliding window keeps that window; NoPE layers stay without RoPE whatever the spec.
+    """
+    teacher_specs = teacher_layer_specs(teacher_config)  # checks the family and its features first
     values = {k: v for k, v in teacher_config.to_dict().items() if k not in _DROP_KEYS}
-    if model_type == "qwen2":  # Qwen2's attention: biases on q/k/v, none on o_proj (not in its config)
-        values.update(attention_bias=True, o_proj_bias=False)
-    known = (
-        set(RecAttnConfig.__dataclass_fields__) if hasattr(RecAttnConfig, "__dataclass_fields__") else None
-    )
-    if known is not None:
-        values = {k: v for k, v in values.items() if k in known or k.startswith("rope")}
+    values.update(architecture_options(teacher_config))
+    known = set(getattr(RecAttnConfig, "__dataclass_fields__", ())) | set(ARCHITECTURE_OPTIONS) | {"o_proj_bias"}
+    values = {k: v for k, v in values.items() if k in known or k.startswith("rope")}
+    if layers is not None or any(spec != {"mixer": "softmax"} for spec in teacher_specs):
+        n = teacher_config.num_hidden_layers
+        requested = resolve_layer_specs(attention, attention_overrides, n)
+        chosen = set(selected_layers(layers, teacher_layer_types(teacher_config)))
+        attention = [_student_spec(requested[i], teacher_specs[i]) if i in chosen else teacher_specs[i]
+                     for i in range(n)]
+        attention_overrides = None
     config = RecAttnConfig(**values, attention=attention, attention_overrides=attention_overrides)
     config._attn_implementation = getattr(teacher_config, "_attn_implementation", None) or "sdpa"
     return config
+
+
+def _student_spec(requested: dict[str, Any], teacher: dict[str, Any]) -> dict[str, Any]:
+    """The spec of a converted layer: softmax keeps the teacher's window; a NoPE layer stays NoPE."""
+    spec = dict(requested)
+    if spec["mixer"] == "softmax" and teacher["mixer"] == "sliding_window":
+        spec.update(mixer="sliding_window", window=teacher["window"])
+    if teacher.get("rope") is False:
+        spec["rope"] = False
+    return spec
 
 
 def from_llama(
     model_or_path: PreTrainedModel | str | os.PathLike,
     attention: Any = "softmax",
     attention_overrides: dict | None = None,
+    layers: dict | None = None,
     **load_kwargs: Any,
 ) -> RecAttnForCausalLM:
-    """Convert a ``LlamaForCausalLM`` (object or local path / Hub id) into a ``RecAttnForCausalLM``.
+    """Convert a causal LM of a Llama-variant family (Llama, Mistral, Qwen2 / 3, SmolLM3, OLMo 2, Granite,
+    Phi-3, Gemma 1-3; object or local path / Hub id) into a ``RecAttnForCausalLM``.
 
     Every teacher weight is copied; only parameters that the chosen mixers add (feature maps, gains, gates)
-    keep their fresh initialization. ``attention`` takes one spec, a mixer name, or a list with one per layer.
+    keep their fresh initialization. ``attention`` takes one spec, a mixer name, or a list with one per layer;
+    ``layers`` (layer_selection.py) which teacher layers take it, the others keeping the teacher's attention.
+    A teacher whose config uses a feature with no exact mapping is refused before any weight is copied.
     """
     teacher = model_or_path
     if not isinstance(teacher, PreTrainedModel):
         teacher = AutoModelForCausalLM.from_pretrained(model_or_path, **load_kwargs)
-    config = recattn_config_from(teacher.config, attention, attention_overrides)
+    config = recattn_config_from(teacher.config, attention, attention_overrides, layers)
     teacher_dtype = next(teacher.parameters()).dtype
     student = RecAttnForCausalLM(config).to(teacher_dtype)
-    state = teacher.state_dict()
+    state = split_fused(teacher.config, teacher.state_dict())
     _check_shapes(state, student.state_dict(), config)
     result = student.load_state_dict(state, strict=False)
     if result.unexpected_keys:

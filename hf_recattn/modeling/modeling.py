@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub import create_repo
 from torch import nn
 from transformers import initialization as init
@@ -16,11 +15,22 @@ from transformers.generation import GenerationMixin, GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .architecture import (
+    NORM_LAYOUTS,
+    PositionEmbeddings,
+    block_norms,
+    layer_rope,
+    qk_norms,
+    rms_norm,
+    rotary_embedding,
+    slice_rope,
+    soft_cap,
+)
 from .cache import CACHE_NAME, RecAttnCache, cache_of, passed_cache
 from .compiled_step import compile_decode
 from .configuration import RecAttnConfig
@@ -35,26 +45,22 @@ def rotate_queries_and_keys(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama's rotary embedding of q [B, H, T, D] and k [B, Hkv, T, D] (cos / sin [B, T, D]), run once over both
-    heads stacked: the same elementwise arithmetic as transformers' ``apply_rotary_pos_emb``, half the ops."""
+    heads stacked: the same elementwise arithmetic as transformers' ``apply_rotary_pos_emb``, half the ops. With
+    cos / sin narrower than D (partial rotary, Phi-3) only the first dimensions rotate; the rest pass through."""
     both = torch.cat([q, k], dim=1)
+    if cos.shape[-1] < both.shape[-1]:
+        rotary = cos.shape[-1]
+        rotated_q, rotated_k = rotate_queries_and_keys(q[..., :rotary], k[..., :rotary], cos, sin)
+        return torch.cat([rotated_q, q[..., rotary:]], dim=-1), torch.cat([rotated_k, k[..., rotary:]], dim=-1)
     half = both.shape[-1] // 2
     rotated = torch.cat([-both[..., half:], both[..., :half]], dim=-1)
     out = both * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
     return out[:, : q.shape[1]], out[:, q.shape[1] :]
 
 
-class RecAttnRMSNorm(LlamaRMSNorm):
-    """Llama's RMSNorm (same weights and formula); in float32 one fused op (torch's ``rms_norm``, which sums the
-    squares in another order: equal within float32 rounding)."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
-        return super().forward(hidden_states)
-
-
 class RecAttnAttention(nn.Module):
-    """Llama's q/k/v/o projections and RoPE around a pluggable mixer."""
+    """Llama's q/k/v/o projections and RoPE around a pluggable mixer, with the teacher's q/k norms and attention
+    scale (``config.qk_norm``, ``config.attention_multiplier``) applied before the mixer sees q and k."""
 
     def __init__(self, config: RecAttnConfig, layer_idx: int) -> None:
         super().__init__()
@@ -69,33 +75,48 @@ class RecAttnAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.output_bias)
         shape = MixerShape(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
         self.mixer = build_mixer(config.layer_spec(layer_idx), shape, config)
+        norms = qk_norms(config, self.num_heads, self.num_kv_heads, self.head_dim)
+        if norms is not None:
+            self.q_norm, self.k_norm = norms
+        self.qk_norm = config.qk_norm
+        # the mixers scale q.k by head_dim ** -0.5: q carries the rest of the teacher's scale (exactly 1: untouched)
+        scale = config.attention_multiplier
+        self.q_scale = 1.0 if scale is None else float(scale) * self.head_dim**0.5
+        self.rope_group = config.rope_layer_groups[layer_idx] if config.rope_layer_groups else None
         self._fused: dict = {}  # the q/k/v product over the decode layout (decode_layout.py)
 
     def project(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+        self, hidden_states: torch.Tensor, position_embeddings: PositionEmbeddings
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B,H,T,D], k and v [B,Hkv,T,D], rotary-embedded unless the spec says rope=False."""
         q, k, v, _ = self._project(hidden_states, position_embeddings)
         return q, k, v
 
     def _project(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+        self, hidden_states: torch.Tensor, position_embeddings: PositionEmbeddings
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``project``, plus the mixer's own input products when the decode layout computed them with q/k/v
         (by name, see ``Mixer.input_weights``; empty otherwise)."""
         b, t, _ = hidden_states.shape
         extra = self.mixer.input_weights()
         outputs = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused, list(extra.values()))
-        q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in outputs[:3])
+        q, k, v = outputs[:3]
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in (q, k, v))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.mixer.spec.get("rope", True):
-            cos, sin = position_embeddings
+            cos, sin = layer_rope(position_embeddings, self.rope_group)
             q, k = rotate_queries_and_keys(q, k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return q, k, v, dict(zip(extra, outputs[3:], strict=False))  # no products unless fused
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: PositionEmbeddings,
         padding_mask: torch.Tensor | None = None,
         past_key_values: RecAttnCache | None = None,
         packing: PackedDocuments | None = None,
@@ -155,36 +176,33 @@ class RecAttnMLP(LlamaMLP):
 
 
 class RecAttnDecoderLayer(GradientCheckpointingLayer):
-    """The one decoder block: RMSNorm, mixer attention, residual, RMSNorm, SwiGLU MLP, residual."""
+    """The one decoder block: mixer attention and a gated MLP, each with a residual, and RMSNorms where
+    ``config.norm_layout`` puts them (Llama: before each); ``config.residual_multiplier`` scales both branches."""
 
     def __init__(self, config: RecAttnConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = RecAttnAttention(config, layer_idx)
         self.mlp = RecAttnMLP(config)
-        self.input_layernorm = RecAttnRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RecAttnRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        for name, norm in block_norms(config).items():
+            self.add_module(name, norm)
+        self.norm_roles = NORM_LAYOUTS[config.norm_layout]
+        self.residual_multiplier = float(config.residual_multiplier)
+
+    def _norm(self, role: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        name = self.norm_roles.get(role)
+        return hidden_states if name is None else getattr(self, name)(hidden_states)
+
+    def _branch(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        padding_mask: torch.Tensor | None = None,
-        past_key_values: RecAttnCache | None = None,
-        packing: PackedDocuments | None = None,
-        output_attentions: bool = False,
-        **kwargs: Any,
+        self, hidden_states: torch.Tensor, position_embeddings: PositionEmbeddings, **kwargs: Any
     ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            padding_mask=padding_mask,
-            past_key_values=past_key_values,
-            packing=packing,
-            output_attentions=output_attentions,
-        )
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        """``kwargs``: the attention's (padding_mask, past_key_values, packing, output_attentions)."""
+        out, _ = self.self_attn(self._norm("attention_in", hidden_states), position_embeddings, **kwargs)
+        hidden_states = hidden_states + self._branch(self._norm("attention_out", out))
+        out = self._norm("mlp_out", self.mlp(self._norm("mlp_in", hidden_states)))
+        return hidden_states + self._branch(out)
 
 
 #: writes README.md into a saved checkpoint folder for ``push_to_hub``: ``(folder, repo_id, tags)``. hf_recattn sets
@@ -214,6 +232,9 @@ class RecAttnPreTrainedModel(PreTrainedModel):
     def tensor_parallel_refusal(self) -> str | None:
         """Why this model cannot be split by the tensor-parallel plan, or None. The plan splits q/k/v by heads;
         only mixers that work on any subset of heads (plain softmax and sliding window) run under it."""
+        if self.config.qk_norm == "projection":
+            return ("tensor parallelism: qk_norm='projection' (OLMo 2) normalizes q and k over all heads at once, "
+                    "which the plan splits across ranks")
         base = self.base_model
         for i, layer in enumerate(base.layers):
             mixer = layer.self_attn.mixer
@@ -340,9 +361,10 @@ class RecAttnModel(RecAttnPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embedding_multiplier = float(config.embedding_multiplier)
         self.layers = nn.ModuleList(RecAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RecAttnRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.norm = rms_norm(config, config.hidden_size)
+        self.rotary_emb = rotary_embedding(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -410,6 +432,11 @@ class RecAttnModel(RecAttnPreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:  # rounded to the model's dtype, as Gemma scales by sqrt(hidden)
+            # also embeddings passed in, which come from get_input_embeddings() unscaled (Granite scales those too;
+            # Gemma's embedding module scales what it returns: the same numbers either way)
+            scale = torch.tensor(self.embedding_multiplier, dtype=torch.float32).to(inputs_embeds.dtype)
+            inputs_embeds = inputs_embeds * scale
         batch_size, seq_len = inputs_embeds.shape[:2]
         cache = self._checked_cache(past_key_values, bool(use_cache), batch_size)
         past = cache.get_seq_length() if cache is not None else 0
@@ -443,7 +470,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
     def _layers(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: PositionEmbeddings,
         padding_mask: torch.Tensor | None,
         cache: RecAttnCache | None,
         packing: PackedDocuments | None,
@@ -475,7 +502,7 @@ class RecAttnModel(RecAttnPreTrainedModel):
     def _prefill_in_blocks(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: PositionEmbeddings,
         padding_mask: torch.Tensor | None,
         cache: RecAttnCache,
         block: int,
@@ -484,12 +511,11 @@ class RecAttnModel(RecAttnPreTrainedModel):
         """The layers over blocks of ``block`` tokens, each continuing from the cache the previous one left."""
         seq_len = hidden_states.shape[1]
         past = padding_mask.shape[1] - seq_len if padding_mask is not None else 0
-        cos, sin = position_embeddings
         outputs = []
         for start in range(0, seq_len, block):
             stop = min(start + block, seq_len)
             mask = None if padding_mask is None else padding_mask[:, : past + stop]
-            part = (cos[:, start:stop], sin[:, start:stop])
+            part = slice_rope(position_embeddings, start, stop)
             outputs.append(self._layers(hidden_states[:, start:stop], part, mask, cache, None, kwargs))
         return torch.cat(outputs, dim=1)
 
@@ -621,6 +647,27 @@ class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, Gener
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
 
+    def prepare_inputs_for_generation(  # noqa: ANN001 - transformers' signature (generate() inspects it)
+        self,
+        input_ids: torch.Tensor,
+        next_sequence_length=None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """transformers' inputs; once the sequence first passes ``config.recompute_cache_after`` tokens, the whole
+        sequence again without the cache (the teacher's rotary changed for every cached position: Phi-3)."""
+        after = self.config.recompute_cache_after
+        held = cache if cache is not None else kwargs.get("past_key_values")
+        if after and held is not None and input_ids.shape[1] > after and held.get_seq_length() <= after:
+            cache, next_sequence_length = None, None
+            kwargs.pop("past_key_values", None)
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, **kwargs
+        )
+
     def _expand_inputs_for_generation(  # noqa: ANN001, ANN003
         self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs
     ):
@@ -683,6 +730,9 @@ class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, Gener
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        logits = soft_cap(logits, self.config.final_logit_softcapping)
         loss = None
         if labels is not None:
             loss = self.loss_function(
