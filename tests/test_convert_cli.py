@@ -176,7 +176,7 @@ def test_resume_after_interrupt_skips_finished_stage(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ft, "finetune", interrupted)
+    monkeypatch.setattr("hf_recattn.conversion.pipeline.finetune", interrupted)
     assert main(_args(assets, out, "linear", "--no-eval")) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
     assert (out / "stage1" / "result" / "summary.json").is_file() and not (out / "model").exists()
@@ -238,7 +238,7 @@ def test_continues_from_an_earlier_conversion(
         seen["blocks"] = blocks.clone()
         return real_finetune(teacher, student, blocks, *args, **kwargs)
 
-    monkeypatch.setattr(ft, "finetune", spy)
+    monkeypatch.setattr("hf_recattn.conversion.pipeline.finetune", spy)
     assets = {**assets, "more": more}
     assert main(_args(assets, tmp_path / "more", "more", "--no-eval")) == 0
     assert "starting from the converted checkpoint" in capsys.readouterr().out
