@@ -225,6 +225,7 @@ def convert(
     identity = run_identity(teacher, recipe, data, teacher_dtype)
     run = Run(teacher, recipe, Path(output), data, progress, evaluate_models, log, identity, teacher_dtype)
     run.decision = check_output_folder(run.output, identity, overwrite)  # refuse early; write nothing yet
+    parallel.barrier()  # every process has looked at the folder before rank 0 takes it
     log(
         f"{'resuming' if run.decision == 'resume' else 'starting'} conversion in {run.output}: recipe {recipe.name} "
         f"(budget {recipe.budget}, seed {recipe.seed})"
