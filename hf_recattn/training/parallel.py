@@ -24,11 +24,13 @@ def is_main() -> bool:
 
 
 def init_process_group() -> None:
-    """Join the launcher's process group (gloo on CPUs, nccl with CUDA) when there are several processes."""
+    """Join the launcher's process group when there are several processes: gloo for CPU tensors, and with CUDA
+    nccl for GPU tensors (stage 1 averages wherever the student lives; Trainer's DDP reuses the group)."""
     if world_size() > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        backend = "gloo"
+        if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend=backend)
 
 
