@@ -63,8 +63,6 @@ from .retrieval_heads import recall_objective, select_retrieval_heads, with_retr
 from .teacher import load_teacher, teacher_license, teacher_name
 
 Log = Callable[[str], None]
-#: the dtypes a teacher may be loaded in (``convert(teacher_dtype=...)``, ``--teacher-dtype``)
-TEACHER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HYBRID = "hybrid"
 RETRIEVAL = "retrieval_heads"
 
@@ -75,8 +73,8 @@ def _teacher_identity(spec: str) -> str:
     return str(path.resolve()) if path.exists() else spec
 
 
-def run_identity(teacher: str, recipe: Recipe, data: str | None, teacher_dtype: str = "float32") -> dict[str, Any]:
-    identity = {
+def run_identity(teacher: str, recipe: Recipe, data: str | None) -> dict[str, Any]:
+    return {
         "teacher": _teacher_identity(teacher),
         "recipe": recipe.name,
         "recipe_fingerprint": recipe.fingerprint(),
@@ -84,9 +82,6 @@ def run_identity(teacher: str, recipe: Recipe, data: str | None, teacher_dtype: 
         "seed": recipe.seed,
         "data": _teacher_identity(data) if data else "embedded",
     }
-    if teacher_dtype != "float32":  # added later: float32 runs keep the identity they had
-        identity["teacher_dtype"] = teacher_dtype
-    return identity
 
 
 # ----- hybrids: the parts of a hybrid spec, as models of their own ------------------------------------------
@@ -158,6 +153,10 @@ def tokens_per_second(result: Any) -> float:
     return trained / max(result.seconds, 1e-9)
 
 
+#: the dtypes a teacher may be loaded in (``convert(teacher_dtype=...)``, ``--teacher-dtype``)
+TEACHER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass
 class Run:
     """What the stages of one conversion share: the inputs, then what each stage makes."""
@@ -222,7 +221,9 @@ def convert(
     parallel.init_process_group()
     log = log if parallel.is_main() else _quiet
     recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
-    identity = run_identity(teacher, recipe, data, teacher_dtype)
+    identity = run_identity(teacher, recipe, data)
+    if teacher_dtype != "float32":  # added later: float32 runs keep the identity they had
+        identity["teacher_dtype"] = teacher_dtype
     run = Run(teacher, recipe, Path(output), data, progress, evaluate_models, log, identity, teacher_dtype)
     run.decision = check_output_folder(run.output, identity, overwrite)  # refuse early; write nothing yet
     parallel.barrier()  # every process has looked at the folder before rank 0 takes it
