@@ -326,11 +326,11 @@ class LoraSettings:
         check_keys(values, _LORA_KEYS, f"{where}: lora", "a LoRA option")
         train_mixers = bool(values.pop("train_mixers", False))
         targets = values.pop("target_modules", None)
+        if targets is not None and not isinstance(targets, str):
+            values["targets"] = targets
         settings = build_settings(cls, values, f"{where}: lora")
         if isinstance(targets, str):  # a regular expression: passed to peft as it is
             settings = dataclasses.replace(settings, targets=targets)
-        elif targets is not None:
-            settings = build_settings(cls, {**values, "targets": targets}, f"{where}: lora")
         settings.check(where, "lora")
         return settings, train_mixers
 
