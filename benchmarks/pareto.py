@@ -42,10 +42,10 @@ from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation import passkey_probe, perplexity
+from hf_recattn.evaluation.recall import associative_recall_probe
 from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
 from hf_recattn.provenance import provenance
-from hf_recattn.recall import associative_recall_probe
 from hf_recattn.state_size import state_size_report
 
 BYTES_PER_ELEMENT = 4

@@ -31,9 +31,9 @@ from hf_recattn import from_llama
 from hf_recattn.conversion.retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import embedded_texts
-from hf_recattn.evaluation import _passkey_ids, passkey_probe
+from hf_recattn.evaluation import passkey_ids, passkey_probe
+from hf_recattn.evaluation.recall import Fact, RecallPrompt
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
-from hf_recattn.recall import Fact, RecallPrompt
 from hf_recattn.state_size import state_size_report
 
 WINDOW = {"mixer": "hybrid", "window": 64, "far": "none", "sink_tokens": 4}
@@ -46,7 +46,7 @@ def passkey_format(tokenizer, length: int, prompts: int, seed: int = 1) -> list[
     out = []
     for i in range(prompts):
         key = str(rng.randrange(10_000, 100_000))
-        ids, needle = _passkey_ids(tokenizer, length - 8, key, (i + 0.5) / prompts)
+        ids, needle = passkey_ids(tokenizer, length - 8, key, (i + 0.5) / prompts)
         answer = tuple(tokenizer(" " + key, add_special_tokens=False)["input_ids"])
         out.append(RecallPrompt(tuple(ids), (Fact("pass key", key, (), answer, ()),), (needle,), (0,)))
     return out

@@ -50,18 +50,27 @@ def add_state_size(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def add_mixers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("mixers", help="every mixer family with its options, and every preset with its spec")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+def _add_listing(sub: argparse._SubParsersAction, name: str, help: str, text: str,
+                 listing: Callable[[], tuple[Any, Callable[[Any], str]]]) -> None:
+    """A sub-command that prints what ``listing()`` returns (the data and its formatter) as ``text`` or as JSON."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--json", action="store_true", help=f"print JSON instead of {text}")
 
     def run(args: argparse.Namespace) -> int:
-        from .mixer_catalog import catalog, format_catalog
-
-        data = catalog()
-        print(json.dumps(data, indent=2) if args.json else format_catalog(data))
+        data, format_data = listing()
+        print(json.dumps(data, indent=2) if args.json else format_data(data))
         return 0
 
     p.set_defaults(handler=run)
+
+
+def add_mixers(sub: argparse._SubParsersAction) -> None:
+    def listing() -> tuple[Any, Callable[[Any], str]]:
+        from .mixer_catalog import catalog, format_catalog
+
+        return catalog(), format_catalog
+
+    _add_listing(sub, "mixers", "every mixer family with its options, and every preset with its spec", "text", listing)
 
 
 def add_demo(sub: argparse._SubParsersAction) -> None:
@@ -80,6 +89,19 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 _CHECKPOINT_HELP = "hf_recattn checkpoint folder, or a teacher spec (embedded, .gguf, folder, Hub id)"
 
 
+#: the eval options that size the recall probes (unset: ``RecallSizes.for_mode``): flag, type, nargs, metavar, help
+_PROBE_SIZE_OPTIONS: tuple[tuple[str, type, str | None, str, str], ...] = (
+    ("--passkey-lengths", int, "+", "TOKENS", "passkey context lengths (default 1024 4096 8192; --quick: 1024)"),
+    ("--passkey-depths", float, "+", "DEPTH", "positions of the key in the context, 0 to 1 (default 0.1 0.5 0.9)"),
+    ("--passkey-trials", int, None, "N",
+     "passkey prompts per length, cycling through the depths (default 6; --quick: 3)"),
+    ("--recall-lengths", int, "+", "TOKENS", "associative recall context lengths (default 1024 4096; --quick: 1024)"),
+    ("--recall-pairs", int, "+", "N", "numbers of facts planted per associative recall prompt (default 1 4 16)"),
+    ("--recall-trials", int, None, "N",
+     "associative recall prompts per length and number of facts (default 3; --quick: 1)"),
+)
+
+
 def add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="held-out perplexity, passkey, associative recall, samples and decode cost "
                        "of a checkpoint")
@@ -90,18 +112,8 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=1024, help="tokens per perplexity block")
     p.add_argument("--teacher", default=None, help="also evaluate this teacher on the same tokens")
     p.add_argument("--quick", action="store_true", help="smaller passkey / recall / sample / decode probes")
-    p.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="TOKENS",
-                   help="passkey context lengths (default 1024 4096 8192; --quick: 1024)")
-    p.add_argument("--passkey-depths", type=float, nargs="+", default=None, metavar="DEPTH",
-                   help="positions of the key in the context, 0 to 1 (default 0.1 0.5 0.9)")
-    p.add_argument("--passkey-trials", type=int, default=None, metavar="N",
-                   help="passkey prompts per length, cycling through the depths (default 6; --quick: 3)")
-    p.add_argument("--recall-lengths", type=int, nargs="+", default=None, metavar="TOKENS",
-                   help="associative recall context lengths (default 1024 4096; --quick: 1024)")
-    p.add_argument("--recall-pairs", type=int, nargs="+", default=None, metavar="N",
-                   help="numbers of facts planted per associative recall prompt (default 1 4 16)")
-    p.add_argument("--recall-trials", type=int, default=None, metavar="N",
-                   help="associative recall prompts per length and number of facts (default 3; --quick: 1)")
+    for flag, kind, nargs, metavar, help in _PROBE_SIZE_OPTIONS:
+        p.add_argument(flag, type=kind, nargs=nargs, default=None, metavar=metavar, help=help)
     p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lm-eval", default=None, metavar="TASKS", help="run lm-evaluation-harness instead: lm_eval run "
@@ -280,17 +292,13 @@ def add_push(sub: argparse._SubParsersAction) -> None:
 
 
 def add_zoo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("zoo", help="the zoo: each shipped recipe converted from the embedded teacher, measured")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-    def run(args: argparse.Namespace) -> int:
+    def listing() -> tuple[Any, Callable[[Any], str]]:
         from .zoo import format_zoo, zoo_entries
 
-        entries = zoo_entries()
-        print(json.dumps(entries, indent=2) if args.json else format_zoo(entries))
-        return 0
+        return zoo_entries(), format_zoo
 
-    p.set_defaults(handler=run)
+    _add_listing(sub, "zoo", "the zoo: each shipped recipe converted from the embedded teacher, measured", "a table",
+                 listing)
 
 
 def add_corpus(sub: argparse._SubParsersAction) -> None:

@@ -297,8 +297,8 @@ def _tokenizer_config(folder: Path) -> dict[str, Any]:
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, **kwargs: Any) -> Path:
     """Render the card for ``folder`` and write it to ``folder/README.md`` (atomically); returns the path."""
-    from .evaluation import _atomic_write
+    from .evaluation import write_text
 
     folder = Path(folder)
     card = build_model_card(folder, repo_id or folder.resolve().name, **kwargs)
-    return _atomic_write(folder / "README.md", str(card))
+    return write_text(folder / "README.md", str(card))

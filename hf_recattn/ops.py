@@ -3,25 +3,9 @@
     from hf_recattn.ops import chunk_gated_delta_rule
     o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
 
-See :mod:`hf_recattn.modeling.functional` for the arguments shared by every function.
+See :mod:`hf_recattn.modeling.functional` for the arguments shared by every function; this module exports
+exactly its ``__all__``.
 """
 
-from .modeling.functional import (
-    chunk_delta_rule,
-    chunk_gated_delta_rule,
-    chunk_linear_attn,
-    chunk_simple_gla,
-    fused_recurrent_delta_rule,
-    fused_recurrent_gated_delta_rule,
-    l2norm,
-)
-
-__all__ = [
-    "chunk_delta_rule",
-    "chunk_gated_delta_rule",
-    "chunk_linear_attn",
-    "chunk_simple_gla",
-    "fused_recurrent_delta_rule",
-    "fused_recurrent_gated_delta_rule",
-    "l2norm",
-]
+from .modeling.functional import *  # noqa: F403
+from .modeling.functional import __all__  # noqa: F401

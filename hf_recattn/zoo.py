@@ -108,16 +108,16 @@ def common_provenance(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, command: str) -> list[dict[str, Any]]:
     """Entries, cards and index for ``run_dirs``, written into ``out_dir``; ``command`` is printed in the index."""
-    from .evaluation import _atomic_write
+    from .evaluation import write_text
 
     out = Path(out_dir)
     pairs = sorted(((entry_from_run(run), Path(run)) for run in run_dirs), key=lambda p: p[0]["state_fraction_at_8k"])
     for entry, run in pairs:
-        _atomic_write(out / entry["card"], str(build_model_card(run / "model", entry["name"])))
+        write_text(out / entry["card"], str(build_model_card(run / "model", entry["name"])))
     entries = [entry for entry, _ in pairs]
     record = common_provenance(entries)
     index_data = {"command": command, "provenance": record, "entries": entries}
-    _atomic_write(out / "zoo.json", json.dumps(index_data, indent=2) + "\n")
+    write_text(out / "zoo.json", json.dumps(index_data, indent=2) + "\n")
     index = [
         "# The hf_recattn zoo",
         "",
@@ -137,5 +137,5 @@ def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, com
         "",
         "`templates/model_card.md` is the template every card (and every `hf-recattn push`) is rendered from.",
     ]
-    _atomic_write(out / "README.md", "\n".join(index) + "\n")
+    write_text(out / "README.md", "\n".join(index) + "\n")
     return entries

@@ -22,9 +22,11 @@ from hf_recattn.evaluation import (
     decode_stats,
     evaluate,
     generation_samples,
+    passkey,
     passkey_probe,
     passkey_prompt,
     perplexity,
+    suite,
     write_report,
 )
 
@@ -108,7 +110,7 @@ def test_chat_template_is_used_when_present() -> None:
 # ----- passkey ------------------------------------------------------------------------------------
 def test_passkey_prompt_length_and_depth() -> None:
     tok = tiny_tokenizer()
-    unit = len(tok(ev._FILLER, add_special_tokens=False)["input_ids"])
+    unit = len(tok(passkey._FILLER, add_special_tokens=False)["input_ids"])
     for length, depth in ((300, 0.2), (600, 0.8)):
         ids = passkey_prompt(tok, length, "12345", depth)[0]
         assert abs(ids.shape[0] - length) <= unit + 4
@@ -125,13 +127,13 @@ def test_passkey_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
         key = re.search(r"\d{5}", tokenizer.decode(ids[0])).group(0)  # the filler has no digits
         return torch.tensor(tokenizer(f" {key}.", add_special_tokens=False)["input_ids"])
 
-    monkeypatch.setattr(ev, "_generate", oracle)
+    monkeypatch.setattr(passkey, "generate_new_tokens", oracle)
     result = passkey_probe(model, tok, context_lengths=(200, 400), trials=3, seed=1)
     assert result["accuracy"] == {"200": 1.0, "400": 1.0} and result["mean_accuracy"] == 1.0
     keys = [a["key"] for a in result["answers"]["200"]]
     assert len(set(keys)) == 3 and all(len(k) == 5 for k in keys)
     assert passkey_probe(model, tok, (200, 400), trials=3, seed=1)["answers"] == result["answers"]  # seeded
-    monkeypatch.setattr(ev, "_generate", lambda *a, **k: torch.tensor(tok("no idea")["input_ids"]))
+    monkeypatch.setattr(passkey, "generate_new_tokens", lambda *a, **k: torch.tensor(tok("no idea")["input_ids"]))
     assert passkey_probe(model, tok, (200,), trials=2)["mean_accuracy"] == 0.0
 
 
@@ -201,7 +203,7 @@ def test_comparison_table() -> None:
 # ----- commands -----------------------------------------------------------------------------------
 def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ev, "passkey_probe", lambda *a, **k: {"accuracy": {}, "mean_accuracy": 0.0})
+    monkeypatch.setattr(suite, "passkey_probe", lambda *a, **k: {"accuracy": {}, "mean_accuracy": 0.0})
     teacher = save_tiny_teacher(tmp_path / "teacher")
     student = from_llama(teacher, "softmax")  # the same function: the same perplexity
     student.save_pretrained(tmp_path / "student")
@@ -259,7 +261,7 @@ def test_evaluate_modules_agree_with_the_builtin_probes(monkeypatch: pytest.Monk
         text = f" {key[:2]} {key[2:]}." if next(calls) % 2 == 0 else " 00000"
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    monkeypatch.setattr(ev, "_generate", every_other)
+    monkeypatch.setattr(passkey, "generate_new_tokens", every_other)
     probe = passkey_probe(_tiny_model(tok), tok, context_lengths=(200, 400), trials=3, seed=2)
     trials = [(a["answer"], a["key"], int(n)) for n, rows in probe["answers"].items() for a in rows]
     answers, keys, lengths = map(list, zip(*trials, strict=True))

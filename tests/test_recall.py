@@ -20,14 +20,20 @@ import pytest
 import torch
 from tiny_lm import save_tiny_teacher, tiny_dims, tiny_tokenizer
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama, recall
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama
 from hf_recattn import evaluation as ev
 from hf_recattn.cli import main
 from hf_recattn.data.corpus import token_blocks
-from hf_recattn.evaluation import RecallSizes, comparison_table, evaluate, passkey_probe, passkey_prompt
-from hf_recattn.model_card import build_model_card
-from hf_recattn.modeling.cache import CACHE_NAME
-from hf_recattn.recall import (
+from hf_recattn.evaluation import (
+    RecallSizes,
+    comparison_table,
+    evaluate,
+    passkey,
+    passkey_probe,
+    passkey_prompt,
+    recall,
+)
+from hf_recattn.evaluation.recall import (
     Haystack,
     associative_recall_probe,
     greedy_answers,
@@ -35,6 +41,8 @@ from hf_recattn.recall import (
     teacher_forced_answers,
     texts_from_blocks,
 )
+from hf_recattn.model_card import build_model_card
+from hf_recattn.modeling.cache import CACHE_NAME
 
 # natural-looking documents in the tiny tokenizer's alphabet (lower case, digits, punctuation, a few capitals)
 TEXTS = [
@@ -106,7 +114,7 @@ def test_passkey_prompt_is_exact_and_places_the_key_at_each_depth() -> None:
     tok = tiny_tokenizer()
     needle = tok("\n\nThe pass key is 24680. Remember it. 24680 is the pass key.\n\n",
                  add_special_tokens=False)["input_ids"]
-    longest = max(len(p) for p in ev.token_pieces(tok, ev.sentence_pieces(ev._FILLER)))
+    longest = max(len(p) for p in ev.token_pieces(tok, ev.sentence_pieces(passkey._FILLER)))
     for length in (512, 1024):
         for depth in ev.PASSKEY_DEPTHS:
             ids = passkey_prompt(tok, length, "24680", depth)[0].tolist()
@@ -130,7 +138,7 @@ def test_passkey_accuracy_by_depth_is_a_grid(monkeypatch: pytest.MonkeyPatch) ->
         seen = key.group(0) if key.start() / len(text) < 0.3 else "00000"  # loses keys past the first 30%
         return torch.tensor(tokenizer(f" {seen}.", add_special_tokens=False)["input_ids"])
 
-    monkeypatch.setattr(ev, "_generate", early_only)
+    monkeypatch.setattr(passkey, "generate_new_tokens", early_only)
     result = passkey_probe(model, tok, context_lengths=(512, 1024, 4096), trials=6, seed=4)
     assert result["skipped"] == [4096]  # beyond max_position_embeddings
     assert result["accuracy_by_depth"] == {n: {"0.1": 1.0, "0.5": 0.0, "0.9": 0.0} for n in ("512", "1024")}

@@ -9,7 +9,7 @@ from distill_fixtures import tiny_texts, tiny_tokenizer
 
 from hf_recattn.conversion.retrieval_data import mix_blocks, retrieval_blocks, retrieval_prompt
 from hf_recattn.conversion.retrieval_heads import recall_objective
-from hf_recattn.recall import Haystack
+from hf_recattn.evaluation.recall import Haystack
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from hf_recattn.conversion.retrieval_heads import (
     select_retrieval_heads,
     with_retrieval_heads,
 )
-from hf_recattn.recall import Fact, RecallPrompt
+from hf_recattn.evaluation.recall import Fact, RecallPrompt
 
 VOCAB = 40
 HYBRID = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": {"mixer": "linear", "feature_map": "hedgehog"}}

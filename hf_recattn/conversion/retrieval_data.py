@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..recall import Haystack, RecallPrompt, recall_prompt
+from ..evaluation.recall import Haystack, RecallPrompt, recall_prompt
 from .retrieval_heads import needle_prompt
 
 _RECALL_FACTS = (1, 2, 4)

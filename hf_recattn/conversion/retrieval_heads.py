@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..evaluation import fill_tokens, plant
+from ..evaluation.prompts import fill_tokens, plant
+from ..evaluation.recall import Haystack, RecallPrompt, fact_ids, recall_prompt
 from ..modeling.mixer_base import Mixer, MixerInputs
 from ..modeling.mixer_retrieval import FULL_SPEC, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
-from ..recall import Haystack, RecallPrompt, fact_ids, recall_prompt
 
 HeadSet = dict[int, list[int]]
 

@@ -55,6 +55,8 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from triton.runtime.interpreter import InterpretedFunction
 
+from .tiles import load_state_block, load_tile, store_tile
+
 Tensor = torch.Tensor
 
 __all__ = ["chunk_delta_rule"]
@@ -69,20 +71,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----- device helpers -----------------------------------------------------------------------------------------
-@triton.jit
-def _load_tile(ptr, rows, cols, n_rows, n_cols):
-    """[len(rows), len(cols)] float32 tile of a row-major [n_rows, n_cols] matrix, zero outside it."""
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_tile(ptr, value, rows, cols, n_rows, n_cols):
-    """Store a tile into a row-major [n_rows, n_cols] matrix, skipping what falls outside it."""
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    tl.store(ptr + rows[:, None] * n_cols + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit
 def _load_row(ptr, rows, n):
     """float32 entries ``rows`` of a vector of length n, zero past its end (padded tokens: no decay, no write)."""
@@ -125,6 +113,22 @@ def _system(k, prev, cum, er, C: tl.constexpr, PRECISION: tl.constexpr):
     return gram * decay * er[:, None], gram, decay
 
 
+@triton.jit
+def _chunk_scores(q_ptr, k_ptr, la_ptr, T, K, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """This program's chunk i_c, head i_bh (int64), the chunk count n, its token / key / value ranges, and the
+    chunk's Q, cumulative log decays G and masked scores Q K^T * D (grid: chunks x heads x value blocks)."""
+    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    n = tl.cdiv(T, C)
+    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    rt = i_c * C + rc
+    q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
+    k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
+    cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair
+    return i_c, i_bh, n, rt, rk, rv, q, cum, scores
+
+
 # ----- forward kernels ----------------------------------------------------------------------------------------
 @triton.jit
 def _prepare_kernel(
@@ -136,7 +140,7 @@ def _prepare_kernel(
     tp = tl.cdiv(T, C) * C
     rc, rk = tl.arange(0, C), tl.arange(0, BK)
     rt = i_c * C + rc
-    k = _load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
+    k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
     er = _load_row(erase_ptr + i_bh * T, rt, T)
     be = _load_row(beta_ptr + i_bh * T, rt, T)
     cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
@@ -148,7 +152,7 @@ def _prepare_kernel(
     tl.store(w_ptr + row[:, None] * BK + rk[None, :], w)
     for i_v in range(VP // BV):
         rv = i_v * BV + tl.arange(0, BV)
-        v = _load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
+        v = load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
         u = tl.dot(inverse, v * be[:, None], input_precision=PRECISION)
         tl.store(u_ptr + row[:, None] * VP + rv[None, :], u)
 
@@ -164,9 +168,7 @@ def _state_forward_kernel(
     i_bh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     n = tl.cdiv(T, C)
     rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    state = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_S0:
-        state = _load_tile(s0_ptr + i_bh * K * V, rk, rv, K, V)
+    state = load_state_block(s0_ptr + i_bh * K * V, rk, rv, K, V, BK, BV, HAS_S0)
     for i_c in range(n):
         rt = i_c * C + rc
         row = i_bh * n * C + rt
@@ -176,9 +178,9 @@ def _state_forward_kernel(
         u = tl.load(u_at) - tl.dot(w, state, input_precision=PRECISION)
         tl.store(u_at, u)
         cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
-        k = _load_tile(k_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(last - cum)[:, None]
+        k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(last - cum)[:, None]
         state = state * tl.exp(last) + tl.dot(tl.trans(k), u, input_precision=PRECISION)
-    _store_tile(sn_ptr + i_bh * K * V, state, rk, rv, K, V)
+    store_tile(sn_ptr + i_bh * K * V, state, rk, rv, K, V)
 
 
 @triton.jit
@@ -187,19 +189,12 @@ def _output_kernel(
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VP: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One chunk, one head, one value block: O = diag(exp(G)) Q S + (Q K^T * D) U."""
-    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    n = tl.cdiv(T, C)
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    rt = i_c * C + rc
-    q = _load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
-    k = _load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
-    cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
+    i_c, i_bh, n, rt, rk, rv, q, cum, scores = _chunk_scores(q_ptr, k_ptr, la_ptr, T, K, C, BK, BV, PRECISION)
     state = tl.load(h_ptr + ((i_bh * n + i_c) * BK + rk[:, None]) * VP + rv[None, :])
     u = tl.load(u_ptr + (i_bh * n * C + rt)[:, None] * VP + rv[None, :])
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair
     o = tl.dot(q * tl.exp(cum)[:, None], state, input_precision=PRECISION)
     o += tl.dot(scores, u, input_precision=PRECISION)
-    _store_tile(o_ptr + i_bh * T * V, o, rt, rv, T, V)
+    store_tile(o_ptr + i_bh * T * V, o, rt, rv, T, V)
 
 
 # ----- backward kernels ---------------------------------------------------------------------------------------
@@ -209,15 +204,8 @@ def _local_value_grad_kernel(
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VP: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One chunk, one head, one value block: the in-chunk part of dU, (Q K^T * D)^T dO."""
-    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    n = tl.cdiv(T, C)
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    rt = i_c * C + rc
-    q = _load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
-    k = _load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
-    do = _load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
-    cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair
+    i_c, i_bh, n, rt, rk, rv, q, cum, scores = _chunk_scores(q_ptr, k_ptr, la_ptr, T, K, C, BK, BV, PRECISION)
+    do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
     du = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
     tl.store(du_ptr + (i_bh * n * C + rt)[:, None] * VP + rv[None, :], du)
 
@@ -234,26 +222,24 @@ def _state_backward_kernel(
     i_bh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     n = tl.cdiv(T, C)
     rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    grad = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DSN:
-        grad = _load_tile(dsn_ptr + i_bh * K * V, rk, rv, K, V)
+    grad = load_state_block(dsn_ptr + i_bh * K * V, rk, rv, K, V, BK, BV, HAS_DSN)
     for j in range(n):
         i_c = n - 1 - j
         rt = i_c * C + rc
         row = i_bh * n * C + rt
         tl.store(dh_ptr + ((i_bh * n + i_c) * BK + rk[:, None]) * VP + rv[None, :], grad)
         cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
-        k = _load_tile(k_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(last - cum)[:, None]
+        k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(last - cum)[:, None]
         du_at = du_ptr + row[:, None] * VP + rv[None, :]
         du = tl.load(du_at) + tl.dot(k, grad, input_precision=PRECISION)
         tl.store(du_at, du)
-        q = _load_tile(q_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(cum)[:, None]
-        do = _load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
+        q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(cum)[:, None]
+        do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
         w = tl.load(w_ptr + row[:, None] * BK + rk[None, :])
         grad = grad * tl.exp(last) + tl.dot(tl.trans(q), do, input_precision=PRECISION)
         grad -= tl.dot(tl.trans(w), du, input_precision=PRECISION)
     if HAS_S0:
-        _store_tile(ds0_ptr + i_bh * K * V, grad, rk, rv, K, V)
+        store_tile(ds0_ptr + i_bh * K * V, grad, rk, rv, K, V)
 
 
 @triton.jit
@@ -273,8 +259,8 @@ def _chunk_grad_kernel(
     rc, rk = tl.arange(0, C), tl.arange(0, BK)
     rt = i_c * C + rc
     row = i_bh * n * C + rt
-    q = _load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
-    k = _load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
+    q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
+    k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
     er = _load_row(erase_ptr + i_bh * T, rt, T)
     be = _load_row(beta_ptr + i_bh * T, rt, T)
     cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
@@ -293,10 +279,10 @@ def _chunk_grad_kernel(
         state, grad = tl.load(h_ptr + at_state), tl.load(dh_ptr + at_state)
         at_rows = row[:, None] * VP + rv[None, :]
         u, du = tl.load(u_ptr + at_rows), tl.load(du_ptr + at_rows)
-        do = _load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
-        v = _load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
+        do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
+        v = load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
         r = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
-        _store_tile(dv_ptr + i_bh * T * V, r * be[:, None], rt, rv, T, V)
+        store_tile(dv_ptr + i_bh * T * V, r * be[:, None], rt, rv, T, V)
         d_beta += tl.sum(r * v, 1)
         d_read += tl.dot(do, tl.trans(state), input_precision=PRECISION)
         d_key_rhs -= tl.dot(r, tl.trans(state), input_precision=PRECISION)
@@ -338,8 +324,8 @@ def _chunk_grad_kernel(
     d_cum += d_prev + tl.where(rc == C - 1, d_last, 0.0)
     d_la = tl.cumsum(d_cum, 0, reverse=True) - d_prev
 
-    _store_tile(dq_ptr + i_bh * T * K, dq, rt, rk, T, K)
-    _store_tile(dk_ptr + i_bh * T * K, dk, rt, rk, T, K)
+    store_tile(dq_ptr + i_bh * T * K, dq, rt, rk, T, K)
+    store_tile(dk_ptr + i_bh * T * K, dk, rt, rk, T, K)
     tl.store(dla_ptr + i_bh * T + rt, d_la.to(dla_ptr.dtype.element_ty), mask=rt < T)
     tl.store(dbeta_ptr + i_bh * T + rt, d_beta.to(dbeta_ptr.dtype.element_ty), mask=rt < T)
     tl.store(derase_ptr + i_bh * T + rt, d_erase.to(derase_ptr.dtype.element_ty), mask=rt < T)

@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import load_state_block, load_tile, store_tile
+
 Tensor = torch.Tensor
 
 __all__ = ["chunk_linear_attention"]
@@ -77,20 +79,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ----- device helpers -----------------------------------------------------------------------------------------
 @triton.jit
-def _load_tile(ptr, rows, cols, n_rows, n_cols):
-    """[len(rows), len(cols)] float32 tile of a row-major [n_rows, n_cols] matrix, zero outside it."""
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_tile(ptr, value, rows, cols, n_rows, n_cols):
-    """Store a tile into a row-major [n_rows, n_cols] matrix, skipping what falls outside it."""
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    tl.store(ptr + rows[:, None] * n_cols + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _chunk_decays(g_ptr, rows, cols, T, K, C: tl.constexpr, GATE: tl.constexpr):
     """Decay factors of one chunk from its log gates (tokens past T count as no decay).
 
@@ -113,7 +101,7 @@ def _chunk_decays(g_ptr, rows, cols, T, K, C: tl.constexpr, GATE: tl.constexpr):
         whole = tl.exp(last)
         pair = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
     else:
-        b = tl.cumsum(_load_tile(g_ptr, rows, cols, T, K), 0)
+        b = tl.cumsum(load_tile(g_ptr, rows, cols, T, K), 0)
         last = tl.sum(tl.where((rc == C - 1)[:, None], b, 0.0), 0)
         to_token = tl.exp(b)
         to_end = tl.exp(last[None, :] - b)
@@ -164,6 +152,24 @@ def _mix_queries(w, x, pair, GATE: tl.constexpr, PRECISION: tl.constexpr):
     return out
 
 
+@triton.jit
+def _program_blocks(BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+    """This program's head (int64), key block and value block (grid: heads x key blocks x value blocks), the
+    number of heads, and its key, value and in-chunk ranges."""
+    i_bh, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    rk, rv, rc = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, C)
+    return i_bh, i_k, i_v, tl.num_programs(0), rk, rv, rc
+
+
+@triton.jit
+def _store_key_grad(ptr, off_ptr, grad, diag, x, rows, cols, T, K, OFF_DIAG: tl.constexpr):
+    """Store a dq / dk block: ``grad`` (without the s = t terms) at ``off_ptr`` when OFF_DIAG, and with them
+    (``diag * x``) at ``ptr``."""
+    if OFF_DIAG:
+        store_tile(off_ptr, grad, rows, cols, T, K)
+    store_tile(ptr, grad + diag[:, None] * x, rows, cols, T, K)
+
+
 # ----- kernels ------------------------------------------------------------------------------------------------
 @triton.jit
 def _forward_kernel(
@@ -173,25 +179,21 @@ def _forward_kernel(
 ):
     """One head, one [BK, BV] state block: walk the chunks in order, write this key block's share of o
     (o_ptr is [K / BK, B * H, T, V]) and the block of the final state."""
-    i_bh, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    n_bh = tl.num_programs(0)
-    rk, rv, rc = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, C)
+    i_bh, i_k, i_v, n_bh, rk, rv, rc = _program_blocks(BK, BV, C)
     q_ptr, k_ptr, v_ptr = q_ptr + i_bh * T * K, k_ptr + i_bh * T * K, v_ptr + i_bh * T * V
     g_ptr += i_bh * T * (K if GATE == 2 else 1)
     o_ptr += (i_k * n_bh + i_bh) * T * V
-    state = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        state = _load_tile(h0_ptr + i_bh * K * V, rk, rv, K, V)
+    state = load_state_block(h0_ptr + i_bh * K * V, rk, rv, K, V, BK, BV, HAS_H0)
     for i_c in range(0, tl.cdiv(T, C)):
         rt = i_c * C + rc
-        q, k = _load_tile(q_ptr, rt, rk, T, K), _load_tile(k_ptr, rt, rk, T, K)
-        v = _load_tile(v_ptr, rt, rv, T, V)
+        q, k = load_tile(q_ptr, rt, rk, T, K), load_tile(k_ptr, rt, rk, T, K)
+        v = load_tile(v_ptr, rt, rv, T, V)
         to_token, to_end, whole, pair = _chunk_decays(g_ptr, rt, rk, T, K, C, GATE)
         o = tl.dot(q * to_token, state, input_precision=PRECISION)
         o += tl.dot(_scores(q, k, pair, GATE, PRECISION), v, input_precision=PRECISION)
-        _store_tile(o_ptr, o, rt, rv, T, V)
+        store_tile(o_ptr, o, rt, rv, T, V)
         state = state * whole + tl.dot(tl.trans(k * to_end), v, input_precision=PRECISION)
-    _store_tile(ht_ptr + i_bh * K * V, state, rk, rv, K, V)
+    store_tile(ht_ptr + i_bh * K * V, state, rk, rv, K, V)
 
 
 @triton.jit
@@ -202,26 +204,20 @@ def _backward_dq_kernel(
 ):
     """One head, one [BK, BV] state block, forward in time: rebuild the state chunk by chunk and write this
     value block's share of dq (dq_ptr is [V / BV, B * H, T, K]) and, with OFF_DIAG, of dq less its s = t term."""
-    i_bh, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    n_bh = tl.num_programs(0)
-    rk, rv, rc = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, C)
+    i_bh, i_k, i_v, n_bh, rk, rv, rc = _program_blocks(BK, BV, C)
     k_ptr, v_ptr, do_ptr = k_ptr + i_bh * T * K, v_ptr + i_bh * T * V, do_ptr + i_bh * T * V
     g_ptr += i_bh * T * (K if GATE == 2 else 1)
     dq_ptr += (i_v * n_bh + i_bh) * T * K
     dq_off_ptr += (i_v * n_bh + i_bh) * T * K
-    state = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        state = _load_tile(h0_ptr + i_bh * K * V, rk, rv, K, V)
+    state = load_state_block(h0_ptr + i_bh * K * V, rk, rv, K, V, BK, BV, HAS_H0)
     for i_c in range(0, tl.cdiv(T, C)):
         rt = i_c * C + rc
-        k, v, do = _load_tile(k_ptr, rt, rk, T, K), _load_tile(v_ptr, rt, rv, T, V), _load_tile(do_ptr, rt, rv, T, V)
+        k, v, do = load_tile(k_ptr, rt, rk, T, K), load_tile(v_ptr, rt, rv, T, V), load_tile(do_ptr, rt, rv, T, V)
         to_token, to_end, whole, pair = _chunk_decays(g_ptr, rt, rk, T, K, C, GATE)
         d, diag = _value_products(do, v, C, PRECISION)
         dq = tl.dot(do, tl.trans(state), input_precision=PRECISION) * to_token
         dq += _mix_keys(d, k, pair, GATE, PRECISION)
-        if OFF_DIAG:
-            _store_tile(dq_off_ptr, dq, rt, rk, T, K)
-        _store_tile(dq_ptr, dq + diag[:, None] * k, rt, rk, T, K)
+        _store_key_grad(dq_ptr, dq_off_ptr, dq, diag, k, rt, rk, T, K, OFF_DIAG)
         state = state * whole + tl.dot(tl.trans(k * to_end), v, input_precision=PRECISION)
 
 
@@ -234,36 +230,30 @@ def _backward_dkdv_kernel(
     """One head, one [BK, BV] block of dS, backward in time: write this value block's share of dk
     (dk_ptr is [V / BV, B * H, T, K]; with OFF_DIAG also dk less its s = t term), this key block's share of dv
     (dv_ptr is [K / BK, B * H, T, V]) and the block of the initial state's gradient."""
-    i_bh, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    n_bh = tl.num_programs(0)
-    rk, rv, rc = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, C)
+    i_bh, i_k, i_v, n_bh, rk, rv, rc = _program_blocks(BK, BV, C)
     q_ptr, k_ptr = q_ptr + i_bh * T * K, k_ptr + i_bh * T * K
     v_ptr, do_ptr = v_ptr + i_bh * T * V, do_ptr + i_bh * T * V
     g_ptr += i_bh * T * (K if GATE == 2 else 1)
     dk_ptr += (i_v * n_bh + i_bh) * T * K
     dk_off_ptr += (i_v * n_bh + i_bh) * T * K
     dv_ptr += (i_k * n_bh + i_bh) * T * V
-    dstate = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dstate = _load_tile(dht_ptr + i_bh * K * V, rk, rv, K, V)
+    dstate = load_state_block(dht_ptr + i_bh * K * V, rk, rv, K, V, BK, BV, HAS_DHT)
     n_chunks = tl.cdiv(T, C)
     for i in range(0, n_chunks):
         rt = (n_chunks - 1 - i) * C + rc
-        q, k = _load_tile(q_ptr, rt, rk, T, K), _load_tile(k_ptr, rt, rk, T, K)
-        v, do = _load_tile(v_ptr, rt, rv, T, V), _load_tile(do_ptr, rt, rv, T, V)
+        q, k = load_tile(q_ptr, rt, rk, T, K), load_tile(k_ptr, rt, rk, T, K)
+        v, do = load_tile(v_ptr, rt, rv, T, V), load_tile(do_ptr, rt, rv, T, V)
         to_token, to_end, whole, pair = _chunk_decays(g_ptr, rt, rk, T, K, C, GATE)
         d, diag = _value_products(do, v, C, PRECISION)
         dk = tl.dot(v, tl.trans(dstate), input_precision=PRECISION) * to_end
         dk += _mix_queries(d, q, pair, GATE, PRECISION)
-        if OFF_DIAG:
-            _store_tile(dk_off_ptr, dk, rt, rk, T, K)
-        _store_tile(dk_ptr, dk + diag[:, None] * q, rt, rk, T, K)
+        _store_key_grad(dk_ptr, dk_off_ptr, dk, diag, q, rt, rk, T, K, OFF_DIAG)
         dv = tl.dot(k * to_end, dstate, input_precision=PRECISION)
         dv += tl.dot(tl.trans(_scores(q, k, pair, GATE, PRECISION)), do, input_precision=PRECISION)
-        _store_tile(dv_ptr, dv, rt, rv, T, V)
+        store_tile(dv_ptr, dv, rt, rv, T, V)
         dstate = dstate * whole + tl.dot(tl.trans(q * to_token), do, input_precision=PRECISION)
     if STORE_DH0:
-        _store_tile(dh0_ptr + i_bh * K * V, dstate, rk, rv, K, V)
+        store_tile(dh0_ptr + i_bh * K * V, dstate, rk, rv, K, V)
 
 
 # ----- launchers ----------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@
   mean over those cells.
 
 They compute exactly what ``hf_recattn.evaluation.perplexity``, ``passkey_probe`` and
-``hf_recattn.recall.associative_recall_probe(scoring="greedy")`` report, so that results
-written into a model card's ``model-index`` can be recomputed with the standard ``evaluate`` interface.
+``associative_recall_probe(scoring="greedy")`` report (the two accuracies take their verdicts from the probes'
+modules), so that results written into a model card's ``model-index`` can be recomputed with the standard
+``evaluate`` interface. Each module imports ``hf_recattn`` (installed, since the path comes from it); what they
+share is in ``common``.
 """
 
 from __future__ import annotations

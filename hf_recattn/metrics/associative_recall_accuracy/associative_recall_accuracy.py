@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
-import datasets
 import evaluate
+
+from hf_recattn.evaluation.recall import recall_answered
+from hf_recattn.metrics.common import metric_info
 
 _DESCRIPTION = ("Share of associative-recall queries answered with the planted code, per context length and number "
                 "of planted pairs, and the mean over those cells.")
@@ -24,25 +24,14 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class AssociativeRecallAccuracy(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Value("string"),
-                    "references": datasets.Value("string"),
-                    "context_lengths": datasets.Value("int64"),
-                    "pairs": datasets.Value("int64"),
-                }
-            ),
-        )
+        return metric_info(_DESCRIPTION, _KWARGS, predictions="string", references="string", context_lengths="int64",
+                           pairs="int64")
 
     def _compute(self, predictions: list[str], references: list[str], context_lengths: list[int],
                  pairs: list[int]) -> dict:
         hits: dict[int, dict[int, list[bool]]] = {}
         for answer, code, length, n in zip(predictions, references, context_lengths, pairs, strict=True):
-            hits.setdefault(length, {}).setdefault(n, []).append(re.sub(r"\s+", "", answer).startswith(code))
+            hits.setdefault(length, {}).setdefault(n, []).append(recall_answered(answer, code))
         accuracy = {str(length): {str(n): sum(h) / len(h) for n, h in sorted(cells.items())}
                     for length, cells in sorted(hits.items())}
         shares = [share for cells in accuracy.values() for share in cells.values()]

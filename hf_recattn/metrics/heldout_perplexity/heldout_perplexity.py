@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-import datasets
 import evaluate
+
+from hf_recattn.metrics.common import metric_info
 
 _DESCRIPTION = "exp(sum of negative log-likelihoods / number of predicted tokens), token-weighted over blocks."
 _KWARGS = """
@@ -21,14 +22,7 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class HeldoutPerplexity(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS,
-            features=datasets.Features(
-                {"negative_log_likelihood": datasets.Value("float64"), "num_tokens": datasets.Value("int64")}
-            ),
-        )
+        return metric_info(_DESCRIPTION, _KWARGS, negative_log_likelihood="float64", num_tokens="int64")
 
     def _compute(self, negative_log_likelihood: list[float], num_tokens: list[int]) -> dict[str, float]:
         total, count = float(sum(negative_log_likelihood)), int(sum(num_tokens))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
-import datasets
 import evaluate
+
+from hf_recattn.evaluation.passkey import passkey_answered
+from hf_recattn.metrics.common import metric_info
 
 _DESCRIPTION = "Share of passkey answers that contain the key, per context length and on average over lengths."
 _KWARGS = """
@@ -22,22 +22,11 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class PasskeyAccuracy(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Value("string"),
-                    "references": datasets.Value("string"),
-                    "context_lengths": datasets.Value("int64"),
-                }
-            ),
-        )
+        return metric_info(_DESCRIPTION, _KWARGS, predictions="string", references="string", context_lengths="int64")
 
     def _compute(self, predictions: list[str], references: list[str], context_lengths: list[int]) -> dict:
         hits: dict[str, list[bool]] = {}
         for answer, key, length in zip(predictions, references, context_lengths, strict=True):
-            hits.setdefault(str(length), []).append(key in re.sub(r"\s+", "", answer))
+            hits.setdefault(str(length), []).append(passkey_answered(answer, key))
         accuracy = {length: sum(h) / len(h) for length, h in sorted(hits.items(), key=lambda kv: int(kv[0]))}
         return {"accuracy": accuracy, "mean_accuracy": sum(accuracy.values()) / len(accuracy) if accuracy else None}

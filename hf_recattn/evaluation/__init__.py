@@ -1,0 +1,50 @@
+"""Built-in evaluation of teachers and converted students, one module per job.
+
+* ``heldout``: perplexity on held-out token blocks;
+* ``passkey`` and ``recall``: the recall probes (passkey retrieval, multi-query associative recall), built from
+  the prompt builders in ``prompts`` and run through ``generation`` (greedy decoding through the cache);
+* ``decode``: decode cost and cache size;
+* ``suite``: all of them on one model (``evaluate``);
+* ``report``: the comparison table and the report file.
+
+Every function takes any causal LM (the softmax teacher or a hf_recattn student), so the numbers in a
+conversion report are measured the same way on both. The names below are the public API.
+"""
+
+from __future__ import annotations
+
+from .decode import cache_nbytes, decode_stats
+from .generation import DEFAULT_PROMPTS, generation_samples, max_positions, model_device, pad_id, prompt_ids
+from .heldout import perplexity
+from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
+from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
+from .recall import associative_recall_probe
+from .report import comparison_table, write_report, write_text
+from .suite import RecallSizes, describe_model, evaluate
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "PASSKEY_DEPTHS",
+    "RecallSizes",
+    "associative_recall_probe",
+    "cache_nbytes",
+    "comparison_table",
+    "decode_stats",
+    "describe_model",
+    "evaluate",
+    "fill_tokens",
+    "generation_samples",
+    "max_positions",
+    "model_device",
+    "pad_id",
+    "passkey_ids",
+    "passkey_probe",
+    "passkey_prompt",
+    "perplexity",
+    "plant",
+    "prompt_ids",
+    "sentence_pieces",
+    "token_pieces",
+    "write_report",
+    "write_text",
+]

@@ -1,0 +1,130 @@
+"""The passkey probe: a random 5-digit key hidden at fixed depths in plain filler, answered greedily through the
+cache."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .generation import generate_new_tokens, max_positions
+from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
+
+#: where the passkey sits in its prompt (0 = start, 1 = end): a fixed grid shared by every model
+PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+# filler for the passkey probe: plain sentences with no numbers, repeated to the wanted length
+_FILLER = (
+    "The river runs past the old mill and on toward the town. Birds sing in the hedges in the morning. "
+    "The road climbs slowly through the quiet hills, and the fields turn gold in late summer. "
+)
+_PASSKEY_HEAD = "There is a pass key hidden in the text below. Find it and remember it.\n\n"
+_PASSKEY_TAIL = "\n\nWhat is the pass key? The pass key is"
+
+
+def passkey_ids(tokenizer: Any, context_length: int, key: str, depth: float) -> tuple[list[int], int]:
+    """The passkey prompt's ids (exactly ``context_length``) and the offset of the needle in them."""
+    head = tokenizer(_PASSKEY_HEAD)["input_ids"]  # the tokenizer's special tokens (a BOS) go first
+    needle = tokenizer(f"\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n",
+                       add_special_tokens=False)["input_ids"]
+    tail = tokenizer(_PASSKEY_TAIL, add_special_tokens=False)["input_ids"]
+    room = context_length - len(head) - len(needle) - len(tail)
+    if room < 1:
+        raise ValueError(f"passkey: context length {context_length} leaves no room for filler (the question and "
+                         f"the key take {context_length - room} tokens)")
+    pieces = token_pieces(tokenizer, sentence_pieces(" " + _FILLER.strip()))
+    filler, starts = fill_tokens(itertools.cycle(pieces), room)
+    within = min(max((depth * context_length - len(head)) / room, 0.0), 1.0)  # the depth in the whole prompt
+    body, (offset,) = plant(filler, starts, [needle], [within])
+    return head + body + tail, len(head) + offset
+
+
+def passkey_prompt(tokenizer: Any, context_length: int, key: str, depth: float) -> torch.Tensor:
+    """[1, context_length] ids: filler, ``The pass key is KEY`` at relative ``depth``, the question.
+
+    The needle begins at the filler's sentence start nearest to ``depth * context_length``; the first filler
+    sentence is cut short so that the prompt has exactly ``context_length`` tokens."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey: depth must be in [0, 1], got {depth}")
+    ids, _ = passkey_ids(tokenizer, context_length, key, depth)
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _check_passkey_args(context_lengths: Sequence[int], trials: int, depths: Sequence[float],
+                        max_new_tokens: int) -> None:
+    if trials < 1 or not context_lengths:
+        raise ValueError("passkey_probe needs trials >= 1 and at least one context length")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"passkey_probe: depths must be a non-empty list of values in [0, 1], got {list(depths)}")
+    if max_new_tokens < 1 or any(length <= max_new_tokens for length in context_lengths):
+        raise ValueError(f"passkey_probe: every context length must exceed max_new_tokens={max_new_tokens}")
+
+
+def passkey_probe(
+    model: Any,
+    tokenizer: Any,
+    context_lengths: Sequence[int] = (1024, 4096, 8192),
+    trials: int = 3,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+    depths: Sequence[float] = PASSKEY_DEPTHS,
+) -> dict[str, Any]:
+    """Hide a random 5-digit key in filler, ask for it, greedy-decode the answer through the cache; a trial
+    passes when the key's digits appear in the answer.
+
+    Each context length gets ``trials`` prompts of ``length - max_new_tokens`` tokens (prompt and answer fill
+    the length), trial i with its key at ``depths[i % len(depths)]``: use a multiple of the number of depths.
+    Returns the accuracy per length and its mean, ``accuracy_by_depth`` ``{length: {depth: accuracy}}``, and
+    every answer. Lengths beyond the model's ``max_position_embeddings`` are listed under ``skipped``. The keys
+    depend only on ``seed``, so every model sees the same prompts."""
+    _check_passkey_args(context_lengths, trials, depths, max_new_tokens)
+    rng = random.Random(seed)
+    was_training = model.training
+    model.eval()
+    accuracy: dict[str, float] = {}
+    by_depth: dict[str, dict[str, float]] = {}
+    answers: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[int] = []
+    limit = max_positions(model)
+    try:
+        for length in context_lengths:
+            keys = [f"{rng.randrange(10_000, 100_000)}" for _ in range(trials)]
+            if limit is not None and length > limit:
+                skipped.append(length)
+                continue
+            rows = [_passkey_trial(model, tokenizer, length - max_new_tokens, key, depths[i % len(depths)],
+                                   max_new_tokens) for i, key in enumerate(keys)]
+            answers[str(length)] = rows
+            accuracy[str(length)] = sum(r["correct"] for r in rows) / trials
+            by_depth[str(length)] = _share_by(rows, "depth")
+    finally:
+        model.train(was_training)
+    mean = sum(accuracy.values()) / len(accuracy) if accuracy else None
+    return {"accuracy": accuracy, "mean_accuracy": mean, "accuracy_by_depth": by_depth, "trials": trials,
+            "depths": list(depths), "skipped": skipped, "answers": answers}
+
+
+def _passkey_trial(model: Any, tokenizer: Any, prompt_length: int, key: str, depth: float,
+                   max_new_tokens: int) -> dict[str, Any]:
+    ids, needle = passkey_ids(tokenizer, prompt_length, key, depth)
+    prompt = torch.tensor([ids], dtype=torch.long)
+    new = generate_new_tokens(model, tokenizer, prompt, max_new_tokens, do_sample=False)
+    answer = tokenizer.decode(new, skip_special_tokens=True)
+    return {"key": key, "depth": depth, "needle_at": needle, "tokens": len(ids), "answer": answer.strip(),
+            "correct": passkey_answered(answer, key)}
+
+
+def passkey_answered(answer: str, key: str) -> bool:
+    """The verdict on one trial: the key's digits appear in the answer (whitespace ignored)."""
+    return key in re.sub(r"\s+", "", answer)
+
+
+def _share_by(rows: Sequence[dict[str, Any]], field: str) -> dict[str, float]:
+    """The share of correct rows for each value of ``field`` (keys formatted with ``g``), in first-seen order."""
+    groups: dict[str, list[bool]] = {}
+    for row in rows:
+        groups.setdefault(format(row[field], "g"), []).append(bool(row["correct"]))
+    return {name: sum(hits) / len(hits) for name, hits in groups.items()}

@@ -1,0 +1,58 @@
+"""Reports: the comparison table of evaluated models and the report file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..data.embedded import write_atomic
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher") -> str:
+    """A markdown table, one row per evaluated model (e.g. teacher / window-only / far-only / hybrid).
+
+    The ratio column divides each perplexity by the ``reference`` row's (the first row if there is none). The
+    associative recall column appears when some row has that probe's results."""
+    if not rows:
+        raise ValueError("comparison_table needs at least one row")
+    ref_name = reference if reference in rows else next(iter(rows))
+    ref_ppl = rows[ref_name].get("perplexity")
+    recall = any("associative_recall" in report for report in rows.values())
+    lines = [
+        f"| model | perplexity | × {ref_name} | passkey |{' recall |' if recall else ''} decode ms/token | "
+        "context | cache MiB |",
+        f"|---|---:|---:|---:|{'---:|' if recall else ''}---:|---:|---:|",
+    ]
+    for name, report in rows.items():
+        ppl = report.get("perplexity")
+        ratio = ppl / ref_ppl if ppl is not None and ref_ppl else None
+        passkey = (report.get("passkey") or {}).get("mean_accuracy")
+        recalled = (report.get("associative_recall") or {}).get("mean_accuracy")
+        decode = report.get("decode") or {}
+        mib = decode["cache_bytes"] / 2**20 if "cache_bytes" in decode else None
+        lines.append(
+            f"| {name} | {_fmt(ppl, '.2f')} | {_fmt(ratio, '.3f')} | {_fmt(passkey, '.0%')} | "
+            + (f"{_fmt(recalled, '.0%')} | " if recall else "")
+            + f"{_fmt(decode.get('median_ms_per_token'), '.1f')} | {_fmt(decode.get('context_length'), 'd')} | "
+            f"{_fmt(mib, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (a temporary file, then a rename); returns the path."""
+    write_atomic(path, text.encode("utf-8"))
+    return path
+
+
+def write_report(out_dir: str | os.PathLike, report: dict[str, Any], name: str = "report.json") -> Path:
+    """Write ``report`` as indented JSON to ``out_dir/name`` atomically (temporary file, then rename)."""
+    text = json.dumps(report, indent=2, sort_keys=False, default=str, allow_nan=True)
+    return write_text(Path(out_dir) / name, text + "\n")

@@ -1,0 +1,107 @@
+"""The whole evaluation of one model: perplexity, the two recall probes, greedy samples and decode cost.
+
+Every function takes any causal LM (the softmax teacher or a hf_recattn student), so the numbers in a
+conversion report are measured the same way on both. Generation always goes through the model's cache
+(the recurrent state for hf_recattn models).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .decode import decode_stats
+from .generation import DEFAULT_PROMPTS, generation_samples
+from .heldout import perplexity
+from .passkey import PASSKEY_DEPTHS, passkey_probe
+from .recall import associative_recall_probe
+
+
+def describe_model(model: Any) -> dict[str, Any]:
+    """Architecture, parameter count and (hf_recattn) the mixers per layer."""
+    config = model.config
+    info: dict[str, Any] = {
+        "model_type": getattr(config, "model_type", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": getattr(config, "num_hidden_layers", None),
+    }
+    if callable(getattr(config, "layer_specs", None)):
+        specs = config.layer_specs()
+        info["mixers"] = dict(Counter(s["mixer"] for s in specs))
+        info["attention"] = specs
+    return info
+
+
+@dataclass(frozen=True)
+class RecallSizes:
+    """How much of the two recall probes ``evaluate`` runs: context lengths, key depths, pair counts, trials."""
+
+    passkey_lengths: tuple[int, ...] = (1024, 4096, 8192)
+    passkey_depths: tuple[float, ...] = PASSKEY_DEPTHS
+    passkey_trials: int = 6
+    recall_lengths: tuple[int, ...] = (1024, 4096)
+    recall_pairs: tuple[int, ...] = (1, 4, 16)
+    recall_trials: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("passkey_lengths", "recall_lengths", "recall_pairs"):
+            values = getattr(self, name)
+            if not values or any(int(v) != v or v < 1 for v in values):
+                raise ValueError(f"{name} must be positive integers, got {list(values)}")
+        if not self.passkey_depths or any(not 0.0 <= d <= 1.0 for d in self.passkey_depths):
+            raise ValueError(f"passkey_depths must lie in [0, 1], got {list(self.passkey_depths)}")
+        for name in ("passkey_trials", "recall_trials"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> RecallSizes:
+        """The full probes, or the quick ones: 1k tokens only, one trial per depth and per pair count."""
+        if not quick:
+            return cls()
+        return cls(passkey_lengths=(1024,), passkey_trials=len(PASSKEY_DEPTHS), recall_lengths=(1024,),
+                   recall_trials=1)
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    heldout_blocks: torch.Tensor,
+    quick: bool = False,
+    prompts: Sequence[str] = DEFAULT_PROMPTS,
+    recall_texts: Sequence[str] | None = None,
+    sizes: RecallSizes | None = None,
+) -> dict[str, Any]:
+    """Perplexity on ``heldout_blocks``, passkey accuracy, associative recall, greedy samples and decode cost.
+
+    The associative recall plants its facts in ``recall_texts`` (held-out documents), else in the documents of
+    ``heldout_blocks``. ``sizes`` sets the recall probes (default: ``RecallSizes.for_mode(quick)``). ``quick``
+    shrinks the probes (recall probes at 1k only; 2 samples of 24 tokens; decode at 512 context) for smoke
+    runs; the perplexity always uses all the blocks given."""
+    sizes = sizes or RecallSizes.for_mode(quick)
+    start = time.perf_counter()
+    report: dict[str, Any] = {"model": describe_model(model), "quick": quick}
+    report["perplexity"] = perplexity(model, heldout_blocks)
+    report["eval_tokens"] = int(heldout_blocks.numel())
+    report["block_size"] = int(heldout_blocks.shape[1])
+    report["passkey"] = passkey_probe(model, tokenizer, context_lengths=sizes.passkey_lengths,
+                                      trials=sizes.passkey_trials, depths=sizes.passkey_depths)
+    report["associative_recall"] = associative_recall_probe(
+        model, tokenizer, heldout_blocks if recall_texts is None else recall_texts,
+        context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs, trials=sizes.recall_trials,
+    )
+    if quick:
+        chosen, new_tokens = list(prompts)[:2], 24
+        report["decode"] = decode_stats(model, context_length=512, steps=8)
+    else:
+        chosen, new_tokens = list(prompts), 40
+        report["decode"] = decode_stats(model)
+    outputs = generation_samples(model, tokenizer, chosen, max_new_tokens=new_tokens)
+    report["samples"] = [{"prompt": p, "output": o} for p, o in zip(chosen, outputs, strict=True)]
+    report["seconds"] = time.perf_counter() - start
+    return report
