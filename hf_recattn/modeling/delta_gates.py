@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gated_parts import logit
 from .mixer_base import MixerShape
 
 RULES = ("delta", "gated", "comba")
-INITS = ("scratch", "convert")
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ class DeltaGates(nn.Module):
         if self.init_kind == "convert":
             init.zeros_(self.beta_weight)
             target = self.beta_init / 2.0 if self.negative_eigenvalues else self.beta_init
-            init.constant_(self.beta_bias, math.log(target / (1.0 - target)))
+            init.constant_(self.beta_bias, logit(target))
             if self.rule != "delta":
                 init.zeros_(self.decay_weight)
                 init.zeros_(self.A_log)

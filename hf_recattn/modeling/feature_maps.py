@@ -14,6 +14,7 @@ from torch import nn
 
 from .mixer_base import MixerShape
 from .ops_taylor import packed_powers
+from .options import check_kind
 
 FEATURE_MAPS = ("identity", "elu", "relu", "cosine", "exp", "hedgehog", "taylor2")
 
@@ -34,10 +35,7 @@ class FeatureMap(nn.Module):
 
     def __init__(self, kind: str, shape: MixerShape) -> None:
         super().__init__()
-        if kind not in FEATURE_MAPS:
-            raise ValueError(
-                f"layer {shape.layer_idx}: unknown feature_map {kind!r}; known: {list(FEATURE_MAPS)}"
-            )
+        check_kind(kind, FEATURE_MAPS, "feature_map", f"layer {shape.layer_idx}")
         self.kind = kind
         self.shape = shape
         d = shape.head_dim

@@ -25,20 +25,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .delta_gates import INITS, RULES, DeltaGates
+from .delta_gates import RULES, DeltaGates
 from .feature_maps import FEATURE_MAPS, FeatureMap
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
+from .gated_parts import (
+    QK_NORMS,
+    GatedMixer,
+    chunk_options,
+    conv_options,
+    convert_init_options,
+    output_options,
+    qk_norm,
+)
+from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_delta import delta_chunked, delta_parallel, delta_step
-from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
-from .output_norms import OutputNorm
+from .options import Option
 from .short_conv import ShortConvolution, conv_step, convolve_streams
 
-ACTIVATIONS = ("none", "silu")
-QK_NORMS = ("l2", "none")
 CONV_STATES = ("conv_q", "conv_k", "conv_v")
 
 
-class DeltaMixer(Mixer):
+class DeltaMixer(GatedMixer):
     """Delta-rule state S per key head, updated by `rule`, read by the queries."""
 
     name = "delta"
@@ -46,24 +52,15 @@ class DeltaMixer(Mixer):
         "rule": Option((str,), "gated", "state update: delta (DeltaNet), gated (Gated DeltaNet) or comba",
                        choices=RULES),
         "householder_steps": Option((int,), 1, "delta updates per token (> 1: DeltaProduct)", minimum=1),
-        "conv_size": Option((int,), 4, "taps of the short causal convolution on q, k and v (0: none)", minimum=0),
-        "activation": Option((str,), "silu", "applied to q, k and v after the convolution", choices=ACTIVATIONS),
+        **conv_options("q, k and v"),
         "feature_map": Option((str,), "identity", "phi applied to q and k before their norm (as in linear)",
                               choices=FEATURE_MAPS),
         "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
         "negative_eigenvalues": Option((bool,), False, "b in (0, 2) instead of (0, 1)"),
-        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
-        "output_gate": Option((bool,), True, "multiply the output by silu(W_g x) from the layer input"),
+        **output_options(gate=True),
         "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
-        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
-                       "convert (identity convolution, input-independent gates)", choices=INITS),
-        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial decay half-life in tokens",
-                                minimum=1e-3),
-        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial decay half-life in tokens",
-                                minimum=1e-3),
-        "beta_init": Option((float,), 0.5, "init=convert: initial write strength b, in (0, 1)"),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-6, "added inside the q/k and output norms", minimum=0.0),
+        **convert_init_options("identity convolution, input-independent gates", "decay", "write strength b"),
+        **chunk_options("q/k and output norms"),
         "causal": Option((bool,), True, "causal (decoder) or bidirectional (rule delta only)"),
     }
     state_kind = "recurrent"
@@ -75,19 +72,13 @@ class DeltaMixer(Mixer):
             raise ValueError(
                 f"{where}: option 'causal' must be True with rule {spec['rule']!r} (a decay gate has a direction)"
             )
-        check_open_unit(spec, where, "beta_init")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
-        check_gate_after_norm(spec, where)
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
         h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
         self.steps = int(spec["householder_steps"])
-        self.chunk_size = int(spec["chunk_size"])
-        self.eps = float(spec["eps"])
         self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
-        self.convert_init = spec["init"] == "convert"
         self.gates = DeltaGates(spec, shape, self.initializer_range)
         self.feature_map = FeatureMap(spec["feature_map"], shape)
         if self.steps > 1:  # the extra keys and values of DeltaProduct, read from the layer input
@@ -97,9 +88,7 @@ class DeltaMixer(Mixer):
         self.convs = nn.ModuleDict(
             {name: ShortConvolution(n, size, self.convert_init) for name, n in channels.items()} if size else {}
         )
-        self.output_norm = OutputNorm("rms", shape, d, self.eps) if spec["output_norm"] else None
-        if spec["output_gate"]:
-            self.gate_weight = nn.Parameter(torch.zeros(h * d, c))
+        self.build_output()
 
     def init_parameters(self, init: Any) -> None:
         """Extra DeltaProduct keys / values and the output gate: N(0, initializer_range); with init=convert the
@@ -109,13 +98,12 @@ class DeltaMixer(Mixer):
                 init.zeros_(self.extra_kv_weight)
             else:
                 init.normal_(self.extra_kv_weight, 0.0, self.initializer_range)
-        if hasattr(self, "gate_weight"):
-            init.normal_(self.gate_weight, 0.0, self.initializer_range)
+        self.init_output_gate(init, self.initializer_range)
 
     def input_weights(self) -> dict[str, nn.Parameter]:
         """DeltaProduct's extra keys / values and the output gate, both read from the layer input."""
-        names = {"extra_kv": "extra_kv_weight", "output_gate": "gate_weight"}
-        return {name: getattr(self, attr) for name, attr in names.items() if hasattr(self, attr)}
+        extra = {"extra_kv": self.extra_kv_weight} if self.steps > 1 else {}
+        return {**extra, **self.output_input_weights()}
 
     # ----- shared pieces ------------------------------------------------------------------------------------
     def _prepare(
@@ -139,7 +127,7 @@ class DeltaMixer(Mixer):
         k = streams["conv_k"].view(b, t, n, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t * n, d)
         v = streams["conv_v"].view(b, t, n, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t * n, d)
         q, k = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
-        return self._qk_norm(q) * self.scale, self._qk_norm(k), v, new_state
+        return self._norm(q) * self.scale, self._norm(k), v, new_state
 
     def _prepare_step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
@@ -177,66 +165,46 @@ class DeltaMixer(Mixer):
         if self.feature_map.kind != "identity":  # feature widths differ: q and k each on their own
             qg = self.feature_map(row[:, : h * d].view(b, hk, h // hk, 1, d), is_query=True)
             k = self.feature_map(row[:, h * d : split].view(b, n, hk, d).transpose(1, 2), is_query=False)
-            return self._qk_norm(qg) * self.scale, self._qk_norm(k), v, new_state
-        qk = self._qk_norm(row[:, :split].view(b, h + n * hk, d))
+            return self._norm(qg) * self.scale, self._norm(k), v, new_state
+        qk = self._norm(row[:, :split].view(b, h + n * hk, d))
         qg = (qk[:, :h] * self.scale).view(b, hk, h // hk, 1, d)
         k = qk[:, h:].view(b, n, hk, d).transpose(1, 2).reshape(b, hk, n, d)
         return qg, k, v, new_state
 
-    def _qk_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """x / sqrt(|x|^2 + eps) over the last dim (qk_norm='l2'), written as one rms_norm."""
-        if self.spec["qk_norm"] != "l2":
-            return x
-        f = x.shape[-1]
-        return F.rms_norm(x, (f,), eps=self.eps / f) * f**-0.5
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return qk_norm(x, self.spec["qk_norm"], self.eps)
 
-    def _finish(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
-        """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
-        if self.output_norm is not None:
-            o = self.output_norm(o)
-        o = ungroup_output(o)
-        if hasattr(self, "gate_weight"):
-            gate = F.silu(inputs.linear("output_gate", self.gate_weight))
-            o = o * gate.view(*o.shape)
-        return o
-
-    def _run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None, form: str
-    ) -> tuple[torch.Tensor, State]:
-        if form == "step":
-            qg, kd, vd, new_state = self._prepare_step(q, k, v, inputs, state)
-        else:
-            qg, kd, vd, new_state = self._prepare(q, k, v, inputs, state)
-        log_alpha, beta, erase = self.gates(inputs.hidden_states, inputs.token_mask)
-        start = None if state is None else state["S"]
-        if form == "parallel":
-            o, final = delta_parallel(qg, kd, vd, log_alpha, beta, erase, start, self.steps)
-            if not self.is_causal_mixer:  # every query reads the state of the whole sequence
-                o = qg @ final.unsqueeze(2)
-        elif form == "chunked":
-            o, final = delta_chunked(qg, kd, vd, log_alpha, beta, erase, start, self.chunk_size, self.steps)
-        else:
-            o, final = delta_step(qg, kd, vd, log_alpha, beta, erase, start, in_place=writable(start))
-        new_state["S"] = final
-        return self._finish(o, inputs), new_state
+    def _coefficients(self, inputs: MixerInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log_alpha, beta, erase) of the rule, each [B, Hk, T * n] (see delta_gates.py)."""
+        return self.gates(inputs.hidden_states, inputs.token_mask)
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
-        return self._run(q, k, v, inputs, None, "parallel")[0]
+        qg, kd, vd, _ = self._prepare(q, k, v, inputs, None)
+        o, final = delta_parallel(qg, kd, vd, *self._coefficients(inputs), None, self.steps)
+        if not self.is_causal_mixer:  # every query reads the state of the whole sequence
+            o = qg @ final.unsqueeze(2)
+        return self.finish_output(o, inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("chunked")
-        return self._run(q, k, v, inputs, state, "chunked")
+        qg, kd, vd, new_state = self._prepare(q, k, v, inputs, state)
+        coefficients = self._coefficients(inputs)
+        o, new_state["S"] = delta_chunked(qg, kd, vd, *coefficients, state["S"], self.chunk_size, self.steps)
+        return self.finish_output(o, inputs), new_state
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         self.require_causal("step")
-        return self._run(q, k, v, inputs, state, "step")
+        qg, kd, vd, new_state = self._prepare_step(q, k, v, inputs, state)
+        start = state["S"]
+        o, new_state["S"] = delta_step(qg, kd, vd, *self._coefficients(inputs), start, in_place=writable(start))
+        return self.finish_output(o, inputs), new_state
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim

@@ -11,19 +11,17 @@ only on keys and values, so it lives per key head (GQA / MQA share it). The cach
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .gated_parts import INITS, head_gate_logits, init_head_gate
 from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .ops_deltaformer import deltaformer_attention
 from .options import Option, check_open_unit
 
 WRITE_STRENGTHS = ("none", "sigmoid")
-INITS = ("scratch", "convert")
 
 
 class DeltaFormerMixer(ContinuingMixer):
@@ -67,15 +65,9 @@ class DeltaFormerMixer(ContinuingMixer):
     def init_parameters(self, init: Any) -> None:
         """The write-strength gate (if any): N(0, initializer_range) and zero bias (b ~ 0.5), or with
         init=convert zero weight and b = beta_init for every token (the layer starts close to softmax)."""
-        if not hasattr(self, "beta_weight"):
-            return
-        if self.spec["init"] == "convert":
-            beta = self.spec["beta_init"]
-            init.zeros_(self.beta_weight)
-            init.constant_(self.beta_bias, math.log(beta / (1.0 - beta)))
-        else:
-            init.normal_(self.beta_weight, 0.0, self.initializer_range)
-            init.zeros_(self.beta_bias)
+        if hasattr(self, "beta_weight"):
+            start = self.spec["beta_init"] if self.spec["init"] == "convert" else None
+            init_head_gate(init, self.beta_weight, self.beta_bias, start, self.initializer_range)
 
     # ----- forms ------------------------------------------------------------------------------------------
     def _run(
@@ -83,15 +75,14 @@ class DeltaFormerMixer(ContinuingMixer):
     ) -> tuple[torch.Tensor, State]:
         write = None
         if hasattr(self, "beta_weight"):
-            x = inputs.hidden_states
-            write = torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))
+            write = torch.sigmoid(head_gate_logits(inputs.hidden_states, self.beta_weight, self.beta_bias))
             write = write.transpose(1, 2)  # [B, Hk, T]
         if state is None:
             state = self.init_state(q.shape[0], q.device, q.dtype)
         mask = inputs.padding_mask
         key_real = None if mask is None else mask[:, -(state["k"].shape[2] + k.shape[2]) :]
         o, keys, u = deltaformer_attention(
-            group_queries(q, self.shape.num_kv_heads), k, v, write, state["k"], state["u"], key_real,
+            group_queries(q, self.shape.num_kv_heads), k, v, write, (state["k"], state["u"]), key_real,
             self.scale, self.key_scale,
         )
         return ungroup_output(o), {"k": keys, "u": u}

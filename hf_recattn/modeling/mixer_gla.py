@@ -29,12 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
+from .gated_parts import GatedMixer, chunk_options, convert_init_options, output_options
+from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
-from .options import Option, check_not_above
-from .output_norms import OutputNorm
-
-INITS = ("scratch", "convert")
+from .options import Option
 
 
 def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest: float) -> torch.Tensor:
@@ -47,53 +45,42 @@ def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest:
     return (log_p - torch.log(-torch.expm1(log_p))).float()  # logit of p = exp(log_p)
 
 
-class GLAMixer(Mixer):
+class GLAMixer(GatedMixer):
     """Gated linear attention: a state per key head decayed per key dimension by a low-rank gate of the input."""
 
     name = "gated_linear"
     options = {
         "gate_rank": Option((int,), 16, "rank of the gate's low-rank map W2 W1 from the layer input", minimum=1),
         "gate_temperature": Option((float,), 16.0, "tau: log alpha = logsigmoid(W2 W1 x + b) / tau"),
-        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
-        "output_gate": Option((bool,), True, "multiply the output by silu(W_g x) from the layer input"),
+        **output_options(gate=True),
         "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
-        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
-                       "convert (input-independent gates at the given half-lives)", choices=INITS),
-        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial gate half-life in tokens",
-                                minimum=1e-3),
-        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial gate half-life in tokens",
-                                minimum=1e-3),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-6, "added inside the output RMSNorm", minimum=0.0),
+        **convert_init_options("input-independent gates at the given half-lives", "gate"),
+        **chunk_options("output RMSNorm"),
         "causal": Option((bool,), True, "must be True: GLA has no bidirectional form"),
     }
     state_kind = "recurrent"
     has_chunked = True
 
+    gate_needs_norm = False
     causal_only = "for gla (a gated state has a direction; there is no bidirectional form)"
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         if not spec["gate_temperature"] > 0.0:
             raise ValueError(f"{where}: option 'gate_temperature' must be > 0, got {spec['gate_temperature']!r}")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
-        h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+        hk, d, c = shape.num_kv_heads, shape.head_dim, shape.hidden_size
         rank = int(spec["gate_rank"])
-        self.chunk_size = int(spec["chunk_size"])
         self.temperature = float(spec["gate_temperature"])
         self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
         # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
         self.gate_down = nn.Parameter(torch.zeros(rank, c))
         self.gate_up = nn.Parameter(torch.zeros(hk * d, rank))
-        convert = spec["init"] == "convert"
-        self.gate_bias = nn.Parameter(self._convert_bias() if convert else torch.zeros(hk * d))
-        self.output_norm = OutputNorm("rms", shape, d, float(spec["eps"])) if spec["output_norm"] else None
-        if spec["output_gate"]:
-            self.gate_weight = nn.Parameter(torch.zeros(h * d, c))
+        self.gate_bias = nn.Parameter(self._convert_bias() if self.convert_init else torch.zeros(hk * d))
+        self.build_output()
 
     def _convert_bias(self) -> torch.Tensor:
         d = self.shape.head_dim
@@ -102,8 +89,8 @@ class GLAMixer(Mixer):
 
     def init_parameters(self, init: Any) -> None:
         """See the module docstring (``init`` skips loaded parameters)."""
-        gated = [self.gate_down, self.gate_up] + ([self.gate_weight] if hasattr(self, "gate_weight") else [])
-        if self.spec["init"] == "scratch":
+        gated = [self.gate_down, self.gate_up, *self.output_input_weights().values()]
+        if not self.convert_init:
             for param in gated:
                 init.xavier_uniform_(param, gain=2**-2.5)
             init.zeros_(self.gate_bias)
@@ -133,42 +120,30 @@ class GLAMixer(Mixer):
             k = k * keep.to(k.dtype)
         return group_queries(q, self.shape.num_kv_heads) * self.scale, k, log_a
 
-    def _finish(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
-        """o [B, Hkv, G, T, E] -> [B, T, H, E], through the output norm and gate."""
-        if self.output_norm is not None:
-            o = self.output_norm(o)
-        o = ungroup_output(o)
-        if hasattr(self, "gate_weight"):
-            o = o * F.silu(inputs.linear("output_gate", self.gate_weight)).view(*o.shape)
-        return o
-
     def input_weights(self) -> dict[str, nn.Parameter]:
         """The gate's low-rank down projection and the output gate, both read from the layer input."""
-        weights = {"gate_down": self.gate_down}
-        if hasattr(self, "gate_weight"):
-            weights["output_gate"] = self.gate_weight
-        return weights
+        return {"gate_down": self.gate_down, **self.output_input_weights()}
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
         qg, k, log_a = self._prepare(q, k, inputs)
-        return self._finish(gla_parallel(qg, k, v, log_a), inputs)
+        return self.finish_output(gla_parallel(qg, k, v, log_a), inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, k, log_a = self._prepare(q, k, inputs)
         o, S = gla_chunked(qg, k, v, log_a, state["S"], self.chunk_size)
-        return self._finish(o, inputs), {"S": S}
+        return self.finish_output(o, inputs), {"S": S}
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, k, log_a = self._prepare(q, k, inputs)
         o, S = gla_step(qg, k, v, log_a, state["S"], in_place=writable(state["S"]))
-        return self._finish(o, inputs), {"S": S}
+        return self.finish_output(o, inputs), {"S": S}
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim

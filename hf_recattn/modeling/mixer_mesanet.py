@@ -31,26 +31,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
-from .ops_mesanet import SOLVERS, mesa_chunked, mesa_parallel, mesa_step
-from .options import Option, check_gate_after_norm, check_not_above, check_open_unit
-from .output_norms import OutputNorm
+from .gated_parts import (
+    QK_NORMS,
+    GatedMixer,
+    chunk_options,
+    conv_options,
+    convert_init_options,
+    logit,
+    output_options,
+    qk_norm,
+)
+from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
+from .ops_mesanet import SOLVERS, MesaOperands, mesa_chunked, mesa_parallel, mesa_step
+from .options import Option
 from .short_conv import ShortConvolution, convolve_streams
-
-ACTIVATIONS = ("none", "silu")
-QK_NORMS = ("l2", "none")
-INITS = ("scratch", "convert")
-
-
-def _logit(p: float) -> float:
-    return math.log(p / (1.0 - p))
 
 
 def _inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
-class MesaMixer(Mixer):
+class MesaMixer(GatedMixer):
     """MesaNet: gated states G and H per key head, read as G (H + Lambda)^-1 q (conjugate gradients or exact)."""
 
     name = "mesa"
@@ -60,20 +61,11 @@ class MesaMixer(Mixer):
         "cg_steps": Option((int,), 30, "solver=cg: conjugate-gradient steps per token", minimum=0),
         "lambda_min": Option((float,), 0.25, "lower bound of the regularizer Lambda", minimum=1e-6),
         "lambda_init": Option((float,), 1.0, "initial Lambda (above lambda_min)", minimum=1e-6),
-        "conv_size": Option((int,), 4, "taps of the short causal convolution on q and k (0: none)", minimum=0),
-        "activation": Option((str,), "silu", "applied to q and k after the convolution", choices=ACTIVATIONS),
+        **conv_options("q and k"),
         "qk_norm": Option((str,), "l2", "normalization of q and k", choices=QK_NORMS),
-        "output_norm": Option((bool,), True, "RMSNorm of each head's output (learnable gain)"),
-        "output_gate": Option((bool,), False, "multiply the output by silu(W_g x) from the layer input"),
-        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (published) or "
-                       "convert (identity convolution, input-independent gates)", choices=INITS),
-        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial forget half-life in tokens",
-                                minimum=1e-3),
-        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial forget half-life in tokens",
-                                minimum=1e-3),
-        "beta_init": Option((float,), 0.5, "init=convert: initial input gate beta, in (0, 1)"),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-6, "added inside the q/k and output norms", minimum=0.0),
+        **output_options(gate=False),
+        **convert_init_options("identity convolution, input-independent gates", "forget", "input gate beta"),
+        **chunk_options("q/k and output norms"),
         "causal": Option((bool,), True, "must be True: MesaNet has no bidirectional form"),
     }
     state_kind = "recurrent"
@@ -88,20 +80,14 @@ class MesaMixer(Mixer):
                 f"{where}: option 'lambda_init' ({spec['lambda_init']}) must be above 'lambda_min' "
                 f"({spec['lambda_min']})"
             )
-        check_open_unit(spec, where, "beta_init")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
-        check_gate_after_norm(spec, where)
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
         h, hk, d, c = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
         self.solver = spec["solver"]
         self.cg_steps = int(spec["cg_steps"])
-        self.chunk_size = int(spec["chunk_size"])
-        self.eps = float(spec["eps"])
         self.lambda_min = float(spec["lambda_min"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
-        self.convert_init = spec["init"] == "convert"
         # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
         self.forget_weight = nn.Parameter(torch.zeros(hk, c))
         self.forget_bias = nn.Parameter(torch.zeros(hk))
@@ -113,9 +99,7 @@ class MesaMixer(Mixer):
         self.convs = nn.ModuleDict(
             {name: ShortConvolution(n, size, self.convert_init) for name, n in channels.items()} if size else {}
         )
-        self.output_norm = OutputNorm("rms", shape, d, self.eps) if spec["output_norm"] else None
-        if spec["output_gate"]:
-            self.gate_weight = nn.Parameter(torch.zeros(h * d, c))
+        self.build_output()
 
     def init_parameters(self, init: Any) -> None:
         """Lambda = lambda_init. scratch: gate weights N(0, initializer_range) as logits of x, zero biases (gates
@@ -128,17 +112,16 @@ class MesaMixer(Mixer):
             init.zeros_(self.beta_weight)
             lo, hi = self.spec["half_life_min"], self.spec["half_life_max"]
             lives = [math.sqrt(lo * hi)] if hk == 1 else [lo * (hi / lo) ** (i / (hk - 1)) for i in range(hk)]
-            biases = torch.tensor([_logit(0.5 ** (1.0 / life)) for life in lives], device=self.forget_bias.device)
+            biases = torch.tensor([logit(0.5 ** (1.0 / life)) for life in lives], device=self.forget_bias.device)
             init.copy_(self.forget_bias, biases.to(self.forget_bias.dtype))
-            init.constant_(self.beta_bias, _logit(self.spec["beta_init"]))
+            init.constant_(self.beta_bias, logit(self.spec["beta_init"]))
         else:
             std = self.initializer_range * math.sqrt(self.forget_weight.shape[1])  # logits of x / sqrt(C)
             init.normal_(self.forget_weight, 0.0, std)
             init.normal_(self.beta_weight, 0.0, std)
             init.zeros_(self.forget_bias)
             init.zeros_(self.beta_bias)
-        if hasattr(self, "gate_weight"):
-            init.normal_(self.gate_weight, 0.0, self.initializer_range)
+        self.init_output_gate(init, self.initializer_range)
 
     def regularizer(self) -> torch.Tensor:
         """Lambda [Hk, G, D], positive: softplus(lambda_param) + lambda_min."""
@@ -166,66 +149,50 @@ class MesaMixer(Mixer):
         streams, new_state = convolve_streams(streams, self.convs, state, inputs.token_mask, self.spec["activation"])
         q = group_queries(streams["conv_q"].view(b, t, h, d).transpose(1, 2), hk)
         k = streams["conv_k"].view(b, t, hk, d).transpose(1, 2)
-        return self._qk_norm(q), self._qk_norm(k), new_state
+        kind = self.spec["qk_norm"]
+        return qk_norm(q, kind, self.eps), qk_norm(k, kind, self.eps), new_state
 
-    def _qk_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """x / sqrt(|x|^2 + eps) over the last dim (qk_norm='l2')."""
-        if self.spec["qk_norm"] != "l2":
-            return x
-        f = x.shape[-1]
-        return F.rms_norm(x, (f,), eps=self.eps / f) * f**-0.5
-
-    def _run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None, form: str
-    ) -> tuple[torch.Tensor, State]:
+    def _operands(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State | None
+    ) -> tuple[MesaOperands, State]:
+        """The ops' operands in the solves' dtype (float32 or more), and the new convolution states."""
         dtype = q.dtype
         work = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # solves need fp32 or more
         qg, kd, new_state = self._prepare(q, k, inputs, state)
         log_gamma, beta = self._gates(inputs.hidden_states, inputs.token_mask)
         qg, kd, vd, log_gamma, beta = (y.to(work) for y in (qg, kd, v, log_gamma, beta))
-        lam = self.regularizer().to(work)
-        args = (self.solver, self.cg_steps)
-        if form == "parallel":
-            o, h, g = mesa_parallel(qg, kd, vd, log_gamma, beta, lam, None, None, *args)
-        else:
-            h0, g0 = state["H"].to(work), state["G"].to(work)
-            if form == "chunked":
-                o, h, g = mesa_chunked(qg, kd, vd, log_gamma, beta, lam, h0, g0, self.chunk_size, *args)
-            else:
-                in_place = h0 is state["H"] and g0 is state["G"] and writable(h0, g0)
-                o, h, g = mesa_step(qg, kd, vd, log_gamma, beta, lam, h0, g0, *args, in_place=in_place)
-            new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
-        return self._finish(o.to(dtype), inputs), new_state
-
-    def _finish(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
-        """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm and gate."""
-        if self.output_norm is not None:
-            o = self.output_norm(o)
-        o = ungroup_output(o)
-        if hasattr(self, "gate_weight"):
-            gate = F.silu(inputs.linear("output_gate", self.gate_weight))
-            o = o * gate.view(*o.shape)
-        return o
+        return MesaOperands(qg, kd, vd, log_gamma, beta, self.regularizer().to(work)), new_state
 
     def input_weights(self) -> dict[str, nn.Parameter]:
         """The output gate, read from the layer input."""
-        return {"output_gate": self.gate_weight} if hasattr(self, "gate_weight") else {}
+        return self.output_input_weights()
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
-        return self._run(q, k, v, inputs, None, "parallel")[0]
+        operands, _ = self._operands(q, k, v, inputs, None)
+        o, _, _ = mesa_parallel(operands, None, None, self.solver, self.cg_steps)
+        return self.finish_output(o.to(q.dtype), inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        return self._run(q, k, v, inputs, state, "chunked")
+        operands, new_state = self._operands(q, k, v, inputs, state)
+        h0, g0 = state["H"].to(operands.q.dtype), state["G"].to(operands.q.dtype)
+        o, h, g = mesa_chunked(operands, h0, g0, self.chunk_size, self.solver, self.cg_steps)
+        new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
+        return self.finish_output(o.to(q.dtype), inputs), new_state
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        return self._run(q, k, v, inputs, state, "step")
+        operands, new_state = self._operands(q, k, v, inputs, state)
+        h0, g0 = state["H"].to(operands.q.dtype), state["G"].to(operands.q.dtype)
+        in_place = h0 is state["H"] and g0 is state["G"] and writable(h0, g0)
+        o, h, g = mesa_step(operands, h0, g0, self.solver, self.cg_steps, in_place=in_place)
+        new_state["H"], new_state["G"] = h.to(state["H"].dtype), g.to(state["G"].dtype)
+        return self.finish_output(o.to(q.dtype), inputs), new_state
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim

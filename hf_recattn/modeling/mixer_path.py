@@ -16,15 +16,14 @@ token, 0 before) lets the next forward refuse a cropped cache instead of continu
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gated_parts import INITS, head_gate_logits, init_head_gate
 from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
-from .mixer_deltaformer import INITS
 from .ops_path import path_attention
 from .options import Option
 
@@ -73,13 +72,8 @@ class PathMixer(ContinuingMixer):
         """W_w ~ N(0, initializer_range); the b gate N(0, initializer_range) with zero bias (b ~ 1), or with
         init=convert zero weight and b = beta_init for every token."""
         init.normal_(self.w_weight, 0.0, self.initializer_range)
-        if self.spec["init"] == "convert":
-            half = self.spec["beta_init"] / 2.0
-            init.zeros_(self.beta_weight)
-            init.constant_(self.beta_bias, math.log(half / (1.0 - half)))
-        else:
-            init.normal_(self.beta_weight, 0.0, self.initializer_range)
-            init.zeros_(self.beta_bias)
+        half = self.spec["beta_init"] / 2.0 if self.spec["init"] == "convert" else None  # b = 2 sigmoid(...)
+        init_head_gate(init, self.beta_weight, self.beta_bias, half, self.initializer_range)
 
     def input_weights(self) -> dict[str, nn.Parameter]:
         """The Householder directions' projection, read from the layer input."""
@@ -92,7 +86,7 @@ class PathMixer(ContinuingMixer):
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
         w = inputs.linear("householder", self.w_weight).view(bsz, t, hk, d).transpose(1, 2)
         w = F.rms_norm(w, (d,), eps=self.eps / d) * d**-0.5  # w / sqrt(|w|^2 + eps)
-        b = 2.0 * torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))
+        b = 2.0 * torch.sigmoid(head_gate_logits(x, self.beta_weight, self.beta_bias))
         mask = inputs.token_mask
         if mask is not None:
             b = b * mask[..., None].to(b.dtype)
@@ -113,7 +107,7 @@ class PathMixer(ContinuingMixer):
         mask = inputs.padding_mask
         key_real = None if mask is None else mask[:, -(state["k"].shape[2] + k.shape[2]) :]
         o, keys, values = path_attention(
-            group_queries(q, self.shape.num_kv_heads), k, v, w, b, state["k"], state["v"], key_real,
+            group_queries(q, self.shape.num_kv_heads), k, v, w, b, (state["k"], state["v"]), key_real,
             self.scale, self.chunk_size,
         )
         stamp = keys.new_zeros(keys.shape[0], 1, keys.shape[2])

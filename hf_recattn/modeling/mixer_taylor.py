@@ -220,6 +220,36 @@ class TaylorMixer(Mixer):
         cnt = visible.to(q.dtype).expand_as(weights).sum(-1) if self.denominator == "gate" else None
         return num, den, cnt
 
+    def parallel_terms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> Terms:
+        """(numerator, denominator, key count, None) of the parallel form, before ``finish``."""
+        return (*self._quadratic(q, k, v, inputs.token_mask), None)
+
+    def chunked_terms(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> Terms:
+        """(numerator, denominator, key count, new state) of the chunked form, before ``finish``."""
+        self.require_causal("chunked")
+        if not self.recurrent:
+            return self._cached_terms(q, k, v, inputs, state)
+        qg, kf = self._prepare(q, k)
+        return taylor_chunked(qg, kf, v, state, int(self.order), self.chunk_size, inputs.token_mask)
+
+    def step_terms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State) -> Terms:
+        """(numerator, denominator, key count, new state) of one step, before ``finish``."""
+        self.require_causal("step")
+        if not self.recurrent:
+            return self._cached_terms(q, k, v, inputs, state)
+        qg, kf = self._prepare(q, k)
+        return taylor_step(qg, kf, v, state, int(self.order), inputs.token_mask, in_place=writable(*state.values()))
+
+    def _cached_terms(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> Terms:
+        """A KV cache: all-pairs over the cached keys plus the new ones."""
+        keys, values = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
+        real = None if inputs.padding_mask is None else inputs.padding_mask[:, -keys.shape[2] :]
+        return (*self._quadratic(q, keys, values, real), {"k": keys, "v": values})
+
     def terms(
         self,
         q: torch.Tensor,
@@ -229,37 +259,28 @@ class TaylorMixer(Mixer):
         state: State | None,
         form: str,
     ) -> Terms:
-        """(numerator, denominator, key count, new state) before ``finish``; form: parallel|chunked|step."""
+        """The terms of the form named ``form`` (parallel|chunked|step): how a hybrid reads its far part."""
         if form == "parallel":
-            return (*self._quadratic(q, k, v, inputs.token_mask), None)
-        self.require_causal(form)
-        if not self.recurrent:  # KV cache: all-pairs over the cached keys plus the new ones
-            keys, values = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
-            real = None if inputs.padding_mask is None else inputs.padding_mask[:, -keys.shape[2] :]
-            return (*self._quadratic(q, keys, values, real), {"k": keys, "v": values})
-        qg, kf = self._prepare(q, k)
-        if form == "step":
-            in_place = writable(*state.values())
-            return taylor_step(qg, kf, v, state, int(self.order), inputs.token_mask, in_place=in_place)
-        return taylor_chunked(qg, kf, v, state, int(self.order), self.chunk_size, inputs.token_mask)
+            return self.parallel_terms(q, k, v, inputs)
+        return (self.step_terms if form == "step" else self.chunked_terms)(q, k, v, inputs, state)
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
-        num, den, cnt, _ = self.terms(q, k, v, inputs, None, "parallel")
+        num, den, cnt, _ = self.parallel_terms(q, k, v, inputs)
         return self.finish(num, den, cnt, inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        num, den, cnt, state = self.terms(q, k, v, inputs, state, "chunked")
+        num, den, cnt, state = self.chunked_terms(q, k, v, inputs, state)
         return self.finish(num, den, cnt, inputs), state
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        num, den, cnt, state = self.terms(q, k, v, inputs, state, "step")
+        num, den, cnt, state = self.step_terms(q, k, v, inputs, state)
         return self.finish(num, den, cnt, inputs), state
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:

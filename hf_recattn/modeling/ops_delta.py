@@ -51,21 +51,15 @@ def _unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
 
 
-def _block_terms(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_alpha: torch.Tensor,
-    beta: torch.Tensor,
-    erase: torch.Tensor,
-    steps: int,
-) -> tuple[torch.Tensor, ...]:
+def _block_terms(operands: tuple[torch.Tensor, ...], steps: int) -> tuple[torch.Tensor, ...]:
     """Everything of a block that does not depend on its start state (any leading dims before the block's).
 
-    q [..., G, Tq, D], k [..., C, D] with C = Tq * steps. Returns W [..., C, D], U~ [..., C, E], the decayed
-    in-block scores [..., G, Tq, C], q e^{G_t} [..., G, Tq, D] (reads S_0), k e^{G_C - G_s} [..., C, D] (writes the
-    block into the next state) and e^{G_C} [...] (carries S_0 over the block).
+    ``operands``: q [..., G, Tq, D], k [..., C, D] with C = Tq * steps, v, log_alpha, beta and erase. Returns
+    W [..., C, D], U~ [..., C, E], the decayed in-block scores [..., G, Tq, C], q e^{G_t} [..., G, Tq, D] (reads
+    S_0), k e^{G_C - G_s} [..., C, D] (writes the block into the next state) and e^{G_C} [...] (carries S_0 over
+    the block).
     """
+    q, k, v, log_alpha, beta, erase = operands
     c = k.shape[-2]
     index = torch.arange(c, device=k.device)
     cum = log_alpha.cumsum(-1)
@@ -100,7 +94,7 @@ def delta_parallel(
     if state is not None:  # computed in the state's dtype (float32 states of a half-precision model)
         q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)
         log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
-    w, u, scores, q_state, k_state, carry = _block_terms(q, k, v, log_alpha, beta, erase, steps)
+    w, u, scores, q_state, k_state, carry = _block_terms((q, k, v, log_alpha, beta, erase), steps)
     if state is None:
         return scores @ u.unsqueeze(2), k_state.transpose(-1, -2) @ u
     u = u - w @ state
@@ -207,17 +201,11 @@ class _ChunkRecurrence(torch.autograd.Function):
 
 
 def _chunk_group(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_alpha: torch.Tensor,
-    beta: torch.Tensor,
-    erase: torch.Tensor,
-    state: torch.Tensor,
-    chunk_size: int,
-    steps: int,
+    operands: tuple[torch.Tensor, ...], state: torch.Tensor, chunk_size: int, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Consecutive tokens (delta_chunked's layout) from state [X, D, E]: (o [B, chunks * Cq, Hk, G, E], state)."""
+    """Consecutive tokens (delta_chunked's layout) from state [X, D, E]: (o [B, chunks * Cq, Hk, G, E], state);
+    ``operands``: q, k, v, log_alpha, beta, erase."""
+    q, k, v, log_alpha, beta, erase = operands
     b, hk, groups, t, d = q.shape
     e = v.shape[-1]
     pad = (-t) % chunk_size
@@ -308,13 +296,13 @@ def delta_chunked(
     # kept: about one more forward, for activation memory that no longer grows with the chunk size
     tracked = torch.is_grad_enabled() and any(y.requires_grad for y in (q, k, v, log_alpha, beta, erase, state))
     outs = []
-    for qg, kg, vg, lag, bg, eg in pieces:
+    for group in pieces:
         if tracked:
-            o, state = checkpoint(_chunk_group, qg, kg, vg, lag, bg, eg, state, chunk_size, steps,
+            o, state = checkpoint(_chunk_group, group, state, chunk_size, steps,
                                   use_reentrant=False, preserve_rng_state=False)
         else:
-            o, state = _chunk_group(qg, kg, vg, lag, bg, eg, state, chunk_size, steps)
-        outs.append(o[:, : qg.shape[3]])
+            o, state = _chunk_group(group, state, chunk_size, steps)
+        outs.append(o[:, : group[0].shape[3]])
     # one copy into [B, T, Hk, G, E] memory (a cat, whose backward only slices), returned as [B, Hk, G, T, E]
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return out.permute(0, 2, 3, 1, 4), state.view(b, hk, d, e)

@@ -51,19 +51,20 @@ def deltaformer_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     write: torch.Tensor | None,
-    past_keys: torch.Tensor,
-    past_u: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
     key_real: torch.Tensor | None,
     scale: float,
     key_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """New tokens after ``P`` cached ones: returns (o [B, Hk, G, T, E], every key [B, Hk, P + T, D], every u).
+    """New tokens after ``P`` cached ones (``cache``: their keys and u's): returns (o [B, Hk, G, T, E], every key
+    [B, Hk, P + T, D], every u).
 
     O((P + T) T D) for the scores plus one [T, T] unit lower triangular solve per key head.
     """
+    past_keys, past_u = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return deltaformer_step(q, k, v, write, past_keys, past_u, key_real, scale, key_scale)
+        return deltaformer_step(q, k, v, write, cache, key_real, (scale, key_scale))
     keys = torch.cat([past_keys, k], dim=2) if num_past else k
     before = key_visibility(num_past, num_new, key_real, True, k.device)
     feedback = masked_softmax((k @ keys.transpose(-1, -2)) * key_scale, before)  # B rows: [B, Hk, T, P + T]
@@ -81,22 +82,17 @@ def deltaformer_attention(
 
 
 def deltaformer_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    write: torch.Tensor | None,
-    past_keys: torch.Tensor,
-    past_u: torch.Tensor,
-    key_real: torch.Tensor | None,
-    scale: float,
-    key_scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor | None,
+    cache: tuple[torch.Tensor, torch.Tensor], key_real: torch.Tensor | None, scales: tuple[float, float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One new token after ``P >= 1`` cached ones, with one pass over the cached keys and one over the u's.
 
     The new key's feedback row (keys j < t) and the G query rows (keys j <= t) share the score product with the
     cached keys and the read of the cached u's; the query rows then add the new token's own term, whose u is
     only known after the feedback row is read. Same result as :func:`deltaformer_attention` up to rounding.
+    ``cache``: the cached keys and u's; ``scales``: (scale, key_scale).
     """
+    (past_keys, past_u), (scale, key_scale) = cache, scales
     rows = torch.cat([k * key_scale, q[:, :, :, 0] * scale], dim=2)  # [B, Hk, 1 + G, D]
     scores = rows @ past_keys.transpose(-1, -2)  # [B, Hk, 1 + G, P]
     if key_real is not None:

@@ -27,11 +27,23 @@ business (beta = 0 and log_gamma = 0 leave both states untouched).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 SOLVERS = ("cg", "exact")
+
+
+class MesaOperands(NamedTuple):
+    """What every form reads besides the states (shapes in the module docstring)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    log_gamma: torch.Tensor
+    beta: torch.Tensor
+    lam: torch.Tensor
 
 
 def conjugate_gradient(
@@ -128,18 +140,14 @@ def _outer(k: torch.Tensor) -> torch.Tensor:
 
 
 def mesa_parallel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_gamma: torch.Tensor,
-    beta: torch.Tensor,
-    lam: torch.Tensor,
+    operands: MesaOperands,
     h0: torch.Tensor | None = None,
     g0: torch.Tensor | None = None,
     solver: str = "exact",
     cg_steps: int = 30,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole sequence at once: returns (o [B, Hk, G, T, E], final H, final G)."""
+    q, k, v, log_gamma, beta, lam = operands
     b, hk, groups, t, d = q.shape
     w, cum = _decay_weights(log_gamma, beta)  # [B, Hk, T, T]
     h_all = (w @ _outer(k)).view(b, hk, t, d, d)
@@ -156,12 +164,7 @@ def mesa_parallel(
 
 
 def mesa_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_gamma: torch.Tensor,
-    beta: torch.Tensor,
-    lam: torch.Tensor,
+    operands: MesaOperands,
     h0: torch.Tensor,
     g0: torch.Tensor,
     chunk_size: int = 64,
@@ -176,6 +179,7 @@ def mesa_chunked(
     product per chunk), then the chunks are solved a few at a time (CG's vectors small enough to stay in cache)
     and read at once.
     """
+    q, k, v, log_gamma, beta, lam = operands
     b, hk, groups, t, d = q.shape
     e = v.shape[-1]
     pad = (-t) % chunk_size
@@ -250,12 +254,7 @@ def _chunk_solves(
 
 
 def mesa_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_gamma: torch.Tensor,
-    beta: torch.Tensor,
-    lam: torch.Tensor,
+    operands: MesaOperands,
     h: torch.Tensor,
     g: torch.Tensor,
     solver: str = "exact",
@@ -263,6 +262,7 @@ def mesa_step(
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token (T == 1): returns (o [B, Hk, G, 1, E], new H, new G); ``in_place`` writes them into h and g."""
+    q, k, v, log_gamma, beta, lam = operands
     gamma = log_gamma.exp()[..., None]  # [B, Hk, 1, 1]
     written = (k * beta[..., None]).transpose(-1, -2)  # beta k as a column: [B, Hk, D, 1]
     if in_place:

@@ -45,19 +45,19 @@ def path_attention(
     v: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor,
-    past_keys: torch.Tensor,
-    past_values: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
     key_real: torch.Tensor | None,
     scale: float,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """New tokens after ``P`` cached ones, in blocks of ``chunk_size``.
+    """New tokens after ``P`` cached ones (``cache``: their keys and values), in blocks of ``chunk_size``.
 
     Returns (o [B, Hk, G, T, E], every key transported to the last token [B, Hk, P + T, D], every value).
     """
+    past_keys, past_values = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
     if num_new == 1 and num_past:
-        return path_step(q, k, v, w, b, past_keys, past_values, key_real, scale)
+        return path_step(q, k, v, (w, b), cache, key_real, scale)
     keys, values = past_keys, past_values
     seen = key_visibility(num_past, num_new, key_real, False, k.device).unsqueeze(2)  # [B|1, 1, 1, T, P + T]
     outs = []
@@ -80,19 +80,14 @@ def path_attention(
 
 
 def path_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor,
-    past_keys: torch.Tensor,
-    past_values: torch.Tensor,
-    key_real: torch.Tensor | None,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, householder: tuple[torch.Tensor, torch.Tensor],
+    cache: tuple[torch.Tensor, torch.Tensor], key_real: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One new token after ``P >= 1`` cached ones: one product of [w; queries] with the cached keys gives both
     ``K~ w`` (for carrying the keys over H_t) and the queries' scores, ``q . H_t k~_j = q . k~_j - b (q . w)
-    (k~_j . w)``; the carried keys are written straight into the grown cache. Same result as the block form."""
+    (k~_j . w)``; the carried keys are written straight into the grown cache. Same result as the block form.
+    ``householder``: (w, b) of the token; ``cache``: the cached keys and values."""
+    (w, b), (past_keys, past_values) = householder, cache
     bsz, hk, num_past, d = past_keys.shape
     wt, qt = w[:, :, 0], q[:, :, :, 0]  # [B, Hk, D], [B, Hk, G, D]
     bt = b[:, :, :1]  # [B, Hk, 1]

@@ -60,6 +60,12 @@ def check_not_above(spec: Mapping[str, Any], where: str, low: str, high: str) ->
         raise ValueError(f"{where}: option {low!r} ({spec[low]}) is above {high!r} ({spec[high]})")
 
 
+def check_kind(kind: str, known: tuple[str, ...], what: str, where: str) -> None:
+    """Raise unless ``kind`` is one of ``known`` (``what``: the name the message gives it)."""
+    if kind not in known:
+        raise ValueError(f"{where}: unknown {what} {kind!r}; known: {list(known)}")
+
+
 def check_gate_after_norm(spec: Mapping[str, Any], where: str) -> None:
     """An output gate multiplies the normalized output, so it needs ``output_norm``."""
     if spec["output_gate"] and not spec["output_norm"]:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mixer_base import MixerShape
+from .options import check_kind
 
 OUTPUT_NORMS = ("l2", "rms", "layernorm")
 
@@ -18,10 +19,7 @@ class OutputNorm(nn.Module):
 
     def __init__(self, kind: str, shape: MixerShape, dim: int, eps: float) -> None:
         super().__init__()
-        if kind not in OUTPUT_NORMS:
-            raise ValueError(
-                f"layer {shape.layer_idx}: unknown output norm {kind!r}; known: {list(OUTPUT_NORMS)}"
-            )
+        check_kind(kind, OUTPUT_NORMS, "output norm", f"layer {shape.layer_idx}")
         self.kind = kind
         self.eps = eps
         self.groups = (shape.num_kv_heads, shape.groups)
