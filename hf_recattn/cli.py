@@ -210,6 +210,8 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--teacher", default="embedded", help="embedded (SmolLM2-135M-Instruct), a .gguf file, a "
                    "model folder or a Hub id")
+    p.add_argument("--teacher-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="load the teacher in this dtype (the student trains in float32)")
     p.add_argument("--recipe", required=True, help="a packaged recipe name or a .yaml file")
     p.add_argument("--output", required=True, help="output folder (resumed when it holds the same run)")
     p.add_argument("--budget", default="quick", help="a budget of the recipe: quick or full")
@@ -240,7 +242,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         try:
             convert(teacher=args.teacher, recipe=args.recipe, output=args.output, budget=args.budget,
                     seed=args.seed, overwrite=args.overwrite, data=args.corpus, progress=not args.no_progress,
-                    evaluate_models=not args.no_eval)
+                    evaluate_models=not args.no_eval, teacher_dtype=args.teacher_dtype)
         except (NonFiniteLossError, FileNotFoundError) as err:
             print(f"hf-recattn convert: error: {err}", file=sys.stderr)
             return 3 if isinstance(err, NonFiniteLossError) else 2

@@ -4,18 +4,23 @@ interrupt, refusing a folder that holds another run, determinism, and the NaN st
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_teacher_folder, write_recipe
+from safetensors.torch import load_file
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
 from hf_recattn.conversion import attention_transfer as at
 from hf_recattn.conversion import finetune as ft
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.training.parallel import local_share
 
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
 #: window + sinks + a gated delta far part (the hybrid-w64-sink4-gdn recipe in miniature)
@@ -176,7 +181,7 @@ def test_resume_after_interrupt_skips_finished_stage(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ft, "finetune", interrupted)
+    monkeypatch.setattr("hf_recattn.conversion.pipeline.finetune", interrupted)
     assert main(_args(assets, out, "linear", "--no-eval")) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
     assert (out / "stage1" / "result" / "summary.json").is_file() and not (out / "model").exists()
@@ -223,7 +228,6 @@ def test_continues_from_an_earlier_conversion(
 ) -> None:
     """``init`` starts the student from a converted checkpoint, not from the teacher's copy, and
     ``stage2.skip_tokens`` trains stage 2 on the corpus text after the first run's."""
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     first = tmp_path / "first"
@@ -238,7 +242,7 @@ def test_continues_from_an_earlier_conversion(
         seen["blocks"] = blocks.clone()
         return real_finetune(teacher, student, blocks, *args, **kwargs)
 
-    monkeypatch.setattr(ft, "finetune", spy)
+    monkeypatch.setattr("hf_recattn.conversion.pipeline.finetune", spy)
     assets = {**assets, "more": more}
     assert main(_args(assets, tmp_path / "more", "more", "--no-eval")) == 0
     assert "starting from the converted checkpoint" in capsys.readouterr().out
@@ -342,3 +346,60 @@ def test_atomic_writes_keep_the_usual_permissions(tmp_path: Path) -> None:
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~mask
     assert (tmp_path / "d").stat().st_mode & 0o777 == 0o777 & ~mask
     assert (tmp_path / "d" / "f").read_text() == "y" and not list(tmp_path.glob(".tmp-*"))
+
+
+# ----- several processes, bfloat16 teachers -------------------------------------------------------------------
+QUIET = ("--no-eval", "--threads", "1")
+
+
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_two_processes_convert_like_one(assets: dict[str, Path], tmp_path: Path) -> None:
+    """Stage 1 (hand-written loop, gradients all-reduced) and stage 2 (Trainer, DDP) on 2 x 2 blocks per step
+    against 1 process on 4: the same stage-1 parameters and the same converted model; only rank 0 writes."""
+    assert main(_args(assets, tmp_path / "one", "linear", *QUIET)) == 0
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_RECATTN_CACHE": str(tmp_path / "cache")}
+    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "hf_recattn.cli",
+               *_args(assets, tmp_path / "two", "linear", *QUIET)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("saved the converted model") == 1  # rank 0 logs and writes
+    one, two = tmp_path / "one", tmp_path / "two"
+    stage1 = "stage1/result/mixer.safetensors"
+    assert _largest_difference(load_file(one / stage1), load_file(two / stage1)) <= 1e-5
+    model = "model/model.safetensors"
+    assert _largest_difference(load_file(one / model), load_file(two / model)) <= 1e-5
+    summary = json.loads((two / "stage1/result/summary.json").read_text())
+    assert summary["steps"] == 6 and summary["tokens"] == 6 * 4 * 32  # the recipe's batches, shared out
+    # the comparison can tell runs apart: another seed gives another model
+    assert main(_args(assets, tmp_path / "seed1", "linear", *QUIET, "--seed", "1")) == 0
+    assert _largest_difference(load_file(one / model), load_file(tmp_path / "seed1" / model)) > 1e-3
+
+
+def test_a_batch_that_does_not_split_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"stage1.batch_size 4 does not split over 3 processes"):
+        local_share(4, "stage1.batch_size")
+
+
+def test_bfloat16_teacher_float32_student(assets: dict[str, Path], tmp_path: Path) -> None:
+    """``--teacher-dtype bfloat16``: the teacher runs in bfloat16, the student (a copy of its bfloat16 weights)
+    trains and is saved in float32, and the run says which dtype its teacher had."""
+    out = tmp_path / "bf16"
+    assert main(_args(assets, out, "linear", "--threads", "1", "--teacher-dtype", "bfloat16")) == 0
+    saved = load_file(out / "model" / "model.safetensors")
+    assert {value.dtype for value in saved.values()} == {torch.float32}
+    teacher_weights = load_file(assets["teacher"] / "model.safetensors")
+    key = "model.layers.0.mlp.gate_proj.weight"  # not trained by either stage: the teacher's, rounded
+    assert torch.equal(saved[key], teacher_weights[key].to(torch.bfloat16).float())
+    assert not torch.equal(saved[key], teacher_weights[key])
+    stage1 = json.loads((out / "stage1/result/summary.json").read_text())
+    assert all(0 < value < 1 for value in stage1["relative_last"].values())
+    assert json.loads((out / "run.json").read_text())["teacher_dtype"] == "bfloat16"
+    report = json.loads((out / "report.json").read_text())
+    assert report["teacher_dtype"] == "bfloat16"
+    assert all(0 < row["perplexity"] < 200 for row in report["comparison"].values())  # teacher and student

@@ -354,6 +354,8 @@ def test_bad_finetune_inputs(pretrained: Any, files: dict[str, Path], tmp_path: 
         (dict(block_size=512), "block_size 512 is above the model's max_position_embeddings 128"),
         (dict(method="adapter"), "method: 'adapter' is not one of"),
         (dict(lora={"rank": 4}), "lora: rank: not a LoRA option"),
+        (dict(lora={"r": 0}), "lora.r must be > 0"),  # the same LoRA checks as a recipe's stage2.lora
+        (dict(lora={"dropout": "high"}), "lora.dropout must be float"),
         (dict(training={"num_train_epoch": 1}), "did you mean num_train_epochs"),
     ]
     for values, expected in cases:

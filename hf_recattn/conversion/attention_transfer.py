@@ -24,9 +24,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..modeling.mixer_base import MixerInputs
 from ..modeling.modeling import rotate_queries_and_keys
+from ..training import parallel
+from ..training.forms import decoder_layers as _decoder_layers
+from ..training.forms import fastest_forms
+from ..training.runner import NonFiniteLossError
 from .checkpoints import (
     atomic_dir,
     latest_step_dir,
@@ -36,10 +41,6 @@ from .checkpoints import (
     step_dir,
 )
 from .recipe import Stage1Settings
-
-
-class NonFiniteLossError(RuntimeError):
-    """A distillation loss became NaN or infinite; the message names the stage, step and layer."""
 
 
 @dataclass
@@ -111,17 +112,6 @@ def load_mixer_state(
     with torch.no_grad():
         for name, param in expected.items():
             param.copy_(tensors[name].to(param.dtype))
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper
-    if callable(get_base):
-        model = get_base()
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers")
-    return layers
 
 
 # ----- capturing the teacher -------------------------------------------------------------------------------
@@ -223,79 +213,6 @@ def attention_kl_divergence(log_p: torch.Tensor, weights: torch.Tensor) -> torch
     return terms.sum(-1).mean()
 
 
-# ----- picking the faster training form ---------------------------------------------------------------------
-def _time_form(mixer: nn.Module, form: str, seq_len: int, hidden_size: int, repeats: int = 2) -> float:
-    shape = mixer.shape
-    device = next((p.device for p in mixer.parameters()), torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    best = float("inf")
-    for _ in range(repeats):
-        q = (
-            torch.randn(1, shape.num_heads, seq_len, shape.head_dim, generator=gen)
-            .to(device)
-            .requires_grad_()
-        )
-        k = (
-            torch.randn(1, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
-            .to(device)
-            .requires_grad_()
-        )
-        v = (
-            torch.randn(1, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
-            .to(device)
-            .requires_grad_()
-        )
-        inputs = MixerInputs(hidden_states=torch.randn(1, seq_len, hidden_size, generator=gen).to(device))
-        start = time.perf_counter()
-        if form == "parallel":
-            out = mixer.parallel(q, k, v, inputs)
-        else:
-            out, _ = mixer.chunked(q, k, v, inputs, mixer.init_state(1, device, q.dtype))
-        out.float().square().mean().backward()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-@contextlib.contextmanager
-def fastest_forms(model: nn.Module, seq_len: int, enabled: bool = True) -> Iterator[dict[str, str]]:
-    """Without a cache at ``seq_len`` (training, perplexity), run each mixer in its faster form.
-
-    Both forms compute the same function (the mixer contract, tested per family); which one is faster
-    depends on the family and the length (a quadratic parallel form wins at short lengths for Taylor
-    mixers, the chunked one for Heinsen's). Each distinct spec is timed once (forward + backward on random
-    inputs); a mixer whose parallel form wins has ``has_chunked`` switched off on the instance until exit.
-    Yields ``{spec as JSON: chosen form}``.
-    """
-    chosen: dict[str, str] = {}
-    switched: list[nn.Module] = []
-    if enabled:
-        layers = _decoder_layers(model)
-        hidden_size = getattr(model.config, "hidden_size", None)
-        for layer in layers:
-            mixer = layer.self_attn.mixer
-            if "has_chunked" in vars(mixer):  # an enclosing fastest_forms already chose for this mixer
-                continue
-            key = json.dumps(mixer.spec, sort_keys=True, default=str)
-            if key not in chosen:
-                chunk = mixer.spec.get("chunk_size")
-                if not mixer.has_chunked or chunk is None or seq_len <= chunk or hidden_size is None:
-                    chosen[key] = "default"
-                else:
-                    with torch.enable_grad():
-                        par = _time_form(mixer, "parallel", seq_len, hidden_size)
-                        chk = _time_form(mixer, "chunked", seq_len, hidden_size)
-                    mixer.zero_grad(set_to_none=True)
-                    chosen[key] = "parallel" if par < chk else "chunked"
-            if chosen[key] == "parallel":
-                mixer.has_chunked = False  # instance attribute: Mixer.forward then takes the parallel form
-                switched.append(mixer)
-    try:
-        yield chosen
-    finally:
-        for mixer in switched:
-            del mixer.has_chunked  # back to the class attribute
-
-
 # ----- the training loop ------------------------------------------------------------------------------------
 def lr_at(step: int, total: int, settings: Stage1Settings) -> float:
     """Linear warm-up, then cosine decay to ``lr * min_lr_fraction``."""
@@ -339,137 +256,185 @@ def attention_transfer(
     ``NonFiniteLossError`` naming the layer and step, after saving the last good parameters.
     ``pick_forms``: train each mixer in its faster form (see ``fastest_forms``). ``on_step(step, student)``
     runs after every optimizer step (the benchmark measures perplexity there).
+
+    Under ``torchrun`` (several processes) each process takes ``batch_size / processes`` blocks of every
+    step's batch, the gradients and the logged losses are averaged over the processes, and rank 0 writes the
+    checkpoints: the run equals one process on the same batches.
     """
     if blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(
             f"stage 1: need a non-empty [N, block] tensor of token ids, got {tuple(blocks.shape)}"
         )
-    projections = tuple(settings.projections)
-    groups = mixer_parameters(student, projections)
-    result = TransferResult(steps=0, tokens=0)
+    groups = mixer_parameters(student, tuple(settings.projections))
     if not groups or settings.tokens <= 0:
-        return result
-    tokens_per_step = settings.batch_size * blocks.shape[1]
-    total = max(1, settings.tokens // tokens_per_step)
-    schedule = batch_schedule(blocks.shape[0], settings.batch_size, total, seed)
-
-    teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    for p in student.parameters():
-        p.requires_grad_(False)
-    layers = sorted(groups)
-    for i in layers:
-        for p in groups[i].values():
-            p.requires_grad_(True)
-    result.trainable_parameters = sum(p.numel() for i in layers for p in groups[i].values())
-    param_groups = []
-    for i in layers:
-        mixer = [p for n, p in groups[i].items() if ".mixer." in n]
-        projs = [p for n, p in groups[i].items() if ".mixer." not in n]
-        if mixer:
-            param_groups.append({"params": mixer, "layer": i, "lr_scale": 1.0})
-        if projs:
-            param_groups.append(
-                {"params": projs, "layer": i, "lr_scale": settings.projection_lr / settings.lr}
-            )
-    optimizer = torch.optim.AdamW(param_groups, lr=settings.lr, weight_decay=0.0)
-
-    start = 0
-    history: dict[str, Any] = {"first_loss": {}, "count": 0}
-    if checkpoint_dir is not None:
-        start, history = _resume(Path(checkpoint_dir), student, optimizer, total, projections)
-    result.resumed_from = start
-
-    device = next(student.parameters()).device
-    rotary = getattr(student, "model", student).rotary_emb
+        return TransferResult(steps=0, tokens=0)
+    run = _Transfer(teacher, student, groups, settings, blocks.shape[1], checkpoint_dir, keep_checkpoints)
+    schedule = batch_schedule(blocks.shape[0], settings.batch_size, run.total, seed)
+    share = parallel.local_share(settings.batch_size, "stage1.batch_size")
+    mine = slice(parallel.rank() * share, (parallel.rank() + 1) * share)
     began = time.perf_counter()
-    last_step = start
     student.train()
-    stack = contextlib.ExitStack()
-    result.forms = stack.enter_context(fastest_forms(student, blocks.shape[1], pick_forms))
-    bar = _progress(total, start, progress)
-    try:
-        for step in range(start, total):
-            ids = blocks[schedule[step]].to(device)
-            io = teacher_attention_io(teacher, ids)
-            positions = torch.arange(ids.shape[1], device=device)[None]
-            position_embeddings = rotary(io[0][0], position_ids=positions)
-            lr = lr_at(step, total, settings)
-            optimizer.zero_grad(set_to_none=True)
-            losses: dict[int, float] = {}
-            relative: dict[int, float] = {}
-            kls: dict[int, float] = {}
-            for i in layers:
-                hidden, target = io[i]
-                log_p = teacher_log_weights(teacher, i, hidden, position_embeddings) if settings.attention_kl else None
-                pred, kl = student_attention(student, i, hidden, position_embeddings, log_p)
-                mse = torch.nn.functional.mse_loss(pred.float(), target.float())
-                power = float(target.float().pow(2).mean())
-                # the KL in units of the output MSE relative to the target's power: one weight for every layer
-                loss = mse if kl is None else mse + settings.attention_kl * power * kl
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    if checkpoint_dir is not None:  # the parameters are still those of the last good step
-                        _save(
-                            Path(checkpoint_dir),
-                            step,
-                            student,
-                            optimizer,
-                            history,
-                            keep_checkpoints,
-                            projections,
-                        )
-                    where = (
-                        f" (last good checkpoint: step {step} in {checkpoint_dir})" if checkpoint_dir else ""
-                    )
-                    raise NonFiniteLossError(
-                        f"stage 1: layer {i}: attention-transfer loss is {value} at step {step}{where}; "
-                        "lower stage1.lr or check the mixer spec of this layer"
-                    )
-                loss.backward()
-                losses[i] = float(mse.detach())
-                relative[i] = losses[i] / max(power, 1e-12)
-                if kl is not None:
-                    kls[i] = float(kl.detach())
-            for i in layers:  # clip each layer on its own: layers stay independent problems
-                torch.nn.utils.clip_grad_norm_(list(groups[i].values()), settings.max_grad_norm)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            optimizer.step()
-            _accumulate(history, losses, relative, kls)
-            last_step = step + 1
+    with fastest_forms(student, blocks.shape[1], pick_forms) as forms, _progress(run, progress) as bar:
+        for step in range(run.start, run.total):
+            run.step(step, blocks[schedule[step][mine]].to(run.device))
             if bar is not None:
                 bar.update(1)
-                extra = {"kl": f"{_mean(kls):.3f}"} if kls else {}
-                bar.set_postfix(mse=f"{sum(losses.values()) / len(losses):.3g}", rel=f"{_mean(relative):.3f}", **extra)
+                bar.set_postfix(**run.postfix())
             if on_step is not None:
-                on_step(last_step, student)
-            if checkpoint_dir is not None and (last_step % settings.save_every == 0 or last_step == total):
-                _save(
-                    Path(checkpoint_dir),
-                    last_step,
-                    student,
-                    optimizer,
-                    history,
-                    keep_checkpoints,
-                    projections,
-                )
-    finally:
-        if bar is not None:
-            bar.close()
-        stack.close()
-    student.eval()
-    for p in student.parameters():
-        p.requires_grad_(False)
-    result.steps = last_step
-    result.tokens = last_step * tokens_per_step
-    result.seconds = time.perf_counter() - began
-    result.first_loss = {int(k): v for k, v in history["first_loss"].items()}
-    result.last_loss = {int(k): v for k, v in history.get("last_loss", {}).items()}
-    result.relative_last = {int(k): v for k, v in history.get("last_rel", {}).items()}
-    result.attention_kl_last = {int(k): v for k, v in history.get("last_kl", {}).items()}
-    return result
+                on_step(run.done, student)
+            if run.done % settings.save_every == 0 or run.done == run.total:
+                run.checkpoint(run.done)
+    return run.result(time.perf_counter() - began, forms)
+
+
+class _Transfer:
+    """One stage-1 run in named steps: set up (freeze, optimizer groups, resume), ``step``, ``checkpoint``,
+    ``result``."""
+
+    def __init__(
+        self,
+        teacher: nn.Module,
+        student: nn.Module,
+        groups: dict[int, dict[str, nn.Parameter]],
+        settings: Stage1Settings,
+        block_size: int,
+        checkpoint_dir: str | Path | None,
+        keep: int,
+    ) -> None:
+        self.teacher, self.student, self.groups, self.settings = teacher, student, groups, settings
+        self.layers = sorted(groups)
+        self.projections = tuple(settings.projections)
+        self.tokens_per_step = settings.batch_size * block_size
+        self.total = max(1, settings.tokens // self.tokens_per_step)
+        self.folder = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.keep = keep
+        self.device = next(student.parameters()).device
+        self.dtype = next(student.parameters()).dtype  # a bfloat16 teacher's activations are cast to it
+        self.rotary = getattr(student, "model", student).rotary_emb
+        self._freeze()
+        self.optimizer = self._optimizer()
+        self.start, self.history = 0, {"first_loss": {}, "count": 0}
+        if self.folder is not None:
+            self.start, self.history = _resume(self.folder, student, self.optimizer, self.total, self.projections)
+        self.done = self.start
+        self.last: tuple[dict[int, float], dict[int, float], dict[int, float]] = ({}, {}, {})
+
+    def _freeze(self) -> None:
+        """Teacher and student frozen but for the parameters stage 1 trains."""
+        self.teacher.eval()
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+        for p in self.student.parameters():
+            p.requires_grad_(False)
+        for i in self.layers:
+            for p in self.groups[i].values():
+                p.requires_grad_(True)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """AdamW with a group per layer (and one for its projections, at ``projection_lr``)."""
+        settings = self.settings
+        param_groups = []
+        for i in self.layers:
+            mixer = [p for n, p in self.groups[i].items() if ".mixer." in n]
+            projs = [p for n, p in self.groups[i].items() if ".mixer." not in n]
+            if mixer:
+                param_groups.append({"params": mixer, "layer": i, "lr_scale": 1.0})
+            if projs:
+                param_groups.append({"params": projs, "layer": i, "lr_scale": settings.projection_lr / settings.lr})
+        return torch.optim.AdamW(param_groups, lr=settings.lr, weight_decay=0.0)
+
+    def step(self, step: int, ids: torch.Tensor) -> None:
+        """One optimizer step on this process's blocks ``ids``: every layer's loss, backward, gradients averaged
+        over the processes, per-layer clipping, AdamW."""
+        settings = self.settings
+        io = teacher_attention_io(self.teacher, ids)
+        positions = torch.arange(ids.shape[1], device=self.device)[None]
+        position_embeddings = self.rotary(io[0][0].to(self.dtype), position_ids=positions)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: dict[int, float] = {}
+        relative: dict[int, float] = {}
+        kls: dict[int, float] = {}
+        for i in self.layers:
+            hidden, target = io[i]
+            log_p = teacher_log_weights(self.teacher, i, hidden, position_embeddings) if settings.attention_kl else None
+            pred, kl = student_attention(self.student, i, hidden.to(self.dtype), position_embeddings, log_p)
+            mse = torch.nn.functional.mse_loss(pred.float(), target.float())
+            # the batch's values: averaged over the processes (each holds an equal share of the batch)
+            mse_value, power, kl_value = _batch_means(mse, target.float().pow(2).mean(), kl)
+            # the KL in units of the output MSE relative to the target's power: one weight for every layer
+            loss = mse if kl is None else mse + settings.attention_kl * power * kl
+            value = mse_value if kl is None else mse_value + settings.attention_kl * power * kl_value
+            if not math.isfinite(value):
+                self._stop(step, i, value)
+            loss.backward()
+            losses[i] = mse_value
+            relative[i] = losses[i] / max(power, 1e-12)
+            if kl is not None:
+                kls[i] = kl_value
+        parallel.average([p.grad for i in self.layers for p in self.groups[i].values() if p.grad is not None])
+        for i in self.layers:  # clip each layer on its own: layers stay independent problems
+            torch.nn.utils.clip_grad_norm_(list(self.groups[i].values()), settings.max_grad_norm)
+        lr = lr_at(step, self.total, settings)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        self.optimizer.step()
+        _accumulate(self.history, losses, relative, kls)
+        self.last = (losses, relative, kls)
+        self.done = step + 1
+
+    def _stop(self, step: int, layer: int, value: float) -> None:
+        """A non-finite loss: save the last good parameters (those of ``step``), then raise."""
+        self.checkpoint(step)
+        where = f" (last good checkpoint: step {step} in {self.folder})" if self.folder is not None else ""
+        raise NonFiniteLossError(
+            f"stage 1: layer {layer}: attention-transfer loss is {value} at step {step}{where}; "
+            "lower stage1.lr or check the mixer spec of this layer"
+        )
+
+    def checkpoint(self, step: int) -> None:
+        """Save the resumable state at ``step`` (rank 0 writes; the others wait)."""
+        if self.folder is None:
+            return
+        if parallel.is_main():
+            _save(self.folder, step, self.student, self.optimizer, self.history, self.keep, self.projections)
+        parallel.barrier()
+
+    def postfix(self) -> dict[str, str]:
+        """The progress bar's numbers after the last step."""
+        losses, relative, kls = self.last
+        extra = {"kl": f"{_mean(kls):.3f}"} if kls else {}
+        return {"mse": f"{sum(losses.values()) / len(losses):.3g}", "rel": f"{_mean(relative):.3f}", **extra}
+
+    def result(self, seconds: float, forms: dict[str, str]) -> TransferResult:
+        """The student frozen in eval mode, and what the run did."""
+        self.student.eval()
+        for p in self.student.parameters():
+            p.requires_grad_(False)
+        history = self.history
+        return TransferResult(
+            steps=self.done,
+            tokens=self.done * self.tokens_per_step,
+            first_loss={int(k): v for k, v in history["first_loss"].items()},
+            last_loss={int(k): v for k, v in history.get("last_loss", {}).items()},
+            relative_last={int(k): v for k, v in history.get("last_rel", {}).items()},
+            attention_kl_last={int(k): v for k, v in history.get("last_kl", {}).items()},
+            seconds=seconds,
+            resumed_from=self.start,
+            trainable_parameters=sum(p.numel() for i in self.layers for p in self.groups[i].values()),
+            forms=forms,
+        )
+
+
+def _batch_means(
+    mse: torch.Tensor, power: torch.Tensor, kl: torch.Tensor | None
+) -> tuple[float, float, float]:
+    """The MSE, the target's mean square and the KL term of the whole batch, as floats: this process's values
+    with one process, their mean over the processes with several."""
+    if parallel.world_size() == 1:
+        return float(mse.detach()), float(power), 0.0 if kl is None else float(kl.detach())
+    values = torch.stack([mse.detach(), power.detach(), mse.new_zeros(()) if kl is None else kl.detach().float()])
+    parallel.average([values])
+    return float(values[0]), float(values[1]), float(values[2])
 
 
 def _mean(values: dict[int, float]) -> float:
@@ -494,14 +459,15 @@ def _accumulate(
     history["count"] = history.get("count", 0) + 1
 
 
-def _progress(total: int, start: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total, initial=start, desc="stage 1 attention transfer", unit="step", dynamic_ncols=True
-    )
+@contextlib.contextmanager
+def _progress(run: _Transfer, enabled: bool) -> Iterator[Any]:
+    """A progress bar on the main process (None when off)."""
+    if not enabled or not parallel.is_main():
+        yield None
+        return
+    with tqdm(total=run.total, initial=run.start, desc="stage 1 attention transfer", unit="step",
+              dynamic_ncols=True) as bar:
+        yield bar
 
 
 def _save(

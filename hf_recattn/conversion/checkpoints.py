@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..training.runner import latest_trainer_checkpoint  # noqa: F401 (its home before the training package)
+
 RUN_FILE = "run.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _umask() -> int:
@@ -122,27 +123,6 @@ def prune_step_dirs(folder: str | os.PathLike, keep: int) -> None:
     )
     for _, child in steps[: max(len(steps) - keep, 0)]:
         shutil.rmtree(child, ignore_errors=True)
-
-
-def latest_trainer_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """The newest complete Trainer ``checkpoint-N`` (with ``trainer_state.json``); removes incomplete ones.
-
-    Trainer writes its checkpoint files in place and ``trainer_state.json`` among the last, so a folder
-    without it is the remains of an interrupted save.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    found: list[tuple[int, Path]] = []
-    for child in folder.iterdir():
-        match = _TRAINER_DIR.match(child.name)
-        if not match or not child.is_dir():
-            continue
-        if (child / "trainer_state.json").is_file():
-            found.append((int(match.group(1)), child))
-        else:
-            shutil.rmtree(child, ignore_errors=True)
-    return max(found)[1] if found else None
 
 
 # ----- the run identity -------------------------------------------------------------------------------------

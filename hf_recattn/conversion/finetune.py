@@ -1,378 +1,40 @@
-"""Stage 2 of conversion: finetuning with transformers' Trainer (LoRA adapters merged at the end, or every
-weight with ``method: full``), cross-entropy and/or KL to the teacher.
-
-The loss is a *sum* over predicted tokens divided by ``num_items_in_batch``, the number of predicted tokens
-in the whole accumulated batch that Trainer counts before the micro-batches run. The division makes each
-micro-batch's loss already scaled for gradient accumulation, so the trainer says so
-(``loss_is_scaled_for_ga = True``) and Trainer does not divide again. The gradient of one optimizer step is
-then the same for 1 micro-batch of 4 and for 4 micro-batches of 1, whatever the padding
-(tests/test_finetune.py checks this).
-
-Batches carry ``shift_labels`` (the next-token targets), which is what Trainer counts when present.
-"""
+"""Stage 2 of conversion: the training package's distillation finetune (``hf_recattn.training.distill``),
+Trainer with LoRA adapters merged at the end or every weight, cross-entropy and/or KL to the teacher."""
 
 from __future__ import annotations
 
-import math
-import time
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
-from .attention_transfer import NonFiniteLossError, fastest_forms
-from .checkpoints import latest_trainer_checkpoint
-from .recipe import Stage2Settings
+from ..training.distill import (
+    BlockDataset,
+    DistillTrainer,
+    FinetuneResult,
+    distill_loss_sum,
+    finetune,
+    finished_student,
+    separate_mixer_group,
+    trainable_student,
+    training_arguments,
+)
+from ..training.settings import Stage2Settings
+from ..training.trainable import is_mixer_parameter, merge_lora, wrap_lora
 
-
-# ----- data -------------------------------------------------------------------------------------------------
-class BlockDataset(torch.utils.data.Dataset):
-    """Fixed-length token blocks as causal-LM examples: ``input_ids``, ``labels`` and ``shift_labels``; with
-    ``weights`` ([N, block_size], weight i for the prediction of token i) also ``shift_weights``."""
-
-    def __init__(
-        self, blocks: torch.Tensor, attention_mask: torch.Tensor | None = None, weights: torch.Tensor | None = None
-    ) -> None:
-        if blocks.dim() != 2:
-            raise ValueError(f"stage 2: blocks must be [N, block_size], got {tuple(blocks.shape)}")
-        if weights is not None and weights.shape != blocks.shape:
-            raise ValueError(f"stage 2: weights {tuple(weights.shape)} must match blocks {tuple(blocks.shape)}")
-        self.blocks = blocks.long()
-        self.attention_mask = attention_mask
-        self.weights = weights
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids = self.blocks[index]
-        labels = ids.clone()
-        item = {"input_ids": ids}
-        if self.attention_mask is not None:
-            mask = self.attention_mask[index].long()
-            item["attention_mask"] = mask
-            labels = labels.masked_fill(mask == 0, -100)
-        item["labels"] = labels
-        item["shift_labels"] = torch.cat([labels[1:], labels.new_full((1,), -100)])
-        if self.weights is not None:
-            weights = self.weights[index].float()
-            item["shift_weights"] = torch.cat([weights[1:], weights.new_ones(1)])
-        return item
+__all__ = [
+    "BlockDataset",
+    "DistillTrainer",
+    "FinetuneResult",
+    "apply_lora",
+    "distill_loss_sum",
+    "finetune",
+    "finished_student",
+    "is_mixer_parameter",
+    "merge_lora",
+    "separate_mixer_group",
+    "trainable_student",
+    "training_arguments",
+]
 
 
-# ----- the loss ---------------------------------------------------------------------------------------------
-def distill_loss_sum(
-    student_logits: torch.Tensor,
-    shift_labels: torch.Tensor,
-    teacher_logits: torch.Tensor | None = None,
-    loss: str = "ce",
-    temperature: float = 1.0,
-    kl_weight: float = 1.0,
-    shift_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int]:
-    """Summed loss over the predicted positions (``shift_labels != -100``) and their count.
-
-    ``ce``: cross-entropy to the next token. ``kl``: ``T^2 * KL(teacher_T || student_T)`` per position, the
-    distributions taken at temperature ``T``. ``ce+kl``: ``ce + kl_weight * kl``. ``shift_weights`` (shaped like
-    ``shift_labels``) scales each position's loss; the count stays the number of positions.
-    """
-    mask = shift_labels != -100
-    count = int(mask.sum())
-    vocab = student_logits.shape[-1]
-    logits = student_logits[mask].float()
-    weights = None if shift_weights is None else shift_weights[mask].float()
-    total = logits.new_zeros(())
-    if loss in ("ce", "ce+kl"):
-        ce = F.cross_entropy(logits.view(-1, vocab), shift_labels[mask].view(-1), reduction="none")
-        total = total + (ce if weights is None else ce * weights).sum()
-    if loss in ("kl", "ce+kl"):
-        if teacher_logits is None:
-            raise ValueError(f"stage 2: loss {loss!r} needs the teacher's logits")
-        t = temperature
-        log_p_teacher = F.log_softmax(teacher_logits[mask].float() / t, dim=-1)
-        log_p_student = F.log_softmax(logits / t, dim=-1)
-        kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1) * (t * t)
-        kl = (kl if weights is None else kl * weights).sum()
-        total = total + (kl_weight if loss == "ce+kl" else 1.0) * kl
-    elif loss != "ce":
-        raise ValueError(f"stage 2: unknown loss {loss!r}; use ce, kl or ce+kl")
-    return total, count
-
-
-class DistillTrainer(Trainer):
-    """Trainer with cross-entropy and/or KL to a frozen teacher, normalized over the accumulated batch."""
-
-    loss_is_scaled_for_ga = True
-
-    def __init__(
-        self,
-        *args: Any,
-        teacher: nn.Module | None = None,
-        loss: str = "ce",
-        temperature: float = 1.0,
-        kl_weight: float = 1.0,
-        mixer_lr: float | None = None,
-        mixer_eps: float | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.mixer_lr = mixer_lr
-        self.mixer_eps = mixer_eps
-        if loss != "ce" and teacher is None:
-            raise ValueError(f"stage 2: loss {loss!r} needs a teacher model")
-        self.teacher = teacher
-        if teacher is not None:
-            teacher.eval()
-            teacher.requires_grad_(False)
-            teacher.to(self.args.device)
-        self.distill_loss = loss
-        self.temperature = temperature
-        self.kl_weight = kl_weight
-        self.model_accepts_loss_kwargs = True  # so that Trainer counts num_items_in_batch for us
-
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """Trainer's optimizer; with ``mixer_lr`` or ``mixer_eps`` set, the mixer parameters in a group of their own."""
-        fresh = self.optimizer is None
-        optimizer = super().create_optimizer(model)
-        if fresh and (self.mixer_lr is not None or self.mixer_eps is not None):
-            lr = self.args.learning_rate if self.mixer_lr is None else self.mixer_lr
-            group: dict[str, Any] = {"lr": lr, "weight_decay": 0.0}
-            if self.mixer_eps is not None:
-                group["eps"] = self.mixer_eps
-            separate_mixer_group(optimizer, self.model if model is None else model, group)
-        return optimizer
-
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> Any:
-        shift_labels = inputs["shift_labels"]
-        forward = {"input_ids": inputs["input_ids"]}
-        if "attention_mask" in inputs:
-            forward["attention_mask"] = inputs["attention_mask"]
-        outputs = model(**forward, use_cache=False)
-        teacher_logits = None
-        if self.distill_loss != "ce":
-            with torch.no_grad():
-                teacher_logits = self.teacher(**forward, use_cache=False).logits
-        total, count = distill_loss_sum(
-            outputs.logits, shift_labels, teacher_logits, self.distill_loss, self.temperature, self.kl_weight,
-            inputs.get("shift_weights"),
-        )
-        if num_items_in_batch is not None:
-            denominator = float(num_items_in_batch)
-        else:  # no count from Trainer (outside train()): this micro-batch's mean, scaled for accumulation
-            steps = self.current_gradient_accumulation_steps if model.training else 1
-            denominator = max(count, 1) * steps
-        value = total / max(denominator, 1.0)
-        if not torch.isfinite(value.detach()):
-            last = latest_trainer_checkpoint(self.args.output_dir)
-            raise NonFiniteLossError(
-                f"stage 2: loss is {float(value.detach())} at step {self.state.global_step}"
-                f" (last good checkpoint: {last or 'none yet'}); lower stage2.lr or check stage 1"
-            )
-        return (value, outputs) if return_outputs else value
-
-
-def is_mixer_parameter(name: str) -> bool:
-    """A mixer's own parameter (a feature map, a gate), not a LoRA factor: its name passes through ``mixer``."""
-    return ".mixer." in f".{name}." and "lora_" not in name
-
-
-def separate_mixer_group(optimizer: torch.optim.Optimizer, model: nn.Module, group: dict[str, Any]) -> int:
-    """Move the trainable mixer parameters out of ``optimizer``'s groups into a new group with the settings
-    ``group`` (others from the optimizer's defaults), before any step. Returns how many tensors moved."""
-    mixer = [p for n, p in model.named_parameters() if p.requires_grad and is_mixer_parameter(n)]
-    if not mixer:
-        return 0
-    moving = {id(p) for p in mixer}
-    for existing in optimizer.param_groups:
-        existing["params"] = [p for p in existing["params"] if id(p) not in moving]
-    optimizer.add_param_group({**group, "params": mixer})
-    return len(mixer)
-
-
-# ----- LoRA -------------------------------------------------------------------------------------------------
 def apply_lora(student: nn.Module, settings: Stage2Settings) -> nn.Module:
     """Wrap ``student`` with LoRA adapters on ``settings.lora.targets`` (optionally training the mixers)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("stage 2 needs peft: pip install 'hf-recattn[train]'") from err
-    lora = settings.lora
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.targets),
-        bias="none",
-        modules_to_save=["mixer"] if settings.train_mixer else None,
-    )
-    for p in student.parameters():
-        p.requires_grad_(False)
-    return get_peft_model(student, config)
-
-
-def trainable_student(student: nn.Module, settings: Stage2Settings) -> nn.Module:
-    """The model Trainer trains: ``student`` itself with every weight trainable (``method: full``), or wrapped
-    with LoRA adapters."""
-    if settings.method == "full":
-        return student.requires_grad_(True)
-    return apply_lora(student, settings)
-
-
-def finished_student(trained: nn.Module, settings: Stage2Settings) -> nn.Module:
-    """The plain model after training: adapters merged (LoRA), frozen and in eval mode."""
-    if settings.method == "full":
-        return trained.eval().requires_grad_(False)
-    return merge_lora(trained)
-
-
-def merge_lora(peft_model: nn.Module) -> nn.Module:
-    """Fold the adapters into the weights and return the plain model."""
-    merged = peft_model.merge_and_unload()
-    merged.eval()
-    for p in merged.parameters():
-        p.requires_grad_(False)
-    return merged
-
-
-# ----- the stage --------------------------------------------------------------------------------------------
-@dataclass
-class FinetuneResult:
-    steps: int
-    tokens: int
-    seconds: float
-    final_loss: float | None
-    resumed_from: int
-    trainable_parameters: int
-    forms: dict[str, str]
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-class _StopAfter(TrainerCallback):
-    """Stop training after a given global step (used to split a run into resumable pieces)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-            control.should_save = True
-        return control
-
-
-def training_arguments(
-    settings: Stage2Settings, output_dir: str | Path, seed: int, steps: int, progress: bool, **overrides: Any
-) -> TrainingArguments:
-    values: dict[str, Any] = {
-        "output_dir": str(output_dir),
-        "per_device_train_batch_size": settings.batch_size,
-        "gradient_accumulation_steps": settings.grad_accum,
-        "learning_rate": settings.lr,
-        "max_steps": steps,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": int(round(settings.warmup_fraction * steps)),
-        "weight_decay": settings.weight_decay,
-        "max_grad_norm": settings.max_grad_norm,
-        "logging_steps": max(1, min(10, steps // 10)),
-        "save_strategy": "steps",
-        "save_steps": settings.save_steps,
-        "save_total_limit": 1,
-        "report_to": "none",
-        "seed": seed,
-        "data_seed": seed,
-        "dataloader_num_workers": 0,
-        "dataloader_pin_memory": False,
-        "remove_unused_columns": False,
-        "disable_tqdm": not progress,
-        "use_cpu": not torch.cuda.is_available(),
-    }
-    values.update(overrides)
-    return TrainingArguments(**values)
-
-
-def finetune(
-    teacher: nn.Module | None,
-    student: nn.Module,
-    blocks: torch.Tensor,
-    settings: Stage2Settings,
-    output_dir: str | Path,
-    seed: int = 0,
-    progress: bool = True,
-    stop_after_step: int | None = None,
-    pick_forms: bool = True,
-    callbacks: list[TrainerCallback] | None = None,
-    weights: torch.Tensor | None = None,
-) -> tuple[nn.Module, FinetuneResult]:
-    """Finetune ``student`` on ``blocks`` (LoRA or every weight, as ``settings.method`` says), resuming from
-    Trainer checkpoints in ``output_dir``.
-
-    Returns the plain model (adapters merged) and a summary. ``stop_after_step`` ends the run early at that
-    step with a checkpoint (the plain model is still returned). ``pick_forms``: train each mixer in its faster form.
-    ``weights`` ([N, block_size]): the loss weight of each token's prediction (``retrieval_data.py``).
-    """
-    with warnings.catch_warnings():
-        # transformers' own deprecation notice, raised inside its Trainer / peft calls, not by our arguments
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return _finetune(teacher, student, blocks, settings, output_dir, seed, progress, stop_after_step,
-                         pick_forms, callbacks, weights)
-
-
-def _finetune(
-    teacher: nn.Module | None,
-    student: nn.Module,
-    blocks: torch.Tensor,
-    settings: Stage2Settings,
-    output_dir: str | Path,
-    seed: int,
-    progress: bool,
-    stop_after_step: int | None,
-    pick_forms: bool,
-    callbacks: list[TrainerCallback] | None,
-    weights: torch.Tensor | None,
-) -> tuple[nn.Module, FinetuneResult]:
-    tokens_per_step = settings.batch_size * settings.grad_accum * blocks.shape[1]
-    steps = max(1, settings.tokens // tokens_per_step)
-    trained = trainable_student(student, settings)
-    trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-    args = training_arguments(settings, output_dir, seed, steps, progress)
-    trainer = DistillTrainer(
-        model=trained,
-        args=args,
-        train_dataset=BlockDataset(blocks, weights=weights),
-        data_collator=default_data_collator,
-        teacher=teacher if settings.loss != "ce" else None,
-        loss=settings.loss,
-        temperature=settings.temperature,
-        kl_weight=settings.kl_weight,
-        mixer_lr=settings.mixer_lr if settings.trains_mixer else None,
-        mixer_eps=settings.mixer_eps if settings.trains_mixer else None,
-        callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
-    )
-    last = latest_trainer_checkpoint(output_dir)
-    resumed = 0
-    if last is not None:
-        resumed = int(last.name.split("-")[-1])
-    began = time.perf_counter()
-    with fastest_forms(student, blocks.shape[1], pick_forms) as forms:
-        trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
-    seconds = time.perf_counter() - began
-    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    final = float(losses[-1]) if losses else None
-    if final is not None and not math.isfinite(final):
-        raise NonFiniteLossError(f"stage 2: the logged loss is {final} at step {trainer.state.global_step}")
-    done = trainer.state.global_step
-    result = FinetuneResult(done, done * tokens_per_step, seconds, final, resumed, trainable, forms)
-    return finished_student(trained, settings), result
+    return wrap_lora(student, settings.lora, settings.train_mixer, "stage2: lora.targets")

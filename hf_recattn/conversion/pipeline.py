@@ -24,14 +24,22 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import set_seed
 
+from .. import evaluation
+from ..data.corpus import is_embedded, load_splits, token_blocks
+from ..model_card import write_model_card
 from ..modeling.cache import CACHE_NAME
+from ..modeling.configuration import RecAttnConfig
 from ..modeling.mixers import mixer_class
+from ..modeling.modeling import RecAttnForCausalLM
+from ..provenance import provenance
+from ..training import parallel
 from .attention_transfer import (
     TransferResult,
     attention_transfer,
@@ -48,7 +56,12 @@ from .checkpoints import (
     load_tensors,
     save_tensors,
 )
+from .finetune import finetune
+from .from_llama import from_llama
 from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, report_training_tokens
+from .retrieval_data import mix_blocks, retrieval_blocks
+from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
+from .teacher import load_teacher, teacher_license, teacher_name
 
 Log = Callable[[str], None]
 #: where a layer's mixer parameters start in a state-dict key
@@ -81,8 +94,6 @@ def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     (e.g. ``mixer.far.*`` -> ``mixer.*``; the hybrid's mixing weights have no place in a far-only model); other
     layers stay as they are.
     """
-    from ..modeling.modeling import RecAttnForCausalLM
-
     specs = model.config.layer_specs()
     declared = [mixer_class(spec["mixer"], f"layer {i}").variants(spec) for i, spec in enumerate(specs)]
     names = list(dict.fromkeys(name for variants in declared for name in variants))
@@ -123,6 +134,49 @@ def tokens_per_second(result: Any) -> float:
     return trained / max(result.seconds, 1e-9)
 
 
+#: the dtypes a teacher may be loaded in (``convert(teacher_dtype=...)``, ``--teacher-dtype``)
+TEACHER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Run:
+    """What the stages of one conversion share: the inputs, then what each stage makes."""
+
+    teacher: str
+    recipe: Recipe
+    output: Path
+    data: str | None
+    progress: bool
+    evaluate_models: bool
+    log: Log
+    identity: dict[str, Any]
+    teacher_dtype: str = "float32"
+    decision: str = "new"
+    teacher_model: Any = None
+    tokenizer: Any = None
+    config: Any = None
+    train_texts: list[str] = field(default_factory=list)
+    heldout_texts: list[str] = field(default_factory=list)
+    student: Any = None
+    done_earlier: bool = False  # the converted model exists: both training stages are skipped
+    stage1: dict[str, Any] = field(default_factory=dict)
+    stage2: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.output / "model"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the conversion: its name and what it does (``run(state, label)``; ``label`` is "[n/N]")."""
+
+    name: str
+    run: Callable[[Run, str], None]
+
+
 def convert(
     teacher: str = "embedded",
     recipe: str | Recipe = "hybrid-w64-taylor2",
@@ -134,146 +188,192 @@ def convert(
     progress: bool = True,
     evaluate_models: bool = True,
     log: Log = print,
+    teacher_dtype: str = "float32",
 ) -> dict[str, Any]:
     """Convert ``teacher`` with ``recipe`` into ``output`` (resuming an earlier run there) and evaluate it.
 
-    Returns the report (also written to ``output/report.json``).
+    Returns the report (also written to ``output/report.json``). ``teacher_dtype``: ``bfloat16`` loads the
+    teacher in bfloat16 (the student still trains in float32). Under ``torchrun`` / ``accelerate launch`` both
+    training stages run data parallel; rank 0 writes the files and evaluates (the other ranks return ``{}``).
     """
-    from ..data.corpus import is_embedded, load_splits, token_blocks
-    from ..provenance import provenance
-    from .finetune import finetune
-    from .from_llama import from_llama
-    from .teacher import load_teacher, teacher_license, teacher_name
-
     began = time.perf_counter()
+    if teacher_dtype not in TEACHER_DTYPES:
+        raise ValueError(f"teacher dtype {teacher_dtype!r}: use one of {sorted(TEACHER_DTYPES)}")
+    parallel.init_process_group()
+    log = log if parallel.is_main() else _quiet
     recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
-    output = Path(output)
     identity = run_identity(teacher, recipe, data)
-    decision = check_output_folder(output, identity, overwrite)  # refuse early; write nothing yet
+    if teacher_dtype != "float32":  # added later: float32 runs keep the identity they had
+        identity["teacher_dtype"] = teacher_dtype
+    run = Run(teacher, recipe, Path(output), data, progress, evaluate_models, log, identity, teacher_dtype)
+    run.decision = check_output_folder(run.output, identity, overwrite)  # refuse early; write nothing yet
+    parallel.barrier()  # every process has looked at the folder before rank 0 takes it
     log(
-        f"{'resuming' if decision == 'resume' else 'starting'} conversion in {output}: recipe {recipe.name} "
+        f"{'resuming' if run.decision == 'resume' else 'starting'} conversion in {run.output}: recipe {recipe.name} "
         f"(budget {recipe.budget}, seed {recipe.seed})"
     )
-    timings: dict[str, float] = {}
+    for number, stage in enumerate(STAGES, 1):
+        stage.run(run, f"[{number}/{len(STAGES)}]")
+        parallel.barrier()
+    if not parallel.is_main():
+        return {}
+    run.timings["total"] = time.perf_counter() - began
+    _write_report(run)
+    return run.report
 
+
+def _quiet(line: str) -> None:
+    """The log of the processes other than rank 0."""
+
+
+def _load_teacher(run: Run, label: str) -> None:
     t0 = time.perf_counter()
-    log(f"[1/5] loading teacher {teacher!r}")
-    teacher_model, tokenizer = load_teacher(teacher)
-    teacher_model.eval().requires_grad_(False)
-    config = check_against_teacher(recipe, teacher_model.config, tokenizer)
+    run.log(f"{label} loading teacher {run.teacher!r}")
+    run.teacher_model, run.tokenizer = load_teacher(run.teacher, dtype=TEACHER_DTYPES[run.teacher_dtype])
+    run.teacher_model.eval().requires_grad_(False)
+    run.config = check_against_teacher(run.recipe, run.teacher_model.config, run.tokenizer)
+    if run.recipe.init is not None:
+        _check_init(run.recipe, run.config)
+    run.timings["load_teacher"] = time.perf_counter() - t0
+    if parallel.is_main():  # teacher and recipe are fine: now take the folder
+        claim_output_folder(run.output, run.identity, run.decision)
+        atomic_write_json(run.output / "recipe.json", run.recipe.as_dict())
+
+
+def _prepare_data(run: Run, label: str) -> None:
+    t0 = time.perf_counter()
+    run.log(f"{label} preparing data ({run.data or 'embedded corpus'})")
+    run.train_texts, run.heldout_texts = load_splits(run.data, run.recipe.eval.heldout_fraction)
+    run.timings["load_data"] = time.perf_counter() - t0
+
+
+def _student_and_stage1(run: Run, label: str) -> None:
+    """The student (the teacher's copy with the new attention, or ``init``), stage 1, the retrieval heads."""
+    recipe = run.recipe
+    if (run.model_dir / "config.json").is_file():
+        run.log(f"{label} stage 1: done earlier (the converted model exists)")
+        run.done_earlier = True
+        run.student = _load_student(run.model_dir)
+        run.stage1 = _read_json(run.output / "stage1" / "result" / "summary.json")
+        return
+    set_seed(recipe.seed)
     if recipe.init is not None:
-        _check_init(recipe, config)
-    timings["load_teacher"] = time.perf_counter() - t0
-    claim_output_folder(output, identity, decision)  # teacher and recipe are fine: now take the folder
-    atomic_write_json(output / "recipe.json", recipe.as_dict())
+        run.student = _load_student(Path(recipe.init).expanduser())
+        run.log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
+    else:  # trained in float32 whatever the teacher's dtype
+        run.student = from_llama(run.teacher_model, recipe.attention, recipe.attention_overrides, recipe.layers).float()
+    if run.student.config.layer_specs() != run.config.layer_specs():
+        raise RuntimeError("the student's layer specs differ from the recipe check (a bug)")
+    run.stage1 = _stage1(recipe, run.teacher_model, run.student, run.tokenizer, run.train_texts, run.output,
+                         run.progress, run.log, label)
+    run.timings["stage1"] = run.stage1.get("seconds", 0.0)
+    if recipe.retrieval_heads.max_heads:
+        t0 = time.perf_counter()
+        run.student = _keep_retrieval_heads(recipe, run.student, run.tokenizer, run.train_texts, run.output,
+                                            run.log, label)
+        run.timings["retrieval_heads"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    log(f"[2/5] preparing data ({data or 'embedded corpus'})")
-    train_texts, heldout_texts = load_splits(data, recipe.eval.heldout_fraction)
-    timings["load_data"] = time.perf_counter() - t0
 
-    model_dir = output / "model"
-    stage1_summary: dict[str, Any] = {}
-    stage2_summary: dict[str, Any] = {}
-    if (model_dir / "config.json").is_file():
-        log("[3/5] stage 1: done earlier (the converted model exists)")
-        log("[4/5] stage 2: done earlier")
-        student = _load_student(model_dir)
-        stage1_summary = _read_json(output / "stage1" / "result" / "summary.json")
-        stage2_summary = _read_json(output / "stage2" / "summary.json")
-    else:
-        set_seed(recipe.seed)
-        if recipe.init is not None:
-            student = _load_student(Path(recipe.init).expanduser())
-            log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
-        else:
-            student = from_llama(teacher_model, recipe.attention, recipe.attention_overrides, recipe.layers)
-        if student.config.layer_specs() != config.layer_specs():
-            raise RuntimeError("the student's layer specs differ from the recipe check (a bug)")
-        stage1_summary = _stage1(
-            recipe, teacher_model, student, tokenizer, train_texts, output, progress, log, token_blocks
+def _stage2(run: Run, label: str) -> None:
+    """Stage 2 (the training package's distillation finetune), then the converted model saved."""
+    if run.done_earlier:
+        run.log(f"{label} stage 2: done earlier")
+        run.stage2 = _read_json(run.output / "stage2" / "summary.json")
+        return
+    recipe, s2 = run.recipe, run.recipe.stage2
+    if s2.tokens > 0:
+        run.log(
+            f"{label} stage 2: {'finetuning every weight' if s2.method == 'full' else 'LoRA finetuning'}, "
+            f"{s2.tokens} tokens, loss {s2.loss} "
+            f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
         )
-        timings["stage1"] = stage1_summary.get("seconds", 0.0)
-        if recipe.retrieval_heads.max_heads:
-            t0 = time.perf_counter()
-            student = _keep_retrieval_heads(recipe, student, tokenizer, train_texts, output, log)
-            timings["retrieval_heads"] = time.perf_counter() - t0
-        s2 = recipe.stage2
-        if s2.tokens > 0:
-            log(
-                f"[4/5] stage 2: {'finetuning every weight' if s2.method == 'full' else 'LoRA finetuning'}, "
-                f"{s2.tokens} tokens, loss {s2.loss} "
-                f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
-            )
-            skip = s2.skip_tokens or 0  # a whole number of blocks (recipe check)
-            blocks = token_blocks(
-                tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens + skip, seed=recipe.seed + 1
-            )[skip // s2.block_size :]
-            if skip:
-                log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
-            blocks, weights = _with_retrieval_data(recipe, blocks, tokenizer, train_texts, log)
-            student, result = finetune(
-                teacher_model,
-                student,
-                blocks,
-                s2,
-                output / "stage2" / "trainer",
-                seed=recipe.seed,
-                progress=progress,
-                weights=weights,
-            )
-            stage2_summary = result.as_dict()
-            stage2_summary["tokens_per_second"] = tokens_per_second(result)
-            atomic_write_json(output / "stage2" / "summary.json", stage2_summary)
-            timings["stage2"] = result.seconds
-        else:
-            log("[4/5] stage 2: skipped (stage2.tokens is 0)")
-        with atomic_dir(model_dir) as tmp:
-            student.save_pretrained(tmp)
-            tokenizer.model_max_length = student.config.max_position_embeddings  # not the "unbounded" 1e30
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
-        log(f"saved the converted model to {model_dir}")
+        skip = s2.skip_tokens or 0  # a whole number of blocks (recipe check)
+        blocks = token_blocks(
+            run.tokenizer, run.train_texts, s2.block_size, max_tokens=s2.tokens + skip, seed=recipe.seed + 1
+        )[skip // s2.block_size :]
+        if skip:
+            run.log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
+        blocks, weights = _with_retrieval_data(recipe, blocks, run.tokenizer, run.train_texts, run.log)
+        run.student, result = finetune(
+            run.teacher_model,
+            run.student,
+            blocks,
+            s2,
+            run.output / "stage2" / "trainer",
+            seed=recipe.seed,
+            progress=run.progress,
+            weights=weights,
+        )
+        run.stage2 = result.as_dict()
+        run.stage2["tokens_per_second"] = tokens_per_second(result)
+        if parallel.is_main():
+            atomic_write_json(run.output / "stage2" / "summary.json", run.stage2)
+        run.timings["stage2"] = result.seconds
+    else:
+        run.log(f"{label} stage 2: skipped (stage2.tokens is 0)")
+    if parallel.is_main():
+        with atomic_dir(run.model_dir) as tmp:
+            run.student.save_pretrained(tmp)
+            run.tokenizer.model_max_length = run.student.config.max_position_embeddings  # not "unbounded" 1e30
+            run.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(run.output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
+        run.log(f"saved the converted model to {run.model_dir}")
 
-    report: dict[str, Any] = {
-        "teacher": teacher_name(teacher),
-        "teacher_license": teacher_license(teacher),
-        "data": _teacher_identity(data) if data else "embedded",
+
+def _evaluate(run: Run, label: str) -> None:
+    """The report: what the stages did, and (rank 0, unless turned off) the evaluation against the teacher."""
+    if not parallel.is_main():
+        return
+    recipe = run.recipe
+    report = run.report
+    report.update({
+        "teacher": teacher_name(run.teacher),
+        "teacher_license": teacher_license(run.teacher),
+        "data": _teacher_identity(run.data) if run.data else "embedded",
         "recipe": recipe.as_dict(),
-        "stage1": stage1_summary,
-        "stage2": stage2_summary,
-    }
+        "stage1": run.stage1,
+        "stage2": run.stage2,
+    })
+    if run.teacher_dtype != "float32":
+        report["teacher_dtype"] = run.teacher_dtype
     report["training_tokens"] = recipe.stage1.tokens + recipe.stage2.tokens
     if recipe.init is not None:
         report["init"] = _init_facts(recipe.init)
         report["training_tokens"] += report["init"]["training_tokens"]
-    chosen = _read_json(output / "retrieval_heads.json")
+    chosen = _read_json(run.output / "retrieval_heads.json")
     if "heads" in chosen:
         report["retrieval_heads"] = {key: chosen[key] for key in ("heads", "count", "answered", "prompts")}
-    if evaluate_models:
+    if run.evaluate_models:
         t0 = time.perf_counter()
-        report.update(
-            _evaluate_all(recipe, teacher_model, student, tokenizer, heldout_texts, log, token_blocks)
-        )
-        timings["evaluate"] = time.perf_counter() - t0
-    report["provenance"] = provenance(corpus=is_embedded(data))
+        report.update(_evaluate_all(recipe, run.teacher_model, run.student, run.tokenizer, run.heldout_texts,
+                                    run.log, label))
+        run.timings["evaluate"] = time.perf_counter() - t0
+    report["provenance"] = provenance(corpus=is_embedded(run.data))
     report["sample"] = sample_through_cache(
-        student, tokenizer, recipe.eval.sample_prompt, recipe.eval.sample_tokens, log
+        run.student, run.tokenizer, recipe.eval.sample_prompt, recipe.eval.sample_tokens, run.log
     )
-    timings["total"] = time.perf_counter() - began
-    report["timings_s"] = timings
-    from ..evaluation import write_report
 
-    write_report(output, report)
-    write_report(model_dir, report)
-    from ..model_card import write_model_card
 
-    write_model_card(model_dir, output.resolve().name, report=report)
-    log(
-        f"report: {output / 'report.json'}; model card: {model_dir / 'README.md'}; "
-        f"total {timings['total']:.0f} s"
+def _write_report(run: Run) -> None:
+    """``report.json`` beside the run and the model, and the model card."""
+    run.report["timings_s"] = run.timings
+    evaluation.write_report(run.output, run.report)
+    evaluation.write_report(run.model_dir, run.report)
+    write_model_card(run.model_dir, run.output.resolve().name, report=run.report)
+    run.log(
+        f"report: {run.output / 'report.json'}; model card: {run.model_dir / 'README.md'}; "
+        f"total {run.timings['total']:.0f} s"
     )
-    return report
+
+
+#: the stages of a conversion, in order (their "[n/N]" labels follow from this list)
+STAGES: tuple[Stage, ...] = (
+    Stage("teacher", _load_teacher),
+    Stage("data", _prepare_data),
+    Stage("stage 1", _student_and_stage1),
+    Stage("stage 2", _stage2),
+    Stage("evaluation", _evaluate),
+)
 
 
 def _stage1(
@@ -285,21 +385,21 @@ def _stage1(
     output: Path,
     progress: bool,
     log: Log,
-    token_blocks: Callable,
+    label: str,
 ) -> dict:
     s1 = recipe.stage1
     result_dir = output / "stage1" / "result"
     if (result_dir / "summary.json").is_file():
         load_mixer_state(student, load_tensors(result_dir / "mixer.safetensors"), s1.projections)
-        log("[3/5] stage 1: done earlier (loaded the trained mixer parameters)")
+        log(f"{label} stage 1: done earlier (loaded the trained mixer parameters)")
         return _read_json(result_dir / "summary.json")
     if s1.tokens <= 0:
-        log("[3/5] stage 1: skipped (stage1.tokens is 0)")
+        log(f"{label} stage 1: skipped (stage1.tokens is 0)")
         return {}
     if not mixer_parameters(student, s1.projections):
-        log("[3/5] stage 1: skipped (the mixers have no parameters and stage1.projections is empty)")
+        log(f"{label} stage 1: skipped (the mixers have no parameters and stage1.projections is empty)")
         return {}
-    log(f"[3/5] stage 1: attention transfer, {s1.tokens} tokens (batch {s1.batch_size} x {s1.block_size})")
+    log(f"{label} stage 1: attention transfer, {s1.tokens} tokens (batch {s1.batch_size} x {s1.block_size})")
     blocks = token_blocks(tokenizer, train_texts, s1.block_size, max_tokens=s1.tokens, seed=recipe.seed)
     result: TransferResult = attention_transfer(
         teacher,
@@ -322,27 +422,26 @@ def _stage1(
             f"mean {sum(rel) / len(rel):.3f} (worst {max(rel):.3f}){kl}, "
             f"{summary['tokens_per_second']:.0f} tokens/s"
         )
-    with atomic_dir(result_dir) as tmp:
-        save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, s1.projections))
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
-    shutil.rmtree(output / "stage1" / "progress", ignore_errors=True)
+    if parallel.is_main():
+        with atomic_dir(result_dir) as tmp:
+            save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, s1.projections))
+            (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
+        shutil.rmtree(output / "stage1" / "progress", ignore_errors=True)
     return summary
 
 
 def _keep_retrieval_heads(recipe: Recipe, student: torch.nn.Module, tokenizer: Any, train_texts: list[str],
-                          output: Path, log: Log) -> torch.nn.Module:
+                          output: Path, log: Log, label: str) -> torch.nn.Module:
     """Choose the KV heads that keep exact softmax on the stage-1 student (or read the choice of an earlier run
     from ``retrieval_heads.json``) and return the student that keeps them."""
-    from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
-
     settings = recipe.retrieval_heads
     path = output / "retrieval_heads.json"
     chosen = _read_json(path)
     if "heads" in chosen:
         heads = {int(layer): list(kv) for layer, kv in chosen["heads"].items()}
-        log(f"[3/5] retrieval heads: chosen earlier, {sum(map(len, heads.values()))} KV heads")
+        log(f"{label} retrieval heads: chosen earlier, {sum(map(len, heads.values()))} KV heads")
     else:
-        log(f"[3/5] retrieval heads: choosing at most {settings.max_heads} KV heads on {2 * settings.prompts} recall "
+        log(f"{label} retrieval heads: choosing at most {settings.max_heads} KV heads on {2 * settings.prompts} recall "
             f"prompts of {settings.context_length} tokens")
         try:
             prompts = recall_objective(tokenizer, train_texts, settings.context_length, settings.prompts,
@@ -352,9 +451,10 @@ def _keep_retrieval_heads(recipe: Recipe, student: torch.nn.Module, tokenizer: A
         selection = select_retrieval_heads(student, prompts, settings.max_heads, settings.per_round,
                                            log=lambda line: log("  " + line))
         heads = selection.heads
-        atomic_write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
-                                 "answered": selection.answered, "prompts": selection.prompts,
-                                 "rounds": selection.rounds})
+        if parallel.is_main():
+            atomic_write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
+                                     "answered": selection.answered, "prompts": selection.prompts,
+                                     "rounds": selection.rounds})
     log("  exact softmax on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))
     return with_retrieval_heads(student, heads)
 
@@ -363,8 +463,6 @@ def _with_retrieval_data(recipe: Recipe, blocks: torch.Tensor, tokenizer: Any, t
                          log: Log) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stage 2's blocks with ``stage2.retrieval_share`` of them replaced by retrieval prompts built from the
     training texts (same count and length), and the loss weights; the blocks unchanged without the option."""
-    from .retrieval_data import mix_blocks, retrieval_blocks
-
     s2 = recipe.stage2
     count = round((s2.retrieval_share or 0.0) * blocks.shape[0])
     if count == 0:
@@ -386,21 +484,19 @@ def _evaluate_all(
     tokenizer: Any,
     heldout_texts: list[str],
     log: Log,
-    token_blocks: Callable,
+    label: str,
 ) -> dict[str, Any]:
-    from ..evaluation import comparison_table, evaluate
-
     ev = recipe.eval
     blocks = token_blocks(tokenizer, heldout_texts, ev.block_size, max_tokens=ev.heldout_tokens, seed=0)
-    log(f"[5/5] evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
+    log(f"{label} evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
     rows: dict[str, dict[str, Any]] = {}
-    rows["teacher"] = evaluate(teacher, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
+    rows["teacher"] = evaluation.evaluate(teacher, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
     models = {**variant_models(student), recipe.name: student}
     for name, model in models.items():
         with fastest_forms(model, ev.block_size):  # the perplexity pass; decoding always uses the cache
-            rows[name] = evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
+            rows[name] = evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
     del models
-    table = comparison_table(rows)
+    table = evaluation.comparison_table(rows)
     log(table)
     teacher_ppl = rows["teacher"]["perplexity"]
     ratios = {name: row["perplexity"] / teacher_ppl for name, row in rows.items()}
@@ -414,9 +510,7 @@ def sample_through_cache(
     """Greedy-generate from ``prompt`` with an explicit recurrent cache; report the text and cache size."""
     if max_new_tokens <= 0:
         return {}
-    from ..evaluation import cache_nbytes, prompt_ids
-
-    ids = prompt_ids(tokenizer, prompt)
+    ids = evaluation.prompt_ids(tokenizer, prompt)
     cache = model.new_cache()
     out = model.generate(
         input_ids=ids,
@@ -431,7 +525,7 @@ def sample_through_cache(
     sample = {
         "prompt": prompt,
         "output": text,
-        "cache_bytes": cache_nbytes(cache),
+        "cache_bytes": evaluation.cache_nbytes(cache),
         "cache_kinds": kinds,
         "tokens": int(out.shape[1]),
     }
@@ -445,8 +539,6 @@ def sample_through_cache(
 def _check_init(recipe: Recipe, config: Any) -> None:
     """``recipe.init`` must be a converted checkpoint with the recipe's attention (layer by layer) and the
     teacher's shape: checked from its config before the run takes its output folder."""
-    from ..modeling.configuration import RecAttnConfig
-
     where = f"{recipe.source}: init {recipe.init!r}"
     folder = Path(str(recipe.init)).expanduser()
     if not (folder / "config.json").is_file():
@@ -469,8 +561,6 @@ def _init_facts(init: str) -> dict[str, Any]:
 
 
 def _load_student(folder: Path) -> torch.nn.Module:
-    from ..modeling.modeling import RecAttnForCausalLM
-
     return RecAttnForCausalLM.from_pretrained(folder).eval()
 
 

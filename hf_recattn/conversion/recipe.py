@@ -19,9 +19,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -30,13 +27,20 @@ from typing import Any
 import yaml
 
 from ..modeling.mixers import validate_spec
+from ..training.settings import (  # noqa: F401 (LOSSES, STAGE2_METHODS, DEFAULT_LORA_TARGETS: re-exported)
+    ATTENTION_PROJECTIONS,
+    DEFAULT_LORA_TARGETS,
+    LOSSES,
+    STAGE2_METHODS,
+    LoraSettings,
+    Stage2Settings,
+    build_settings,
+    check_schedule,
+    positive,
+    typed,
+)
 from .layer_selection import check_layers
 
-LOSSES = ("ce", "kl", "ce+kl")
-#: what stage 2 trains: LoRA adapters merged at the end, or every weight of the student
-STAGE2_METHODS = ("lora", "full")
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-DEFAULT_LORA_TARGETS = ATTENTION_PROJECTIONS
 #: teacher config fields a recipe may pin in ``expects``
 EXPECTABLE = (
     "head_dim",
@@ -46,16 +50,6 @@ EXPECTABLE = (
     "num_key_value_heads",
     "vocab_size",
 )
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA adapters of stage 2 (merged into the weights at the end)."""
-
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -81,45 +75,24 @@ class Stage1Settings:
     #: outputs only
     attention_kl: float | None = None
 
-
-@dataclass(frozen=True)
-class Stage2Settings:
-    """Finetuning with transformers' Trainer (LoRA adapters or every weight), cross-entropy and/or KL to the
-    teacher."""
-
-    tokens: int = 0  # training tokens in total; 0 skips the stage
-    lr: float = 1e-4
-    block_size: int = 512
-    batch_size: int = 4
-    grad_accum: int = 1
-    loss: str = "ce"
-    temperature: float = 1.0  # softmax temperature of the KL term
-    kl_weight: float = 1.0  # weight of the KL term in "ce+kl"
-    train_mixer: bool = False  # also train the mixer parameters (feature maps, gains) in stage 2
-    #: with train_mixer, the mixer parameters' own optimizer group: its peak learning rate (None: lr) and
-    #: Adam's eps (None: Trainer's adam_epsilon, 1e-8); no weight decay. A small eps makes Adam's step ~lr
-    #: even for gradients far below 1e-8 (the FoX gates at their lossless start)
-    mixer_lr: float | None = None
-    mixer_eps: float | None = None
-    warmup_fraction: float = 0.05
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    save_steps: int = 25
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    #: ``lora`` (None: the adapters above, merged at the end) or ``full`` (every weight trains, the mixers'
-    #: own parameters included; ``lora`` is then refused)
-    method: str | None = None
-    #: training tokens of the corpus order passed over before stage 2's blocks begin (a run that continues from
-    #: ``init`` skips the tokens the first run trained on, so that it sees fresh text)
-    skip_tokens: int | None = None
-    # share of the stage-2 blocks that hide facts in training text and ask for them (``retrieval_data.py``)
-    retrieval_share: float | None = None
-    answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
-
-    @property
-    def trains_mixer(self) -> bool:
-        """Whether the mixers' own parameters train in stage 2 (asked for, or with every weight)."""
-        return self.train_mixer or self.method == "full"
+    def check(self, source: str, section: str = "stage1") -> None:
+        """Raise ValueError naming ``source: section.key`` for the first value out of range."""
+        at = f"{source}: {section}"
+        check_schedule(self, at)
+        positive(self.save_every, f"{at}.save_every")
+        positive(self.projection_lr, f"{at}.projection_lr")
+        if self.attention_kl is not None:
+            positive(self.attention_kl, f"{at}.attention_kl", allow_zero=True)
+        bad = sorted(set(self.projections) - set(ATTENTION_PROJECTIONS))
+        if bad:
+            raise ValueError(f"{at}.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}")
+        if not 0 <= self.min_lr_fraction <= 1:
+            raise ValueError(f"{at}.min_lr_fraction must be in [0, 1]")
+        if self.tokens and self.tokens < self.block_size * self.batch_size:
+            raise ValueError(
+                f"{at}.tokens ({self.tokens}) is less than one batch "
+                f"(block_size * batch_size = {self.block_size * self.batch_size})"
+            )
 
 
 @dataclass(frozen=True)
@@ -130,6 +103,12 @@ class RetrievalHeadSettings:
     context_length: int = 1024  # tokens of each recall prompt the heads are chosen on
     prompts: int = 2  # prompts of each kind: a secret number, an associative-recall fact (in training text)
     per_round: int = 2  # heads switched to exact softmax per round of the greedy search
+
+    def check(self, source: str, section: str = "retrieval_heads") -> None:
+        at = f"{source}: {section}"
+        positive(self.max_heads, f"{at}.max_heads", allow_zero=True)
+        for key in ("context_length", "prompts", "per_round"):
+            positive(getattr(self, key), f"{at}.{key}")
 
 
 @dataclass(frozen=True)
@@ -142,6 +121,14 @@ class EvalSettings:
     block_size: int = 512
     sample_prompt: str = "The key idea of attention is"
     sample_tokens: int = 32
+
+    def check(self, source: str, section: str = "eval") -> None:
+        at = f"{source}: {section}"
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"{at}.heldout_fraction must be in (0, 1)")
+        for key in ("heldout_tokens", "block_size"):
+            positive(getattr(self, key), f"{at}.{key}")
+        positive(self.sample_tokens, f"{at}.sample_tokens", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -191,9 +178,27 @@ class Recipe:
                     values[section].pop(key)
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
+    def check(self) -> None:
+        """Every section checks its own values; then the checks across sections."""
+        for section in SECTIONS:
+            getattr(self, section).check(self.source, section)
+        if self.init is not None and self.retrieval_heads.max_heads:
+            raise ValueError(
+                f"{self.source}: init and retrieval_heads.max_heads do not combine (the heads are chosen on a fresh "
+                "stage-1 student; an init checkpoint keeps the heads it has)"
+            )
+
     def with_seed(self, seed: int | None) -> Recipe:
         return self if seed is None else dataclasses.replace(self, seed=int(seed))
 
+
+#: the settings sections of a recipe (each a dataclass that checks itself), by key
+SECTIONS: dict[str, type] = {
+    "stage1": Stage1Settings,
+    "stage2": Stage2Settings,
+    "eval": EvalSettings,
+    "retrieval_heads": RetrievalHeadSettings,
+}
 
 #: settings added after recipes were in use, default None: not in the fingerprint while they are None
 _LATER_SETTINGS = {
@@ -310,22 +315,19 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{source}: expects.{key} must be an integer, got {value!r}")
     recipe = Recipe(
-        name=_typed(merged.get("name", "recipe"), str, f"{source}: name"),
-        description=_typed(merged.get("description", ""), str, f"{source}: description"),
+        name=typed(merged.get("name", "recipe"), str, f"{source}: name"),
+        description=typed(merged.get("description", ""), str, f"{source}: description"),
         attention=attention,
         attention_overrides=overrides,
         budget=budget if budgets else "default",
-        seed=_typed(merged.get("seed", 0), int, f"{source}: seed"),
+        seed=typed(merged.get("seed", 0), int, f"{source}: seed"),
         expects=dict(expects),
-        init=_typed(merged["init"], str, f"{source}: init") if merged.get("init") is not None else None,
+        init=typed(merged["init"], str, f"{source}: init") if merged.get("init") is not None else None,
         layers=check_layers(merged.get("layers"), f"{source}: layers"),
-        stage1=_build(Stage1Settings, merged.get("stage1"), f"{source}: stage1"),
-        stage2=_build(Stage2Settings, merged.get("stage2"), f"{source}: stage2"),
-        eval=_build(EvalSettings, merged.get("eval"), f"{source}: eval"),
-        retrieval_heads=_build(RetrievalHeadSettings, merged.get("retrieval_heads"), f"{source}: retrieval_heads"),
         source=source,
+        **{key: build_settings(cls, merged.get(key), f"{source}: {key}") for key, cls in SECTIONS.items()},
     )
-    _check_settings(recipe)
+    recipe.check()
     return recipe
 
 
@@ -352,141 +354,6 @@ def _check_attention(attention: Any, overrides: Any, source: str) -> None:
         raise ValueError(f"{source}: attention_overrides must map a layer key ('3', 'every:4') to a spec")
     for key, spec in overrides.items():
         validate_spec(spec, f"{source}: attention_overrides[{str(key)!r}]")
-
-
-def _typed(value: Any, kind: type, where: str) -> Any:
-    if kind is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ValueError(f"{where} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _build(cls: type, values: Any, where: str) -> Any:
-    """A settings dataclass from a mapping: unknown keys and wrong types raise, naming ``where.key``."""
-    values = {} if values is None else values
-    if not isinstance(values, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {names}")
-    kwargs: dict[str, Any] = {}
-    for name, value in values.items():
-        hint = hints[name]
-        key = f"{where}.{name}"
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, key)
-        elif typing.get_origin(hint) is tuple:
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"{key} must be a list of strings, got {value!r}")
-            kwargs[name] = tuple(value)
-        elif isinstance(hint, types.UnionType):
-            kinds = [k for k in typing.get_args(hint) if k is not type(None)]
-            if value is None or len(kinds) != 1:
-                kwargs[name] = value
-            else:  # an optional scalar: checked like the plain type
-                kwargs[name] = _typed(value, kinds[0], key)
-        else:
-            kwargs[name] = _typed(value, hint, key)
-    return cls(**kwargs)
-
-
-def _positive(value: float, where: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
-def _check_settings(recipe: Recipe) -> None:
-    src = recipe.source
-    s1, s2, ev = recipe.stage1, recipe.stage2, recipe.eval
-    for stage, settings in (("stage1", s1), ("stage2", s2)):
-        _positive(settings.tokens, f"{src}: {stage}.tokens", allow_zero=True)
-        for key in ("lr", "block_size", "batch_size", "max_grad_norm"):
-            _positive(getattr(settings, key), f"{src}: {stage}.{key}")
-        if not 0 <= settings.warmup_fraction < 1:
-            raise ValueError(f"{src}: {stage}.warmup_fraction must be in [0, 1)")
-    _positive(s1.save_every, f"{src}: stage1.save_every")
-    _positive(s1.projection_lr, f"{src}: stage1.projection_lr")
-    if s1.attention_kl is not None:
-        _positive(s1.attention_kl, f"{src}: stage1.attention_kl", allow_zero=True)
-    bad = sorted(set(s1.projections) - set(ATTENTION_PROJECTIONS))
-    if bad:
-        raise ValueError(
-            f"{src}: stage1.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}"
-        )
-    if not s2.lora.targets:
-        raise ValueError(f"{src}: stage2.lora.targets must name at least one module")
-    if not 0 <= s1.min_lr_fraction <= 1:
-        raise ValueError(f"{src}: stage1.min_lr_fraction must be in [0, 1]")
-    _positive(s2.grad_accum, f"{src}: stage2.grad_accum")
-    _positive(s2.save_steps, f"{src}: stage2.save_steps")
-    _positive(s2.temperature, f"{src}: stage2.temperature")
-    _positive(s2.kl_weight, f"{src}: stage2.kl_weight", allow_zero=True)
-    _positive(s2.weight_decay, f"{src}: stage2.weight_decay", allow_zero=True)
-    for key in ("mixer_lr", "mixer_eps"):
-        value = getattr(s2, key)
-        if value is None:
-            continue
-        if not s2.trains_mixer:
-            raise ValueError(f"{src}: stage2.{key} needs stage2.train_mixer: true or stage2.method: full "
-                             "(it sets the mixer's group)")
-        if not math.isfinite(value):
-            raise ValueError(f"{src}: stage2.{key} must be finite, got {value!r}")
-        _positive(value, f"{src}: stage2.{key}")
-    if s2.method is not None and s2.method not in STAGE2_METHODS:
-        raise ValueError(f"{src}: stage2.method must be one of {list(STAGE2_METHODS)}, got {s2.method!r}")
-    if s2.skip_tokens is not None:
-        _positive(s2.skip_tokens, f"{src}: stage2.skip_tokens", allow_zero=True)
-        if s2.skip_tokens % s2.block_size:
-            raise ValueError(f"{src}: stage2.skip_tokens ({s2.skip_tokens}) must be a multiple of stage2.block_size "
-                             f"({s2.block_size}): whole blocks are skipped")
-    if recipe.init is not None and recipe.retrieval_heads.max_heads:
-        raise ValueError(
-            f"{src}: init and retrieval_heads.max_heads do not combine (the heads are chosen on a fresh stage-1 "
-            "student; an init checkpoint keeps the heads it has)"
-        )
-    if s2.retrieval_share is not None and not 0 <= s2.retrieval_share < 1:
-        raise ValueError(f"{src}: stage2.retrieval_share must be in [0, 1), got {s2.retrieval_share!r}")
-    if s2.answer_weight is not None:
-        if not s2.retrieval_share:
-            raise ValueError(f"{src}: stage2.answer_weight needs stage2.retrieval_share > 0 (it weights those blocks)")
-        if not (math.isfinite(s2.answer_weight) and s2.answer_weight > 0):
-            raise ValueError(f"{src}: stage2.answer_weight must be a finite number > 0, got {s2.answer_weight!r}")
-    if s2.loss not in LOSSES:
-        raise ValueError(f"{src}: stage2.loss must be one of {list(LOSSES)}, got {s2.loss!r}")
-    _positive(s2.lora.r, f"{src}: stage2.lora.r")
-    _positive(s2.lora.alpha, f"{src}: stage2.lora.alpha")
-    if not 0 <= s2.lora.dropout < 1:
-        raise ValueError(f"{src}: stage2.lora.dropout must be in [0, 1)")
-    if not 0 < ev.heldout_fraction < 1:
-        raise ValueError(f"{src}: eval.heldout_fraction must be in (0, 1)")
-    for key in ("heldout_tokens", "block_size"):
-        _positive(getattr(ev, key), f"{src}: eval.{key}")
-    _positive(ev.sample_tokens, f"{src}: eval.sample_tokens", allow_zero=True)
-    rh = recipe.retrieval_heads
-    _positive(rh.max_heads, f"{src}: retrieval_heads.max_heads", allow_zero=True)
-    for key in ("context_length", "prompts", "per_round"):
-        _positive(getattr(rh, key), f"{src}: retrieval_heads.{key}")
-    if s1.tokens and s1.tokens < s1.block_size * s1.batch_size:
-        raise ValueError(
-            f"{src}: stage1.tokens ({s1.tokens}) is less than one batch "
-            f"(block_size * batch_size = {s1.block_size * s1.batch_size})"
-        )
-    per_step = s2.block_size * s2.batch_size * s2.grad_accum
-    if s2.tokens and s2.tokens < per_step:
-        raise ValueError(
-            f"{src}: stage2.tokens ({s2.tokens}) is less than one optimizer step "
-            f"(block_size * batch_size * grad_accum = {per_step})"
-        )
 
 
 # ----- the recipe against a teacher -------------------------------------------------------------------------

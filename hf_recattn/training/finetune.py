@@ -17,7 +17,8 @@ from transformers import DataCollatorForSeq2Seq, default_data_collator, set_seed
 
 from .data import chat_examples, load_documents, packed_blocks
 from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
-from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, build_training_arguments, read_config
+from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, read_config, run_arguments
+from .trainable import merge_lora, set_trainable
 
 DEFAULT_BLOCK_SIZE = 1024
 
@@ -46,34 +47,6 @@ def load_checkpoint(spec: str, where: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def set_trainable(model: Any, method: str, lora: LoraSettings, where: str) -> Any:
-    """Freeze / wrap ``model`` for ``method``; returns the model Trainer trains (a PeftModel for LoRA)."""
-    from ..conversion.finetune import is_mixer_parameter
-
-    if method == "full":
-        model.requires_grad_(True)
-        return model
-    if method == "mixers":
-        names = []
-        for name, param in model.named_parameters():
-            param.requires_grad_(is_mixer_parameter(name))
-            names += [name] if param.requires_grad else []
-        if not names:
-            raise ValueError(f"{where}: method: mixers: this model's mixers have no parameters of their own "
-                             "(softmax layers only); use lora or full")
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, bias="none",
-                        modules_to_save=["mixer"] if lora.train_mixers else None)
-    model.requires_grad_(False)
-    try:
-        return get_peft_model(model, config)
-    except ValueError as err:
-        raise ValueError(f"{where}: lora.target_modules: {err}") from err
-
-
 def finetune(model: str | None = None, data: str | None = None, config_or_path: str | Path | dict | None = None,
              output_dir: str | None = None, callbacks: list[Any] | None = None) -> RunResult:
     """Finetune the checkpoint ``model`` on ``data`` (both override the YAML's ``model`` / ``data.source``);
@@ -88,16 +61,11 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     method = values.get("method", "lora")
     if method not in METHODS:
         raise ValueError(f"{where}: method: {method!r} is not one of {list(METHODS)}")
-    lora = LoraSettings.parse(values.get("lora"), where)
+    lora, train_mixers = LoraSettings.parse(values.get("lora"), where)
     if values.get("lora") and method != "lora":
         raise ValueError(f"{where}: lora: only used with method: lora (method is {method!r})")
-    training = {"label_names": ["labels"], **(values.get("training") or {})}
     streaming = run.data.streaming
-    if streaming and int(training.get("max_steps", -1)) <= 0:
-        raise ValueError(f"{where}: training.max_steps: streaming data has no length; set max_steps")
-    has_eval = run.data.eval_source is not None or run.data.eval_documents is not None or (
-        run.data.eval_fraction > 0 and not streaming)
-    args = build_training_arguments(training, where, has_eval, output_dir=output_dir)
+    args = run_arguments(run, where, output_dir, label_names=["labels"])
     net, tokenizer = load_checkpoint(str(spec), where)
     limit = net.config.max_position_embeddings
     size = block_size(values.get("block_size"), where, limit, min(DEFAULT_BLOCK_SIZE, limit or DEFAULT_BLOCK_SIZE))
@@ -124,7 +92,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     set_seed(args.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        trained = set_trainable(net, method, lora, where)
+        trained = set_trainable(net, method, lora, train_mixers, where)
     collator = (DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True) if chat
                 else default_data_collator)
     trainer = CausalLMTrainer(model=trained, args=args, train_dataset=train, eval_dataset=held,
@@ -134,6 +102,5 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
         resumed = train_with_resume(trainer)
         merged = None
         if method == "lora":
-            merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-            merged.requires_grad_(False)
+            merged = merge_lora(trainer.accelerator.unwrap_model(trainer.model))
     return summarize(trainer, save_final(trainer, tokenizer, merged), resumed)

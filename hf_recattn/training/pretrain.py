@@ -9,7 +9,7 @@ from transformers import default_data_collator, set_seed
 
 from .data import load_documents, load_tokenizer, packed_blocks
 from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
-from .settings import PRETRAIN_KEYS, block_size, build_training_arguments, model_values, read_config
+from .settings import PRETRAIN_KEYS, block_size, model_values, read_config, run_arguments
 
 DEFAULT_BLOCK_SIZE = 512
 
@@ -27,13 +27,8 @@ def pretrain(config_or_path: str | Path | dict[str, Any], output_dir: str | None
     run = read_config(config_or_path, PRETRAIN_KEYS)
     where, values = run.where, run.values
     model_kwargs = model_values(values.get("model"), where)
-    training = dict(values.get("training") or {})
     streaming = run.data.streaming
-    if streaming and int(training.get("max_steps", -1)) <= 0:
-        raise ValueError(f"{where}: training.max_steps: streaming data has no length; set max_steps")
-    has_eval = run.data.eval_source is not None or run.data.eval_documents is not None or (
-        run.data.eval_fraction > 0 and not streaming)
-    args = build_training_arguments(training, where, has_eval, output_dir=output_dir)
+    args = run_arguments(run, where, output_dir)
     tokenizer = load_tokenizer(values.get("tokenizer"), where)
     specials = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}

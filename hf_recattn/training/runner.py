@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +12,12 @@ from typing import Any
 
 from transformers import Trainer
 
-from ..conversion.checkpoints import latest_trainer_checkpoint
-
 FINAL_MODEL = "model"
+_TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training or distillation loss became NaN or infinite; the message names the stage, step and layer."""
 
 
 class CausalLMTrainer(Trainer):
@@ -35,6 +39,27 @@ class RunResult:
     train_loss: float | None
     eval_metrics: dict[str, float]
     log_history: list[dict[str, Any]]
+
+
+def latest_trainer_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete Trainer ``checkpoint-N`` (with ``trainer_state.json``); removes incomplete ones.
+
+    Trainer writes its checkpoint files in place and ``trainer_state.json`` among the last, so a folder
+    without it is the remains of an interrupted save.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found: list[tuple[int, Path]] = []
+    for child in folder.iterdir():
+        match = _TRAINER_DIR.match(child.name)
+        if not match or not child.is_dir():
+            continue
+        if (child / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), child))
+        else:
+            shutil.rmtree(child, ignore_errors=True)
+    return max(found)[1] if found else None
 
 
 def train_with_resume(trainer: Trainer) -> int:

@@ -1,8 +1,10 @@
-"""The YAML of ``hf-recattn pretrain`` / ``finetune``: reading, checking every key, building the objects.
+"""The settings of every Trainer run: the YAML of ``hf-recattn pretrain`` / ``finetune`` and the distillation
+finetune of conversion (``Stage2Settings``), read, checked and built in one place.
 
 Every unknown key is refused before anything is loaded, naming the file and the key and suggesting close
 matches (``pretrain.yaml: training.learnig_rate: not a TrainingArguments field (did you mean
 learning_rate?)``). The ``training`` section is passed to ``TrainingArguments`` as is, after a few defaults.
+Each settings class checks its own values (``check(source, section)``), the messages naming ``section.key``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +40,13 @@ _DATA_KEYS = {
 PRETRAIN_KEYS = {"model", "tokenizer", "data", "block_size", "training"}
 FINETUNE_KEYS = {"model", "data", "block_size", "method", "lora", "training"}
 _LORA_KEYS = {"r", "alpha", "dropout", "target_modules", "train_mixers"}
+#: what a finetune trains: LoRA adapters merged at the end, every weight, or only the mixers' own parameters
 METHODS = ("lora", "full", "mixers")
+#: the methods of conversion's stage 2 (its stage 1 is what trains the mixers alone)
+STAGE2_METHODS = tuple(m for m in METHODS if m != "mixers")
+LOSSES = ("ce", "kl", "ce+kl")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_LORA_TARGETS = ATTENTION_PROJECTIONS
 #: TrainingArguments values we change from transformers' defaults (the YAML wins)
 TRAINING_DEFAULTS: dict[str, Any] = {
     "logging_steps": 10,
@@ -213,23 +224,6 @@ def read_config(config_or_path: str | Path | dict[str, Any] | None, known: set[s
     return RunConfig(values, where, base, DataSettings.parse(values.get("data"), where, base))
 
 
-@dataclass
-class LoraSettings:
-    """``lora`` section of a finetune YAML (peft's LoraConfig names)."""
-
-    r: int = 8
-    alpha: float = 16
-    dropout: float = 0.0
-    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    train_mixers: bool = False
-
-    @classmethod
-    def parse(cls, value: Any, where: str) -> LoraSettings:
-        values = _mapping(value, f"{where}: lora")
-        check_keys(values, _LORA_KEYS, f"{where}: lora", "a LoRA option")
-        return cls(**values)
-
-
 def block_size(value: Any, where: str, limit: int | None, default: int) -> int:
     """The ``block_size``: a positive integer at most the model's ``max_position_embeddings``."""
     size = default if value is None else value
@@ -238,3 +232,200 @@ def block_size(value: Any, where: str, limit: int | None, default: int) -> int:
     if limit is not None and size > limit:
         raise ValueError(f"{where}: block_size {size} is above the model's max_position_embeddings {limit}")
     return size
+
+
+def run_arguments(run: RunConfig, where: str, output_dir: str | None, **defaults: Any) -> Any:
+    """TrainingArguments for a pretrain / finetune YAML: its ``training`` section over ``defaults``, with
+    evaluation when the data has a held-out part; streaming data needs ``training.max_steps``."""
+    training = {**defaults, **(run.values.get("training") or {})}
+    streaming = run.data.streaming
+    if streaming and int(training.get("max_steps", -1)) <= 0:
+        raise ValueError(f"{where}: training.max_steps: streaming data has no length; set max_steps")
+    has_eval = run.data.eval_source is not None or run.data.eval_documents is not None or (
+        run.data.eval_fraction > 0 and not streaming)
+    return build_training_arguments(training, where, has_eval, output_dir=output_dir)
+
+
+# ----- typed settings classes ---------------------------------------------------------------------------
+def positive(value: float, where: str, allow_zero: bool = False) -> None:
+    """Raise ValueError naming ``where`` unless ``value`` > 0 (or >= 0 with ``allow_zero``)."""
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def typed(value: Any, kind: type, where: str) -> Any:
+    """``value`` as ``kind`` (ints and YAML strings such as ``1e-4`` taken as floats), else ValueError."""
+    if kind is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ValueError(f"{where} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def build_settings(cls: type, values: Any, where: str) -> Any:
+    """A settings dataclass from a mapping: unknown keys and wrong types raise, naming ``where.key``."""
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {names}")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        hint = hints[name]
+        key = f"{where}.{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = build_settings(hint, value, key)
+        elif typing.get_origin(hint) is tuple:
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{key} must be a list of strings, got {value!r}")
+            kwargs[name] = tuple(value)
+        elif isinstance(hint, types.UnionType):
+            kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+            if value is None or len(kinds) != 1:
+                kwargs[name] = value
+            else:  # an optional scalar: checked like the plain type
+                kwargs[name] = typed(value, kinds[0], key)
+        else:
+            kwargs[name] = typed(value, hint, key)
+    return cls(**kwargs)
+
+
+def check_schedule(settings: Any, at: str) -> None:
+    """The values every training stage has: tokens, lr, block and batch size, clipping, warm-up."""
+    positive(settings.tokens, f"{at}.tokens", allow_zero=True)
+    for key in ("lr", "block_size", "batch_size", "max_grad_norm"):
+        positive(getattr(settings, key), f"{at}.{key}")
+    if not 0 <= settings.warmup_fraction < 1:
+        raise ValueError(f"{at}.warmup_fraction must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (peft's LoraConfig), merged into the weights at the end. ``targets``: module-name suffixes
+    (a finetune YAML's ``target_modules``; there a string is peft's regular expression)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> tuple[LoraSettings, bool]:
+        """From a finetune YAML's ``lora`` section: the settings and its ``train_mixers``."""
+        values = _mapping(value, f"{where}: lora")
+        check_keys(values, _LORA_KEYS, f"{where}: lora", "a LoRA option")
+        train_mixers = bool(values.pop("train_mixers", False))
+        targets = values.pop("target_modules", None)
+        if targets is not None and not isinstance(targets, str):
+            values["targets"] = targets
+        settings = build_settings(cls, values, f"{where}: lora")
+        if isinstance(targets, str):  # a regular expression: passed to peft as it is
+            settings = dataclasses.replace(settings, targets=targets)
+        settings.check(where, "lora")
+        return settings, train_mixers
+
+    def check(self, source: str, section: str) -> None:
+        at = f"{source}: {section}"
+        if not self.targets:
+            raise ValueError(f"{at}.targets must name at least one module")
+        positive(self.r, f"{at}.r")
+        positive(self.alpha, f"{at}.alpha")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{at}.dropout must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class Stage2Settings:
+    """A distillation finetune with transformers' Trainer (conversion's stage 2: LoRA adapters or every
+    weight), cross-entropy and/or KL to the teacher."""
+
+    tokens: int = 0  # training tokens in total; 0 skips the stage
+    lr: float = 1e-4
+    block_size: int = 512
+    batch_size: int = 4  # blocks per optimizer micro-step in all (shared by the processes of a parallel run)
+    grad_accum: int = 1
+    loss: str = "ce"
+    temperature: float = 1.0  # softmax temperature of the KL term
+    kl_weight: float = 1.0  # weight of the KL term in "ce+kl"
+    train_mixer: bool = False  # also train the mixer parameters (feature maps, gains) in stage 2
+    #: with train_mixer, the mixer parameters' own optimizer group: its peak learning rate (None: lr) and
+    #: Adam's eps (None: Trainer's adam_epsilon, 1e-8); no weight decay. A small eps makes Adam's step ~lr
+    #: even for gradients far below 1e-8 (the FoX gates at their lossless start)
+    mixer_lr: float | None = None
+    mixer_eps: float | None = None
+    warmup_fraction: float = 0.05
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    save_steps: int = 25
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    #: ``lora`` (None: the adapters above, merged at the end) or ``full`` (every weight trains, the mixers'
+    #: own parameters included; ``lora`` is then refused)
+    method: str | None = None
+    #: training tokens of the corpus order passed over before stage 2's blocks begin (a run that continues from
+    #: ``init`` skips the tokens the first run trained on, so that it sees fresh text)
+    skip_tokens: int | None = None
+    # share of the stage-2 blocks that hide facts in training text and ask for them (``retrieval_data.py``)
+    retrieval_share: float | None = None
+    answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
+
+    @property
+    def trains_mixer(self) -> bool:
+        """Whether the mixers' own parameters train in stage 2 (asked for, or with every weight)."""
+        return self.train_mixer or self.method == "full"
+
+    def check(self, source: str, section: str = "stage2") -> None:
+        """Raise ValueError naming ``source: section.key`` for the first value out of range."""
+        at = f"{source}: {section}"
+        check_schedule(self, at)
+        self.lora.check(source, f"{section}.lora")
+        for key in ("grad_accum", "save_steps", "temperature"):
+            positive(getattr(self, key), f"{at}.{key}")
+        for key in ("kl_weight", "weight_decay"):
+            positive(getattr(self, key), f"{at}.{key}", allow_zero=True)
+        for key in ("mixer_lr", "mixer_eps"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not self.trains_mixer:
+                raise ValueError(f"{at}.{key} needs {section}.train_mixer: true or {section}.method: full "
+                                 "(it sets the mixer's group)")
+            if not math.isfinite(value):
+                raise ValueError(f"{at}.{key} must be finite, got {value!r}")
+            positive(value, f"{at}.{key}")
+        if self.method is not None and self.method not in STAGE2_METHODS:
+            raise ValueError(f"{at}.method must be one of {list(STAGE2_METHODS)}, got {self.method!r}")
+        if self.skip_tokens is not None:
+            positive(self.skip_tokens, f"{at}.skip_tokens", allow_zero=True)
+            if self.skip_tokens % self.block_size:
+                raise ValueError(f"{at}.skip_tokens ({self.skip_tokens}) must be a multiple of {section}.block_size "
+                                 f"({self.block_size}): whole blocks are skipped")
+        self._check_retrieval(at, section)
+        if self.loss not in LOSSES:
+            raise ValueError(f"{at}.loss must be one of {list(LOSSES)}, got {self.loss!r}")
+        per_step = self.block_size * self.batch_size * self.grad_accum
+        if self.tokens and self.tokens < per_step:
+            raise ValueError(
+                f"{at}.tokens ({self.tokens}) is less than one optimizer step "
+                f"(block_size * batch_size * grad_accum = {per_step})"
+            )
+
+    def _check_retrieval(self, at: str, section: str) -> None:
+        share, weight = self.retrieval_share, self.answer_weight
+        if share is not None and not 0 <= share < 1:
+            raise ValueError(f"{at}.retrieval_share must be in [0, 1), got {share!r}")
+        if weight is None:
+            return
+        if not share:
+            raise ValueError(f"{at}.answer_weight needs {section}.retrieval_share > 0 (it weights those blocks)")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{at}.answer_weight must be a finite number > 0, got {weight!r}")
