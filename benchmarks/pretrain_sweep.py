@@ -1,6 +1,7 @@
-"""Seed 000 in miniature: pretrain one tiny Llama per attention mixer on the same tokens and compare the losses.
+"""The Taylor-series view of softmax (Mongaras & Larson, arXiv:2507.23632) in miniature: pretrain one tiny Llama per
+attention mixer on the same tokens and compare the losses.
 
-The seed (Taylor expansion of softmax as a sum of RNNs) claims that the order-N Taylor recurrent softmax
+The paper (softmax as a sum of RNNs, by its Taylor expansion) claims that the order-N Taylor recurrent softmax
 approaches softmax as N grows, ranks its denominators (exact, gate, vector norms) and calls linear attention the
 first order. Each run here trains the same model from the same initial weights on the same token blocks in the
 same order with the same hyperparameters; only the mixer of every layer differs.
@@ -73,7 +74,7 @@ def _runs() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     runs["deltanet"] = {"mixer": "deltanet"}
     runs["gdn"] = {"mixer": "gdn"}
     extra = {f"taylor exp {den}": {"mixer": "taylor", "order": "exp", "denominator": den}
-             for den in TAYLOR_DENOMINATORS[1:]}  # the seed's Gate and Norm models use the exact exponential
+             for den in TAYLOR_DENOMINATORS[1:]}  # the paper's Gate and Norm models use the exact exponential
     return runs, extra
 
 

@@ -1,4 +1,5 @@
-"""Seed 002's softmax-family mixers on the embedded teacher with no training: the converted model at init.
+"""The softmax-family mixers of Su, "A Brief History of Linear Attention", kexue.fm/archives/11033 on the embedded
+teacher with no training: the converted model at init.
 
 For each spec the teacher's weights are copied into an hf_recattn model whose every layer uses that spec
 (``from_llama``), and the converted model is compared with the teacher on the same held-out tokens as
@@ -29,7 +30,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "alibi + rope": {"mixer": "softmax", "forget": "alibi"},
     "alibi, no rope": {"mixer": "softmax", "forget": "alibi", "rope": False},
     "deltaformer, b = 0.01": {"mixer": "softmax_delta", "write_strength": "sigmoid", "init": "convert"},
-    "deltaformer (seed, b = 1)": {"mixer": "deltaformer"},
+    "deltaformer (paper form, b = 1)": {"mixer": "deltaformer"},
     "path + rope, b = 0.01": {"mixer": "softmax_householder", "init": "convert"},
 }
 

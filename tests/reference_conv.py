@@ -1,5 +1,5 @@
 """Per-token pieces shared by the float64 references of the families fed by short convolutions (the delta rule,
-MesaNet), written from the seeds' equations. Nothing here imports hf_recattn.
+MesaNet), written from the papers' equations (see the README's references). Nothing here imports hf_recattn.
 
 A short causal depthwise convolution keeps, per batch row, a buffer of the last W - 1 raw inputs of each of its
 channels (``conv_q`` / ``conv_k`` / ``conv_v``); a padded token is never fed to it. The output of a query head is

@@ -1,6 +1,7 @@
-"""An independent float64 per-token reference for the delta-rule mixer, written from the seed's equations.
+"""An independent float64 per-token reference for the delta-rule mixer, written from the equations of Su's "A Brief
+History of Linear Attention".
 
-Nothing here imports hf_recattn. One batch row, one token, one head at a time, the state kept as the seed writes
+Nothing here imports hf_recattn. One batch row, one token, one head at a time, the state kept as that text writes
 it, values x keys (``S v`` is [E, D], ``o = S q``):
 
 * delta:  S <- S (I - b k k^T) + b v k^T

@@ -1,4 +1,5 @@
-"""Independent float64 per-token references for DeltaFormer and PaTH (seed 002, "Feeding Back in Progress").
+"""Independent float64 per-token references for DeltaFormer and PaTH (Su, "A Brief History of Linear Attention",
+kexue.fm/archives/11033, "Feeding Back in Progress").
 
 Nothing here imports hf_recattn. One batch row, one key head, one token at a time, written from the definitions:
 

@@ -4,7 +4,8 @@ Nothing here imports hf_recattn. For query t and a visible real key s <= t of qu
 
     logit = scale * q_t . k_s + sum_{u = s+1..t, u real} log f[h, u],
 
-then a softmax over those keys (seed 002, eq. 22). Padded tokens are never keys and add no forget factor
+then a softmax over those keys (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, eq. 22). Padded
+tokens are never keys and add no forget factor
 (f = 1 there); padded query rows are zero (compare real rows only). Conventions as in ``reference.py``.
 """
 

@@ -1,6 +1,7 @@
-"""An independent float64 per-token reference for the MesaNet mixer, written from the seed's eq. 35.
+"""An independent float64 per-token reference for the MesaNet mixer, written from eq. 35 of Su's "A Brief History of
+Linear Attention".
 
-Nothing here imports hf_recattn. One batch row, one token, one head at a time, the states kept as the seed writes
+Nothing here imports hf_recattn. One batch row, one token, one head at a time, the states kept as that text writes
 them (G is values x keys):
 
     G <- gamma G + beta v k^T,    H <- gamma H + beta k k^T,    o = G (H + diag(Lambda_h))^-1 q

@@ -75,7 +75,7 @@ def finish(
     gain: Tensor | None = None,
     gate: float | None = None,
 ) -> Tensor:
-    """The denominators of seed 000 on one output vector."""
+    """The denominators of Mongaras & Larson on one output vector."""
     if kind == "exact":
         return num / den.clamp_min(eps)
     if kind == "linear":  # linear attention's own rule
@@ -141,7 +141,7 @@ def softmax_attention(
     return _stack(rows, (bsz, seq, heads, v.shape[-1]))
 
 
-# ----- taylor (seed 000) --------------------------------------------------------------------------------
+# ----- taylor (Mongaras & Larson)-----------------------------------------------------------------------
 def taylor_attention(
     q: Tensor,
     k: Tensor,
@@ -207,7 +207,7 @@ def taylor_attention(
     return _stack(rows, (bsz, seq, heads, v.shape[-1]))
 
 
-# ----- heinsen (seed 001) -------------------------------------------------------------------------------
+# ----- heinsen (Heinsen 2024) ----------------------------------------------------------------------------
 def heinsen_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True, scale: float = 1.0
 ) -> Tensor:

@@ -1,6 +1,6 @@
 """The delta-rule mixer (DeltaNet, Gated DeltaNet, Comba, DeltaProduct) against the float64 reference.
 
-tests/reference_delta.py updates one state per key head token by token, in the seed's values x keys form, with
+tests/reference_delta.py updates one state per key head token by token, in Su's values x keys form, with
 the convolution, activations, norms, gates and output gate written out per vector; no triangular solve, no chunk,
 no cumulative sum. Every combination of rule x short convolution x output gate x Householder steps is checked.
 Tolerances: fp32 mixer vs float64 reference ``REL_FP32``; float64 gradients (q, k, v, the layer input and every

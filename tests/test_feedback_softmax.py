@@ -1,4 +1,4 @@
-"""DeltaFormer and PaTH (seed 002's softmax families fed back from DeltaNet) against float64 references.
+"""DeltaFormer and PaTH (the softmax families fed back from DeltaNet in Su's text) against float64 references.
 
 tests/reference_feedback.py computes DeltaFormer's u_t token by token from its recursive definition and PaTH's
 logits from explicit [D, D] Householder products per query-key pair (no triangular solve, no UT transform, no
@@ -142,7 +142,7 @@ def test_left_padding_changes_nothing(family: str, options: dict) -> None:
 
 @pytest.mark.parametrize("family", ["softmax_delta", "softmax_householder"])
 def test_no_feedback_is_softmax(family: str) -> None:
-    """b -> 0 (DeltaFormer's write strength, PaTH's Householders) gives plain softmax attention; the seed
+    """b -> 0 (DeltaFormer's write strength, PaTH's Householders) gives plain softmax attention; Su's text
     DeltaFormer (b = 1) and PaTH at b ~ 1 do not."""
     seq_len = 8
     options = {"write_strength": "sigmoid"} if family == "softmax_delta" else {"chunk_size": 4}
@@ -163,7 +163,7 @@ def test_no_feedback_is_softmax(family: str) -> None:
 
 
 def test_path_reflections_are_orthogonal_rope_like() -> None:
-    """b = 2 (reflections, the seed's eq. 31-33): R_{i,j} = R_i R_j^T with R_i = H_i ... H_1 orthogonal, so the
+    """b = 2 (reflections, Su's eqs. 31-33): R_{i,j} = R_i R_j^T with R_i = H_i ... H_1 orthogonal, so the
     logits are those of plain softmax on R_i^T q_i and R_j^T k_j (an absolute, RoPE-like encoding)."""
     seq_len = 7
     mixer = make_mixer("softmax_householder", {"chunk_size": 3, "eps": 0.0}, torch.float64)  # exactly unit w

@@ -1,4 +1,5 @@
-"""The heinsen mixer (seed 001): log-space sums, signed values, extreme logits, every form vs float64."""
+"""The heinsen mixer (Heinsen, arXiv:2404.05843): log-space sums, signed values, extreme logits, every form vs
+float64."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The MesaNet mixer (family ``mesa``, preset ``mesanet``) against the float64 reference.
 
-tests/reference_mesanet.py updates G and H per key head token by token in the seed's form and solves every read
+tests/reference_mesanet.py updates G and H per key head token by token in Su's form and solves every read
 with torch.linalg.solve; no cumulative sum, no chunk, no Cholesky, no conjugate gradients.
 Tolerances: fp32 mixer (exact solve) vs float64 reference ``REL_FP32`` = 1e-5, as for the other families. The
 solve needs no looser bound here: H_t + Lambda has its eigenvalues in [Lambda_min, Lambda_max + sum of beta]

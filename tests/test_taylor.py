@@ -1,4 +1,5 @@
-"""The taylor mixer (seed 000): every form against float64 per-token references, packing, limits, errors."""
+"""The taylor mixer (Mongaras & Larson, arXiv:2507.23632): every form against float64 per-token references, packing,
+limits, errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The delta-rule family (seed 002): DeltaNet, Gated DeltaNet, Comba and DeltaProduct in one mixer.
+"""The delta-rule family (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033): DeltaNet, Gated
+DeltaNet, Comba and DeltaProduct in one mixer.
 
 Per key head, a state S [D, E] is updated by ``rule`` (see ops_delta.py / delta_gates.py):
 
@@ -6,7 +7,7 @@ Per key head, a state S [D, E] is updated by ``rule`` (see ops_delta.py / delta_
 * ``gated``  (Gated DeltaNet):  S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T
 * ``comba``  (Comba, eq. 18):   S_t = a_t S_{t-1} + b_t (v_t - S_{t-1} k_t) k_t^T
 
-(written values x keys as in the seed), and the query reads o_t = S_t q_t. Around the update: an optional short
+(written values x keys as in Su's text), and the query reads o_t = S_t q_t. Around the update: an optional short
 causal convolution on q, k and v (its inputs cached in the state), an optional SiLU, an optional feature map on q
 and k (those of linear attention, e.g. Hedgehog: the state then has the map's width), L2-normalized q and k, and
 an optional output RMSNorm per head times a SiLU gate from the layer input. ``householder_steps`` n > 1 gives

@@ -1,10 +1,11 @@
-"""DeltaFormer (seed 002, "Feeding Back in Progress", eq. 23): DeltaNet's inverse with softmax kernels.
+"""DeltaFormer: DeltaNet's inverse with softmax kernels (Su, "A Brief History of Linear Attention",
+https://kexue.fm/archives/11033, section "Feeding Back in Progress", eq. 23).
 
     u_i = v_i - b_i * sum_{j < i} softmax_j(k_i . k_j * key_scale) u_j      (real keys j < i only)
     o_i = sum_{j <= i} softmax_j(q_i . k_j * scale) u_j                       (real keys j <= i)
 
 i.e. ``O = A (I + B)^{-1} V`` with A the causal softmax of Q K^T (diagonal included) and B the softmax of K K^T
-over the strictly earlier keys, row by row. ``write_strength='none'`` is the seed's equation (b = 1);
+over the strictly earlier keys, row by row. ``write_strength='none'`` is the equation as Su writes it (b = 1);
 ``'sigmoid'`` adds DeltaFormer's beta, b_i = sigmoid(w_b . x_i + c) per key head from the layer input. u depends
 only on keys and values, so it lives per key head (GQA / MQA share it). The cache holds every key and its u.
 """
@@ -29,7 +30,7 @@ class DeltaFormerMixer(ContinuingMixer):
 
     name = "softmax_delta"
     options = {
-        "write_strength": Option((str,), "none", "b_i scaling the feedback of token i: none (b = 1, the seed's "
+        "write_strength": Option((str,), "none", "b_i scaling the feedback of token i: none (b = 1, as Su writes "
                                  "eq. 23) or sigmoid (b = sigmoid(w_b . x + c) per key head)",
                                  choices=WRITE_STRENGTHS),
         "scale": Option((float,), None, "query-key scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),

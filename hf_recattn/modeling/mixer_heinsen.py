@@ -1,4 +1,5 @@
-"""Heinsen's attention (seed 001): Softmax(log(exp(Q) exp(K)^T)) V with log-space states of constant size.
+"""Heinsen's attention (Heinsen, arXiv:2404.05843): Softmax(log(exp(Q) exp(K)^T)) V with log-space states of
+constant size.
 
 The kernel exp(s q) . exp(s k) is positive, so the output is a weighted average of values; every sum of
 exponentials is kept as a logarithm or relative to one (see ops_heinsen for the states and signed values).

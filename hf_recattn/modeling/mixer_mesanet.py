@@ -1,4 +1,5 @@
-"""MesaNet (seed 002, eq. 35; von Oswald et al. 2025): the closed-form least-squares read of a gated linear state.
+"""MesaNet (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, eq. 35; von Oswald et al. 2025,
+arXiv:2506.05233): the closed-form least-squares read of a gated linear state.
 
 Per key head, two states with a forget gate gamma_t and an input gate beta_t read from the layer input x_t:
 

@@ -1,4 +1,5 @@
-"""PaTH attention (seed 002, "Hardcore Position Encoding", eq. 25): Householder products as position encoding.
+"""PaTH attention (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, "Hardcore Position Encoding",
+eq. 25): Householder products as position encoding.
 
     logit_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j * scale   (j <= i, real keys only),   H_t = I - b_t w_t w_t^T,
 

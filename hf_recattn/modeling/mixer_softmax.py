@@ -3,7 +3,8 @@
 Their "state" is the key/value cache: all past keys for ``softmax``, the last ``window - 1`` for
 ``sliding_window`` (with the current token that makes ``window`` visible keys).
 
-``forget`` adds the summed log forget factors between key and query to the logits (seed 002, eq. 22):
+``forget`` adds the summed log forget factors between key and query to the logits (Su, "A Brief History of Linear
+Attention", kexue.fm/archives/11033, eq. 22):
 
     logit_ij = s q_i . k_j + c_i - c_j,    c_t = sum_{u <= t} log f_u,   one f per query head,
 

@@ -1,4 +1,5 @@
-"""Recurrent softmax by a truncated Taylor series (seed 000): o_t = G_t sum_s T_N(s q_t . k_s) v_s.
+"""Recurrent softmax by a truncated Taylor series (Mongaras & Larson, arXiv:2507.23632): o_t = G_t sum_s T_N(s q_t .
+k_s) v_s.
 
 ``order`` N is an integer (T_N(x) = sum_{n<=N} x^n/n!) or "exp" (the exact exponential, as in the paper's Gate
 and Norm models). ``denominator`` says what replaces / implements G_t:
@@ -64,7 +65,7 @@ class TaylorMixer(Mixer, FarPart):
             (int,), 2, "Taylor order N >= 1, or 'exp' for the exact exponential", minimum=1, literals=("exp",)
         ),
         "denominator": Option(
-            (str,), "exact", "what normalizes the numerator (seed 000, eqs. 4-6)", choices=DENOMINATORS
+            (str,), "exact", "what normalizes the numerator (Mongaras & Larson, eqs. 4-6)", choices=DENOMINATORS
         ),
         "gate_clamp": Option(
             (float,), 5.0, "denominator='gate': bound on the pre-exponential logit (None: off)", nullable=True

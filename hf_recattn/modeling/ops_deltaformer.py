@@ -1,4 +1,5 @@
-"""DeltaFormer (seed 002, eq. 23) on plain tensors: softmax attention over values fed back through the keys.
+"""DeltaFormer (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, eq. 23) on plain tensors:
+softmax attention over values fed back through the keys.
 
 With ``A = softmax(Q K^T * scale + log M)`` (each query i sees keys j <= i) and
 ``B = softmax(K K^T * key_scale + log M^-)`` (each key i weighs the keys j < i; a row with no such key is zero),
@@ -6,7 +7,7 @@ the output is ``O = A (I + diag(b) B)^{-1} V``: the new values U solve, token by
 
     u_i = v_i - b_i * sum_{j < i} B_ij u_j,
 
-(b = 1 is the seed's equation; a per-token write strength b in (0, 1) is DeltaFormer's optional beta). The same
+(b = 1 is the equation as Su writes it; a per-token write strength b in (0, 1) is DeltaFormer's optional beta). The same
 function runs a whole sequence, a prefill after a cache and a single decode step: the cache holds every past key
 and its u (values are not needed once their u is known).
 

@@ -1,8 +1,8 @@
-"""Functional forms of Heinsen's log-space attention (seed 001): weights w_ts = exp(q_t) . exp(k_s).
+"""Functional forms of Heinsen's log-space attention (Heinsen, arXiv:2404.05843): weights w_ts = exp(q_t) . exp(k_s).
 
     o_t = sum_s w_ts v_s / sum_s w_ts,   log w_ts = LSE_i(q_ti + k_si)
 
-The parallel form is the seed's: log-cumulative sums over keys H^Z_i = LSE_s(k_si) ([D]) and
+The parallel form is the paper's: log-cumulative sums over keys H^Z_i = LSE_s(k_si) ([D]) and
 H^S_ie = LSE_s(k_si + log v_se) ([D, E]), read as log S_te = LSE_i(q_ti + H^S_ie) and log Z_t = LSE_i(q_ti + H^Z_i).
 Signs: log v is real only for v > 0, so values are split into two strictly positive parts v = a - b with
 a = max(v, 0) + delta and b = max(-v, 0) + delta (written (|v| +- v)/2 + delta; delta = sqrt(smallest normal
@@ -14,7 +14,7 @@ respect to v exact at v = 0 (through |v|' = 0 there; a plain max(v, 0) split wou
 The recurrent state (chunked and step forms) keeps H^Z in log space and the value sums relative to it:
 M_ie = sum_s exp(k_si - H^Z_i) v_se = exp(H^S+_ie - H^Z_i) - exp(H^S-_ie - H^Z_i), for every key dimension i an
 average of the values weighted by exp(k_si), so bounded by max |v| whatever the logits, and of either sign
-without a split. A query reads o_t = softmax_i(q_ti + H^Z_i) @ M (the ratio of the seed's two log-sums), one
+without a split. A query reads o_t = softmax_i(q_ti + H^Z_i) @ M (the ratio of the paper's two log-sums), one
 [D] softmax and one product instead of D x E exponentials; a new key takes the share sigmoid(k_i - H^Z_i) of
 dimension i. The state is half the size of the two signed log-space sums.
 
@@ -81,7 +81,7 @@ def read_out(q: torch.Tensor, hz: torch.Tensor, hs_pos: torch.Tensor, hs_neg: to
 
 
 def heinsen_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Seed 001 eq. 3 / 4: log-(cumulative-)sums over keys of all the states, then one read-out per query.
+    """Heinsen's eqs. 3 / 4: log-(cumulative-)sums over keys of all the states, then one read-out per query.
 
     Memory is O(T * D * E) per head (the paper's parallel-scan form); the chunked form avoids it.
     """
@@ -103,7 +103,7 @@ def read_state(q: torch.Tensor, hz: torch.Tensor, mean: torch.Tensor) -> tuple[t
 def heinsen_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, in_place: bool = False
 ) -> tuple[torch.Tensor, State]:
-    """Seed 001 eqs. 5-6 for one token: fold it into H^Z and M, then read them (``in_place``: into the state's
+    """Heinsen's eqs. 5-6 for one token: fold it into H^Z and M, then read them (``in_place``: into the state's
     buffers). With d = k - H^Z the new key's share of dimension i is sigmoid(d_i), the old sums keep the rest."""
     hz, mean = state["hz"], state["mean"]
     q, k, v = q.to(hz.dtype), k[:, :, 0].to(hz.dtype), v[:, :, 0].to(hz.dtype)

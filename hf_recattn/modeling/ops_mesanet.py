@@ -1,9 +1,10 @@
-"""Functional forms of MesaNet (seed 002, eq. 35): per key head, two states with a forget gate gamma_t and an
+"""Functional forms of MesaNet (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, eq. 35): per key
+head, two states with a forget gate gamma_t and an
 input gate beta_t,
 
     H_t = gamma_t H_{t-1} + beta_t k_t k_t^T    [D, D]        G_t = gamma_t G_{t-1} + beta_t k_t v_t^T    [D, E]
 
-(G kept keys x values, the transpose of the seed's v k^T), and each query head h reads
+(G kept keys x values, the transpose of Su's v k^T), and each query head h reads
 
     o_t = G_t^T x_t,    x_t = (H_t + Lambda_h)^-1 q_t,
 

@@ -1,4 +1,5 @@
-"""PaTH attention (seed 002, eqs. 25-29) on plain tensors: softmax over Householder-transported keys.
+"""PaTH attention (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, eqs. 25-29) on plain tensors:
+softmax over Householder-transported keys.
 
 The logit of query i and key j <= i is ``q_i^T R_{i,j} k_j * scale`` with ``R_{i,j} = H_i H_{i-1} ... H_{j+1}``
 (``R_{i,i} = I``) and ``H_t = I - b_t w_t w_t^T``. Keys are carried forward in time: the cache holds every key

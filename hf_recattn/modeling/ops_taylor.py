@@ -1,4 +1,5 @@
-"""Functional forms of truncated-Taylor attention (seed 000): weights T_N(x) = sum_{n<=N} x^n / n!.
+"""Functional forms of truncated-Taylor attention (Mongaras & Larson, arXiv:2507.23632): weights T_N(x) = sum_{n<=N}
+x^n / n!.
 
 The recurrent form keeps, per order n, the state H_n = sum_s K_s^{(x)n} V_s^T. A symmetric tensor power holds
 only C(d+n-1, n) distinct entries (the monomials k^a with |a| = n), so we store it packed: with
@@ -201,7 +202,7 @@ def taylor_step(
     key_mask: torch.Tensor | None,
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, State]:
-    """One token: fold Phi(k) v^T into the per-order states, then read them with Phi(q) (seed 000, eq. 3).
+    """One token: fold Phi(k) v^T into the per-order states, then read them with Phi(q) (Mongaras & Larson, eq. 3).
 
     ``in_place`` adds to the state buffers instead of allocating new ones: at order 2 the state is 2,145 x 64
     floats per key head, and a fresh copy per token costs more than the arithmetic.

@@ -1,4 +1,5 @@
-"""Denominator replacements: a vector norm of each head's output (seed 000, eq. 6), with a learnable gain."""
+"""Denominator replacements: a vector norm of each head's output (Mongaras & Larson, arXiv:2507.23632, eq. 6), with
+a learnable gain."""
 
 from __future__ import annotations
 

@@ -34,13 +34,14 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
     "gdn": dict(_GDN),
     "comba": {**_GDN, "rule": "comba"},
     "deltaproduct": {**_GDN, "householder_steps": 2, "negative_eigenvalues": True},
-    # softmax with forget factors (seed 002, eq. 22)
+    # softmax with forget factors (Su, "A Brief History of Linear Attention", kexue.fm/archives/11033, eq. 22)
     "alibi": {"mixer": "softmax", "forget": "alibi", "alibi_slopes": None, "fox_bias_init": None, "rope": False},
     "fox": {"mixer": "softmax", "forget": "fox", "alibi_slopes": None, "fox_bias_init": 0.0, "rope": False},
     "mesanet": {"mixer": "mesa", "solver": "cg", "cg_steps": 30, "lambda_min": 0.25, "lambda_init": 1.0,
                 "conv_size": 4, "activation": "silu", "qk_norm": "l2", "output_norm": True, "output_gate": False,
                 "rope": False, "init": "scratch"},
-    # seed 002's feedback families: DeltaFormer (family softmax_delta) and PaTH (family softmax_householder)
+    # the softmax families fed back from DeltaNet (Su's text): DeltaFormer (family softmax_delta)
+    # and PaTH (family softmax_householder)
     "deltaformer": {"mixer": "softmax_delta", "write_strength": "none", "scale": None, "key_scale": None,
                      "rope": True},
     "path": {"mixer": "softmax_householder", "rope": False, "scale": None, "eps": 1e-6, "init": "scratch"},
@@ -68,7 +69,7 @@ BUILTIN_PRESET_DOCS: dict[str, str] = {
     "mesanet": "MesaNet (von Oswald et al. 2025), as fla's MesaNet layer: sigmoid forget and input gates, Lambda = "
     "softplus(.) + 0.25 starting at 1, 30 CG steps, short convolution of 4 taps + SiLU on q and k, L2-normalized "
     "q and k, output RMSNorm without gate, no RoPE.",
-    "deltaformer": "DeltaFormer as the seed writes it (002, eq. 23): O = A (I + B)^-1 V with softmax A over "
+    "deltaformer": "DeltaFormer as Su's text writes it (eq. 23): O = A (I + B)^-1 V with softmax A over "
     "keys j <= i and row-softmax B over keys j < i, no write strength (b = 1), both scales head_dim ** -0.5, "
     "RoPE kept.",
     "path": "PaTH (Yang et al. 2025) as its paper trains it: Householder transports replace RoPE, "
