@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,20 @@ FAR_PREFIX = "far."
 NO_FAR = "none"
 #: the far part's terms of the queries over the keys it reads, and its next state (None in the parallel form)
 FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[FarTerms, State | None]]
+
+
+class FarRead(NamedTuple):
+    """What the far part reads for one block: the queries, the keys / values ``entering`` the window and those
+    ``leaving`` it (with their real-token mask), the block's inputs, the state before the block, the next state
+    (the far part's moves into it) and the form that runs the far part."""
+
+    q: torch.Tensor
+    entering: tuple[torch.Tensor, torch.Tensor]
+    leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    inputs: MixerInputs
+    state: State
+    new_state: State
+    form: FarForm
 
 
 def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
@@ -184,29 +198,21 @@ class HybridMixer(Mixer):
     ) -> tuple[FarTerms, State]:
         return self.far.far_step(q, k, v, inputs, state)
 
-    def _far_terms(
-        self,
-        q: torch.Tensor,
-        entering: tuple[torch.Tensor, torch.Tensor],
-        leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        inputs: MixerInputs,
-        state: State,
-        new_state: State,
-        far_form: FarForm,
-    ) -> tuple[FarTerms, MixerInputs]:
-        """The far part's terms for queries q over the tokens it reads, and the inputs it read them with: the T
+    def _far_terms(self, read: FarRead) -> tuple[FarTerms, MixerInputs]:
+        """The far part's terms for the queries over the tokens it reads, and the inputs it read them with: the T
         keys / values ``entering`` the window (a far part that reads every token as it arrives) or the T
-        ``leaving`` it (with their real-token mask). Its next state moves into ``new_state``."""
+        ``leaving`` it (with their real-token mask). Its next state moves into ``read.new_state``."""
+        inputs = read.inputs
         if self.far.far_reads == ARRIVING:
-            (k, v), far_inputs = entering, inputs
+            (k, v), far_inputs = read.entering, inputs
         else:
-            k, v, real = leaving
+            k, v, real = read.leaving
             far_inputs = MixerInputs(
                 hidden_states=inputs.hidden_states, padding_mask=real, past_length=inputs.past_length
             )
-        terms, far_state = far_form(q, k, v, far_inputs, _far_state(state))
+        terms, far_state = read.form(read.q, k, v, far_inputs, _far_state(read.state))
         if far_state is not None:
-            new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+            read.new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
         return terms, far_inputs
 
     # ----- one block of new tokens against the sinks, the window buffer and the far state --------------------
@@ -272,7 +278,8 @@ class HybridMixer(Mixer):
             out = ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), soft_values))
         else:
             leaving = (keys[:, :, :t], values[:, :, :t], real[:, :t])
-            out = self._with_far(q, (k, v), leaving, scores, soft_values, inputs, state, new_state, far_form)
+            read = FarRead(q, (k, v), leaving, inputs, state, new_state, far_form)
+            out = self._with_far(read, scores, soft_values)
         new_state.update({"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]})
         return out, new_state
 
@@ -309,26 +316,17 @@ class HybridMixer(Mixer):
         if self.far is None:
             return ungroup_output((torch.softmax(scores, dim=-1) @ values)[:, :, :, None]), new_state
         leaving = (old_k[:, :, :1], old_v[:, :, :1], old_real[:, :1])
+        read = FarRead(q, (k, v), leaving, inputs, state, new_state, self._far_step)
         if self.combine == "shared":
-            return self._shared_one(q, (k, v), leaving, scores, values, inputs, state, new_state), new_state
+            return self._shared_one(read, scores, values), new_state
         scores = scores[..., None, :]  # [B, Hkv, G, 1, N + W]
-        return self._with_far(q, (k, v), leaving, scores, values, inputs, state, new_state, self._far_step), new_state
+        return self._with_far(read, scores, values), new_state
 
-    def _shared_one(
-        self,
-        q: torch.Tensor,
-        entering: tuple[torch.Tensor, torch.Tensor],
-        leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        scores: torch.Tensor,
-        values: torch.Tensor,
-        inputs: MixerInputs,
-        state: State,
-        new_state: State,
-    ) -> torch.Tensor:
+    def _shared_one(self, read: FarRead, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """combine='shared' for one token in fewer ops than ``_with_far``: the softmax is shifted by
         -log g, so the far entry's logit is log den_far - lambda (log((1-g)/g) = -lambda), and its weight divides
         into the far numerator (a far part with no mass, den_far <= 0, gets logit -inf and weight 0)."""
-        (num_f, den_f, _), _ = self._far_terms(q, entering, leaving, inputs, state, new_state, self._far_step)
+        (num_f, den_f, _), _ = self._far_terms(read)
         den = den_f[..., 0, None]  # [B, Hkv, G, 1]
         far_logit = den.clamp_min(0.0).log() - self.mix_logit.view(*den.shape[1:3], 1)
         p = torch.softmax(torch.cat([scores, far_logit], dim=-1), dim=-1)  # [B, Hkv, G, N + W + 1]
@@ -336,22 +334,11 @@ class HybridMixer(Mixer):
         far_weight = p[..., -1:, None] / den[..., None].clamp_min(torch.finfo(den.dtype).tiny)
         return ungroup_output(torch.addcmul(near, far_weight, num_f))
 
-    def _with_far(
-        self,
-        q: torch.Tensor,
-        entering: tuple[torch.Tensor, torch.Tensor],
-        leaving: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        scores: torch.Tensor,
-        soft_values: torch.Tensor,
-        inputs: MixerInputs,
-        state: State,
-        new_state: State,
-        far_form: FarForm,
-    ) -> torch.Tensor:
+    def _with_far(self, read: FarRead, scores: torch.Tensor, soft_values: torch.Tensor) -> torch.Tensor:
         """Combine the softmax part (``scores`` over ``soft_values``: sinks, then window) with the far part (see
-        ``_far_terms``); the far state moves into ``new_state``."""
+        ``_far_terms``); the far state moves into ``read.new_state``."""
         hk, g = self.shape.num_kv_heads, self.shape.groups
-        terms, far_inputs = self._far_terms(q, entering, leaving, inputs, state, new_state, far_form)
+        terms, far_inputs = self._far_terms(read)
         mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
         if self.combine == "shared":
             num_f, den_f = terms.num, terms.den
