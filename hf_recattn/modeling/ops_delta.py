@@ -28,6 +28,7 @@ entries are the caller's business (beta = erase = 0 and log_alpha = 0 leave the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -254,6 +255,17 @@ def _chunk_group(
     return out, states[-1]
 
 
+def _operands(
+    name: str, operands: tuple[torch.Tensor, ...], state: torch.Tensor, several_updates: bool
+) -> tuple[tuple[torch.Tensor, ...], Callable | None]:
+    """(q, k, v, log_alpha, beta, erase) in the state's dtype (the float32 state of a half-precision model), and
+    the kernel ``pick`` chooses for op ``name`` on them (None: the torch form runs)."""
+    operands = tuple(x.to(state.dtype) for x in operands)
+    k, v = operands[1], operands[2]
+    unsupported = SEVERAL_UPDATES if several_updates else too_wide(name, k, v)
+    return operands, pick(name, *operands, state, unsupported=unsupported)
+
+
 def delta_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -275,10 +287,9 @@ def delta_chunked(
     with autograd, checkpointing per group keeps them out of the saved activations. ``o`` is a permuted view of
     memory laid out [B, T, Hk, G, E].
     """
-    q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)  # float32 states of a half-precision model
-    log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
-    kernel = pick("chunk_delta", q, k, v, log_alpha, beta, erase, state,
-                  unsupported=SEVERAL_UPDATES if steps > 1 else too_wide("chunk_delta", k, v))
+    (q, k, v, log_alpha, beta, erase), kernel = _operands(
+        "chunk_delta", (q, k, v, log_alpha, beta, erase), state, several_updates=steps > 1
+    )
     if kernel is not None:
         return kernel_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
     b, hk, g, t, d = q.shape
@@ -321,10 +332,9 @@ def delta_step(
     """One token (T == 1, its ``steps`` updates in a row): returns (o [B, Hk, G, 1, E], new state).
 
     ``in_place`` writes the new state into ``state``'s buffer."""
-    q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)
-    log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
-    kernel = pick("delta_step", q, k, v, log_alpha, beta, erase, state,
-                  unsupported=SEVERAL_UPDATES if k.shape[2] > 1 else too_wide("delta_step", k, v))
+    (q, k, v, log_alpha, beta, erase), kernel = _operands(
+        "delta_step", (q, k, v, log_alpha, beta, erase), state, several_updates=k.shape[2] > 1
+    )
     if kernel is not None:
         return kernel_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
     for j in range(k.shape[2]):
