@@ -11,6 +11,14 @@ from typing import Any
 Handler = Callable[[argparse.Namespace], int]
 
 
+def _command(
+    sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """Declare sub-command ``name``: ``help`` is its line in ``hf-recattn --help``, ``description`` (if any) heads
+    its own ``--help``."""
+    return sub.add_parser(name, help=help, description=description)
+
+
 def _load_config(config_or_path: str):  # noqa: ANN202
     """A RecAttnConfig from a checkpoint folder, a config.json, or an inline JSON object."""
     from pathlib import Path
@@ -31,7 +39,7 @@ def _load_config(config_or_path: str):  # noqa: ANN202
 
 
 def add_state_size(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("state-size", help="per-layer decode state vs KV cache, and the break-even context")
+    p = _command(sub, "state-size", "per-layer decode state vs KV cache, and the break-even context")
     p.add_argument("config", help="checkpoint folder, config.json, or inline JSON config")
     p.add_argument("--context", type=int, default=4096, help="context length in tokens")
     p.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16/fp16, 4 for fp32")
@@ -53,7 +61,7 @@ def add_state_size(sub: argparse._SubParsersAction) -> None:
 def _add_listing(sub: argparse._SubParsersAction, name: str, help: str, text: str,
                  listing: Callable[[], tuple[Any, Callable[[Any], str]]]) -> None:
     """A sub-command that prints what ``listing()`` returns (the data and its formatter) as ``text`` or as JSON."""
-    p = sub.add_parser(name, help=help)
+    p = _command(sub, name, help)
     p.add_argument("--json", action="store_true", help=f"print JSON instead of {text}")
 
     def run(args: argparse.Namespace) -> int:
@@ -74,7 +82,7 @@ def add_mixers(sub: argparse._SubParsersAction) -> None:
 
 
 def add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="build a tiny random model per mixer and generate from it through the cache")
+    p = _command(sub, "demo", "build a tiny random model per mixer and generate from it through the cache")
     p.add_argument("--tokens", type=int, default=16)
 
     def run(args: argparse.Namespace) -> int:
@@ -103,8 +111,8 @@ _PROBE_SIZE_OPTIONS: tuple[tuple[str, type, str | None, str, str], ...] = (
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="held-out perplexity, passkey, associative recall, samples and decode cost "
-                       "of a checkpoint")
+    p = _command(sub, "eval", "held-out perplexity, passkey, associative recall, samples and decode cost of a "
+                 "checkpoint")
     p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
                    "folder, or a saved datasets folder; its held-out split is used")
@@ -140,7 +148,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate from a checkpoint through its (recurrent) cache")
+    p = _command(sub, "generate", "generate from a checkpoint through its (recurrent) cache")
     p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -159,13 +167,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="an OpenAI-compatible endpoint for a checkpoint: transformers serve, with hf_recattn's classes",
-        description="Run transformers' own server (`transformers serve MODEL OPTIONS`) in this process with "
-        "hf_recattn registered. OPTIONS are transformers serve's (--host, --port, --device, --dtype, ...); "
-        "--continuous-batching, --cb-* and --compile are refused. See docs/serving.md.",
-    )
+    p = _command(sub, "serve", "an OpenAI-compatible endpoint for a checkpoint: transformers serve, with hf_recattn's "
+                 "classes", "Run transformers' own server (`transformers serve MODEL OPTIONS`) in this process with "
+                 "hf_recattn registered. OPTIONS are transformers serve's (--host, --port, --device, --dtype, ...); "
+                 "--continuous-batching, --cb-* and --compile are refused. See docs/serving.md.")
     p.add_argument("model", help="a checkpoint folder or Hub id, served for every request")
     p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve options")
 
@@ -201,13 +206,10 @@ def _convert_threads(value: str) -> int:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "convert",
-        help="distill a softmax teacher into recurrent attention (stage 1 + stage 2), evaluate, save",
-        description="Convert a Llama-shaped teacher with a recipe: attention transfer, LoRA finetuning, "
-        "evaluation against the teacher, a model card and a sample through the recurrent cache. Rerun the "
-        "same command to resume an interrupted run.",
-    )
+    p = _command(sub, "convert", "distill a softmax teacher into recurrent attention (stage 1 + stage 2), evaluate, "
+                 "save", "Convert a Llama-shaped teacher with a recipe: attention transfer, LoRA finetuning, "
+                 "evaluation against the teacher, a model card and a sample through the recurrent cache. Rerun the "
+                 "same command to resume an interrupted run.")
     p.add_argument("--teacher", default="embedded", help="embedded (SmolLM2-135M-Instruct), a .gguf file, a "
                    "model folder or a Hub id")
     p.add_argument("--teacher-dtype", default="float32", choices=["float32", "bfloat16"],
@@ -270,13 +272,10 @@ def _push(folder: str, repo_id: str, **kwargs: object) -> int:
 
 
 def add_push(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "push",
-        help="publish a checkpoint folder to the Hub with a generated model card",
-        description="Publish an hf_recattn checkpoint (weights, config, runtime files, tokenizer, generation "
-        "config, report.json) with a model card rendered for REPO_ID, in one commit. HF_ENDPOINT and HF_TOKEN "
-        "are honoured as by every huggingface_hub client.",
-    )
+    p = _command(sub, "push", "publish a checkpoint folder to the Hub with a generated model card",
+                 "Publish an hf_recattn checkpoint (weights, config, runtime files, tokenizer, generation config, "
+                 "report.json) with a model card rendered for REPO_ID, in one commit. HF_ENDPOINT and HF_TOKEN are "
+                 "honoured as by every huggingface_hub client.")
     p.add_argument("checkpoint", help="a checkpoint folder (e.g. a conversion's OUTPUT/model)")
     p.add_argument("repo_id", help="namespace/name (or name: the token's namespace)")
     p.add_argument("--private", action="store_true", help="create the repo private")
@@ -302,7 +301,7 @@ def add_zoo(sub: argparse._SubParsersAction) -> None:
 
 
 def add_corpus(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("corpus", help="the embedded corpus: version, checksum, sources, split sizes; export its splits")
+    p = _command(sub, "corpus", "the embedded corpus: version, checksum, sources, split sizes; export its splits")
     p.add_argument("--write", metavar="DIR", default=None, help="write the splits (train, heldout, ood) to DIR")
     p.add_argument("--format", choices=("jsonl", "dataset"), default="jsonl",
                    help="jsonl: DIR/SPLIT.jsonl with fields id, text; dataset: a datasets DatasetDict (save_to_disk)")
@@ -339,9 +338,9 @@ def _training_run(command: str, run: Callable[[], Any]) -> int:
 
 
 def add_pretrain(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pretrain", help="pretrain a model from scratch with Trainer, as a YAML says (resumable)",
-                       description="Pretrain an hf_recattn model from a YAML (model, tokenizer, data, block_size, "
-                       "training: TrainingArguments). Rerun the same command to resume; see docs/training.md.")
+    p = _command(sub, "pretrain", "pretrain a model from scratch with Trainer, as a YAML says (resumable)",
+                 "Pretrain an hf_recattn model from a YAML (model, tokenizer, data, block_size, training: "
+                 "TrainingArguments). Rerun the same command to resume; see docs/training.md.")
     p.add_argument("--config", required=True, help="the YAML file")
     p.add_argument("--output", default=None, help="override training.output_dir")
 
@@ -354,9 +353,9 @@ def add_pretrain(sub: argparse._SubParsersAction) -> None:
 
 
 def add_finetune(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("finetune", help="finetune an hf_recattn checkpoint (LoRA, full or mixers only; plain or "
-                       "chat data)", description="Finetune a checkpoint with Trainer (+ peft) and save the merged "
-                       "model to OUTPUT/model. Rerun the same command to resume; see docs/training.md.")
+    p = _command(sub, "finetune", "finetune an hf_recattn checkpoint (LoRA, full or mixers only; plain or chat data)",
+                 "Finetune a checkpoint with Trainer (+ peft) and save the merged model to OUTPUT/model. Rerun the "
+                 "same command to resume; see docs/training.md.")
     p.add_argument("--model", required=True, help="an hf_recattn checkpoint folder or Hub id")
     p.add_argument("--data", required=True, help="embedded, a .txt/.jsonl/.parquet file or folder, a saved "
                    "dataset folder or a Hub dataset; a 'messages' column makes it chat data")
