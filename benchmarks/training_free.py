@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher", default="embedded")
     parser.add_argument("--specs", nargs="+", default=list(SPECS), help=f"rows to run: {list(SPECS)}")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="torch seed set before each conversion (random inits)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.specs) - set(SPECS))
     if unknown:
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     for name in args.specs:
         start = time.perf_counter()
+        torch.manual_seed(args.seed)  # each row's random init is the same whatever rows run before it
         model = from_llama(teacher, attention=SPECS[name]).eval()
         with torch.no_grad():
             diff = (model(input_ids=blocks[:1]).logits - teacher_logits).abs().max().item()
