@@ -16,6 +16,7 @@ from .mixer_linear import LinearMixer
 from .mixer_mesanet import MesaMixer
 from .mixer_path import PathMixer
 from .mixer_retrieval import RetrievalHeadsMixer
+from .mixer_rwkv7 import RWKV7Mixer
 from .mixer_softmax import SlidingWindowMixer, SoftmaxMixer
 from .mixer_taylor import TaylorMixer
 from .presets import BUILTIN_PRESET_DOCS, BUILTIN_PRESETS
@@ -36,6 +37,7 @@ BUILTIN_MIXERS: tuple[type[Mixer], ...] = (
     PathMixer,
     GLAMixer,  # gated linear attention (a gate per key dimension)
     MesaMixer,  # MesaNet (preset "mesanet")
+    RWKV7Mixer,  # RWKV-7's generalized delta rule (preset "rwkv7")
     RetrievalHeadsMixer,  # exact softmax on a few KV heads, another mixer on the rest
 )
 
