@@ -17,6 +17,7 @@ token is skipped (the state is left as it was) and its output row is zero.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -27,21 +28,23 @@ Tensor = torch.Tensor
 
 @dataclass
 class RWKV7Params:
-    """The mixer's parameters and options (tensors may be live, for gradients)."""
+    """The mixer's parameters and options (tensors may be live, for gradients). Shapes: ``decay_down`` A_w
+    [r_w, C], ``decay_up`` B_w [Hk D, r_w], ``decay_bias`` w0 [Hk D], the same for the rate (``iclr_*``: A_a, B_a,
+    a0), ``key_gain`` k_k and ``key_mix`` k_a [Hk, D], ``norm_gain`` [H, E] (None: no output norm)."""
 
     heads: int
     kv_heads: int
-    decay_down: Tensor  # A_w [r_w, C]
-    decay_up: Tensor  # B_w [Hk D, r_w]
-    decay_bias: Tensor  # w0 [Hk D]
-    iclr_down: Tensor  # A_a [r_a, C]
-    iclr_up: Tensor  # B_a [Hk D, r_a]
-    iclr_bias: Tensor  # a0 [Hk D]
-    key_gain: Tensor  # k_k [Hk, D]
-    key_mix: Tensor  # k_a [Hk, D]
     scale: float
-    norm_gain: Tensor | None = None  # [H, E]
-    eps: float = 1e-5
+    eps: float
+    decay_down: Tensor
+    decay_up: Tensor
+    decay_bias: Tensor
+    iclr_down: Tensor
+    iclr_up: Tensor
+    iclr_bias: Tensor
+    key_gain: Tensor
+    key_mix: Tensor
+    norm_gain: Tensor | None = None
 
 
 def _sigmoid(z: Tensor) -> Tensor:
@@ -59,37 +62,31 @@ def rwkv7_reference(
     None. Returns the outputs [B, T, H, E] and the final states in the mixer's layout."""
     q, k, v, x = q.double(), k.double(), v.double(), x.double()
     bsz, _, seq_len, d = q.shape
-    e = v.shape[-1]
     group = p.heads // p.kv_heads
-    rows: dict[tuple[int, int, int], Tensor] = {}
-    finals = []
-    for b in range(bsz):
-        states = []
-        for hk in range(p.kv_heads):
-            S = torch.zeros(e, d, dtype=torch.float64) if initial is None else initial[b, hk].double().T
-            for t in range(seq_len):
-                if mask is not None and not bool(mask[b, t]):
-                    continue
-                xt = x[b, t]
-                w_logit = _head(p.decay_bias.double() + p.decay_up.double() @ torch.tanh(p.decay_down.double() @ xt),
-                                hk, d)
-                w = torch.exp(-math.exp(-0.5) * _sigmoid(w_logit))
-                a = _sigmoid(_head(p.iclr_bias.double() + p.iclr_up.double() @ (p.iclr_down.double() @ xt), hk, d))
-                scaled = k[b, hk, t] * p.key_gain[hk].double()
-                kh = scaled / torch.sqrt(torch.dot(scaled, scaled) + p.eps)
-                kw = k[b, hk, t] * (1.0 + (a - 1.0) * p.key_mix[hk].double())
-                S = S @ (torch.diag(w) - torch.outer(kh, a * kh)) + torch.outer(v[b, hk, t], kw)
-                for h in range(hk * group, (hk + 1) * group):
-                    o = S @ (p.scale * q[b, h, t])
-                    if p.norm_gain is not None:
-                        centred = o - o.mean()
-                        o = centred / torch.sqrt((centred * centred).mean() + p.eps) * p.norm_gain[h].double()
-                    rows[(b, t, h)] = o
-            states.append(S.T)
-        finals.append(torch.stack(states))
-    zero = torch.zeros(e, dtype=torch.float64)
-    out = torch.stack([
-        torch.stack([torch.stack([rows.get((b, t, h), zero) for h in range(p.heads)]) for t in range(seq_len)])
-        for b in range(bsz)
-    ])
-    return out, torch.stack(finals)
+    out = torch.zeros(bsz, seq_len, p.heads, v.shape[-1], dtype=torch.float64)
+    finals = torch.zeros(bsz, p.kv_heads, d, v.shape[-1], dtype=torch.float64)
+    for b, hk in itertools.product(range(bsz), range(p.kv_heads)):
+        S = torch.zeros(v.shape[-1], d, dtype=torch.float64) if initial is None else initial[b, hk].double().T
+        for t in range(seq_len):
+            if mask is not None and not bool(mask[b, t]):
+                continue
+            xt = x[b, t]
+            w_logit = _head(p.decay_bias.double() + p.decay_up.double() @ torch.tanh(p.decay_down.double() @ xt), hk, d)
+            w = torch.exp(-math.exp(-0.5) * _sigmoid(w_logit))
+            a = _sigmoid(_head(p.iclr_bias.double() + p.iclr_up.double() @ (p.iclr_down.double() @ xt), hk, d))
+            scaled = k[b, hk, t] * p.key_gain[hk].double()
+            kh = scaled / torch.sqrt(torch.dot(scaled, scaled) + p.eps)
+            kw = k[b, hk, t] * (1.0 + (a - 1.0) * p.key_mix[hk].double())
+            S = S @ (torch.diag(w) - torch.outer(kh, a * kh)) + torch.outer(v[b, hk, t], kw)
+            for h in range(hk * group, (hk + 1) * group):
+                out[b, t, h] = _layer_norm(S @ (p.scale * q[b, h, t]), h, p)
+        finals[b, hk] = S.T
+    return out, finals
+
+
+def _layer_norm(o: Tensor, head: int, p: RWKV7Params) -> Tensor:
+    """(o - mean o) / sqrt(var o + eps) times the head's gain; o itself without an output norm."""
+    if p.norm_gain is None:
+        return o
+    centred = o - o.mean()
+    return centred / torch.sqrt((centred * centred).mean() + p.eps) * p.norm_gain[head].double()

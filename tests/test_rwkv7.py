@@ -42,25 +42,25 @@ def _one_thread() -> None:
 
 def make_mixer(init_kind: str = "scratch", norm: bool = True, dtype=torch.float32, shape: MixerShape = SHAPE,
                **options):
-    """A mixer initialized as the model would, then every parameter moved off its initial value."""
-    spec = validate_spec({"mixer": "generalized_delta", "init": init_kind, "output_norm": norm, "decay_rank": 4,
-                          "iclr_rank": 3, "half_life_min": 1.5, "half_life_max": 6.0, **options}, "test")
-    mixer = build_mixer(spec, shape)
-    mixer.init_parameters(init)
-    checks.perturb_parameters(mixer)
-    return mixer.to(dtype)
+    """A mixer in ``dtype`` initialized as the model would, then every parameter moved off its initial value."""
+    options = {"init": init_kind, "output_norm": norm, "decay_rank": 4, "iclr_rank": 3, "half_life_min": 1.5,
+               "half_life_max": 6.0, **options}
+    mixer = build_mixer(validate_spec({"mixer": "generalized_delta", **options}, "test"), shape).to(dtype)
+    checks.init_every_module(mixer)
+    checks.perturb_parameters(mixer, dtype=dtype)
+    return mixer
+
+
+#: the reference's tensors, by the mixer's parameter names
+PARAMETERS = ("decay_down", "decay_up", "decay_bias", "iclr_down", "iclr_up", "iclr_bias", "key_gain", "key_mix")
 
 
 def params_of(mixer, live: bool = False) -> RWKV7Params:
-    def get(param):
-        return param if live else param.detach().double()
-
-    names = ("decay_down", "decay_up", "decay_bias", "iclr_down", "iclr_up", "iclr_bias", "key_gain", "key_mix")
-    return RWKV7Params(
-        heads=mixer.shape.num_heads, kv_heads=mixer.shape.num_kv_heads, scale=mixer.scale, eps=mixer.spec["eps"],
-        norm_gain=None if mixer.output_norm is None else get(mixer.output_norm.weight),
-        **{name: get(getattr(mixer, name)) for name in names},
-    )
+    """The mixer's parameters for the reference: float64 copies, or the live tensors (gradient checks)."""
+    tensors = {name: p if live else p.detach().double() for name, p in mixer.named_parameters()}
+    return RWKV7Params(heads=mixer.shape.num_heads, kv_heads=mixer.shape.num_kv_heads, scale=mixer.scale,
+                       eps=mixer.spec["eps"], norm_gain=tensors.get("output_norm.weight"),
+                       **{name: tensors[name] for name in PARAMETERS})
 
 
 def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0, shape: MixerShape = SHAPE):
@@ -114,21 +114,16 @@ def test_chunked_steps_and_prefill_match_parallel() -> None:
     assert rel_err(real_rows(auto, mask), real_rows(parallel, mask)) <= REL_FORMS
 
 
-def test_initial_state_matches_reference() -> None:
+def test_continues_from_a_state_and_padding_leaves_it() -> None:
+    """From a random state, chunks and steps give the reference's outputs and final state; a row left-padded by
+    PAD gives its real tokens' outputs and state; a padded step leaves its row's state as it was."""
     mixer = make_mixer(chunk_size=4)
     inputs = q, k, v, x = make_inputs(9, seed=2)
     state = checks.random_state(mixer)
     expected, final = rwkv7_reference(q, k, v, x, None, params_of(mixer), initial=state["S"].clone())
     checks.assert_continues_from_state(mixer, inputs, state, expected, {"S": final}, REL_FP32)
-
-
-def test_left_padding_changes_nothing() -> None:
-    checks.assert_left_padding_changes_nothing(make_mixer(chunk_size=4), make_inputs(9), PAD, REL_FORMS)
-
-
-def test_padded_step_leaves_state_untouched() -> None:
-    mixer = make_mixer()
-    checks.assert_padded_step_keeps_state(mixer, make_inputs(1), checks.random_state(mixer))
+    checks.assert_left_padding_changes_nothing(mixer, make_inputs(9), PAD, REL_FORMS)
+    checks.assert_padded_step_keeps_state(mixer, make_inputs(1), state)
 
 
 def test_gqa_equals_repeated_key_heads() -> None:
@@ -152,22 +147,20 @@ def test_gqa_equals_repeated_key_heads() -> None:
 
 def test_strong_decays_over_long_sequences_stay_finite() -> None:
     """w at its floor e^{-e^{-1/2}} (log w = -0.61 per token, -240 over 400 tokens: e^{240} overflows fp32): no
-    overflow in any form or gradient, and the chunked form still equals the steps and the parallel form."""
-    seq_len = 400
+    overflow in the chunked form or its gradients, and over the last 70 tokens chunks, steps and the parallel form
+    agree."""
     mixer = make_mixer(chunk_size=64)
     with torch.no_grad():
         mixer.decay_bias.fill_(40.0)
-    q, k, v, x = (t.requires_grad_() for t in make_inputs(seq_len))
-    mask = torch.ones(BATCH, seq_len, dtype=torch.bool)
-    chunked, state = run_chunked(mixer, q, k, v, x, mask)
-    assert torch.isfinite(chunked).all() and torch.isfinite(state["S"]).all()
-    grads = torch.autograd.grad(chunked.square().sum(), [q, k, v, x, *mixer.parameters()])
-    assert all(torch.isfinite(g).all() for g in grads)
-    with torch.no_grad():
-        tail = [t[..., -70:, :] for t in (q, k, v)]
-        stepped, _ = run_steps(mixer, *tail, x[:, -70:], mask[:, -70:])
-        assert rel_err(run_chunked(mixer, *tail, x[:, -70:], mask[:, -70:])[0], stepped) <= REL_FORMS
-        assert rel_err(mixer.parallel(*tail, MixerInputs(x[:, -70:])), stepped) <= REL_FORMS
+    inputs = [t.requires_grad_() for t in make_inputs(400)]
+    chunked, state = run_chunked(mixer, *inputs, torch.ones(BATCH, 400, dtype=torch.bool))
+    grads = torch.autograd.grad(chunked.square().sum(), [*inputs, *mixer.parameters()])
+    assert all(torch.isfinite(t).all() for t in (chunked, state["S"], *grads))
+    q, k, v, x = (t.detach()[..., -70:, :] for t in inputs)
+    stepped, _ = run_steps(mixer, q, k, v, x, torch.ones(BATCH, 70, dtype=torch.bool))
+    assert rel_err(mixer.chunked(q, k, v, MixerInputs(x), mixer.init_state(BATCH, q.device, q.dtype))[0],
+                   stepped) <= REL_FORMS
+    assert rel_err(mixer.parallel(q, k, v, MixerInputs(x)), stepped) <= REL_FORMS
 
 
 def test_convert_and_scratch_init() -> None:

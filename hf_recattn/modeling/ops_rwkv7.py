@@ -33,11 +33,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 
 def mask_padding(
-    k: torch.Tensor, log_w: torch.Tensor, a: torch.Tensor, token_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k: Tensor, log_w: Tensor, a: Tensor, token_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """k, log_w and a [B, Hk, T, D] with padded tokens (``token_mask`` [B, T] False) made no-ops: no write (k = 0),
     no decay (log w = 0), no correction (a = 0)."""
     if token_mask is None:
@@ -46,7 +47,7 @@ def mask_padding(
     return k * keep.to(k.dtype), log_w.masked_fill(~keep, 0.0), a * keep.to(a.dtype)
 
 
-def _pairwise(cum_rows: torch.Tensor, cum: torch.Tensor, strict: bool) -> torch.Tensor:
+def _pairwise(cum_rows: Tensor, cum: Tensor, strict: bool) -> Tensor:
     """[..., T, T, D] e^{cum_rows_t - cum_s} for s < t (``strict``) or s <= t, zero elsewhere (masked before the
     exponential, so only exponents <= 0 are taken)."""
     t = cum.shape[-2]
@@ -55,14 +56,8 @@ def _pairwise(cum_rows: torch.Tensor, cum: torch.Tensor, strict: bool) -> torch.
 
 
 def _chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_w: torch.Tensor,
-    kk: torch.Tensor,
-    a: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """One chunk from ``state`` (see the module docstring): (o [B, Hk, G, C, E], the state after the chunk)."""
     b = a * kk
     cum = log_w.cumsum(-2)  # log Γ_t, through token t
@@ -82,33 +77,20 @@ def _chunk(
     return out, new
 
 
-def _cast(state: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+def _cast(state: Tensor, *tensors: Tensor) -> list[Tensor]:
     return [t.to(state.dtype) for t in tensors]
 
 
 def rwkv7_parallel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_w: torch.Tensor,
-    kk: torch.Tensor,
-    a: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """The whole sequence as one chunk from ``state``: (o [B, Hk, G, T, E], final state)."""
     return _chunk(*_cast(state, q, k, v, log_w, kk, a), state)
 
 
 def rwkv7_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_w: torch.Tensor,
-    kk: torch.Tensor,
-    a: torch.Tensor,
-    state: torch.Tensor,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
     """Chunks of ``chunk_size`` tokens (the last may be shorter), the state passed from one to the next:
     (o [B, Hk, G, T, E], final state). O(T * chunk_size * D) time."""
     q, k, v, log_w, kk, a = _cast(state, q, k, v, log_w, kk, a)
@@ -122,15 +104,8 @@ def rwkv7_chunked(
 
 
 def rwkv7_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_w: torch.Tensor,
-    kk: torch.Tensor,
-    a: torch.Tensor,
-    state: torch.Tensor,
-    in_place: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor, in_place: bool = False
+) -> tuple[Tensor, Tensor]:
     """One token (T == 1): M <- diag(w) M - b^T (k^ M) + k^T v, then o = q M. Returns (o [B, Hk, G, 1, E], new
     state); ``in_place`` writes the new state into ``state``'s buffer."""
     q, k, v, log_w, kk, a = _cast(state, q, k, v, log_w, kk, a)
@@ -138,8 +113,5 @@ def rwkv7_step(
     decay = log_w.exp().transpose(-1, -2)  # [B, Hk, D, 1]
     write = torch.cat([k, -(a * kk)], dim=2).transpose(-1, -2)  # [B, Hk, D, 2]: k and -b side by side
     update = write @ torch.cat([v, recalled], dim=2)  # k^T v - b^T u
-    if in_place:
-        state = state.mul_(decay).add_(update)
-    else:
-        state = state * decay + update
+    state = state.mul_(decay).add_(update) if in_place else torch.addcmul(update, state, decay)
     return (q[:, :, :, 0] @ state).unsqueeze(3), state
