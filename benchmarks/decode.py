@@ -98,6 +98,7 @@ MIXER_SPECS: dict[str, dict] = {
     "path": {"mixer": "path"},
     "gla": {"mixer": "gla"},
     "retnet": {"mixer": "retnet"},
+    "rwkv7": {"mixer": "rwkv7"},
 }
 BASELINE = "llama+DynamicCache"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
