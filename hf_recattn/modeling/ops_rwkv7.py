@@ -113,5 +113,5 @@ def rwkv7_step(
     decay = log_w.exp().transpose(-1, -2)  # [B, Hk, D, 1]
     write = torch.cat([k, -(a * kk)], dim=2).transpose(-1, -2)  # [B, Hk, D, 2]: k and -b side by side
     update = write @ torch.cat([v, recalled], dim=2)  # k^T v - b^T u
-    state = state.mul_(decay).add_(update) if in_place else torch.addcmul(update, state, decay)
+    state = state.mul_(decay).add_(update) if in_place else state * decay + update  # the same roundings
     return (q[:, :, :, 0] @ state).unsqueeze(3), state
