@@ -70,15 +70,15 @@ def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
 @pytest.mark.parametrize("init_kind,norm", CASES, ids=CASE_IDS)
 def test_forms_match_reference(init_kind: str, norm: bool, padded: bool) -> None:
-    """parallel, chunked (chunks of 3 and 4, which do not divide 10, of 5, which does, and of 16, one chunk)
-    and token steps: outputs and final state."""
-    seq_len = 10
+    """parallel, chunked (chunks of 3 and 16, which do not divide 40, of 5 and 20, which do, and of 64, one chunk;
+    chunks longer than 16 tokens hold several sub-chunks) and token steps: outputs and final state."""
+    seq_len = 40
     mixer = make_mixer(init_kind, norm)
     q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, PAD) if padded else None
     expected, final = rwkv7_reference(q, k, v, x, mask, params_of(mixer))
     assert rel_err(real_rows(mixer.parallel(q, k, v, MixerInputs(x, mask)), mask), expected) <= REL_FP32
-    for chunk in (3, 4, 5, 16):
+    for chunk in (3, 5, 16, 20, 64):
         mixer.chunk_size = chunk
         out, state = mixer.chunked(q, k, v, MixerInputs(x, mask), mixer.init_state(BATCH, q.device, q.dtype))
         assert rel_err(real_rows(out, mask), expected) <= REL_FP32, chunk
@@ -96,18 +96,19 @@ def test_forms_match_reference(init_kind: str, norm: bool, padded: bool) -> None
 @pytest.mark.parametrize("form", ["parallel", "chunked"])
 @pytest.mark.parametrize("init_kind,norm", CASES[:2], ids=CASE_IDS[:2])
 def test_gradients_match_reference(init_kind: str, norm: bool, form: str) -> None:
-    """float64: gradients of q, k, v, the layer input and every parameter, left-padded batch (chunks of 3 over 7)."""
-    mixer = make_mixer(init_kind, norm, torch.float64, chunk_size=3)
+    """float64: gradients of q, k, v, the layer input and every parameter, left-padded batch (chunks of 20 over 23:
+    sub-chunks of 16 and a ragged one; the parallel form one chunk of two sub-chunks)."""
+    mixer = make_mixer(init_kind, norm, torch.float64, chunk_size=20)
     checks.assert_gradients_match(
-        mixer, lambda qkvx, mask: rwkv7_reference(*qkvx, mask, params_of(mixer, True))[0], 7, REL_GRAD, form)
+        mixer, lambda qkvx, mask: rwkv7_reference(*qkvx, mask, params_of(mixer, True))[0], 23, REL_GRAD, form)
 
 
-def test_chunked_steps_and_prefill_match_parallel() -> None:
+@pytest.mark.parametrize("chunk_size,seq_len", [(4, 11), (20, 45)], ids=["small-chunks", "sub-chunks"])
+def test_chunked_steps_and_prefill_match_parallel(chunk_size: int, seq_len: int) -> None:
     """Left padding longer than a chunk; forward() without a cache takes the chunked form past a chunk."""
-    seq_len = 11
-    mixer = make_mixer(chunk_size=4)
+    mixer = make_mixer(chunk_size=chunk_size)
     inputs = q, k, v, x = make_inputs(seq_len)
-    mask = left_padded(seq_len, 6)
+    mask = left_padded(seq_len, chunk_size + 2)
     parallel, state = checks.assert_forms_agree(mixer, inputs, mask, REL_FORMS, whole_rows={"chunked"})
     assert set(state) == {"S"}
     auto, _ = mixer(q, k, v, MixerInputs(x, mask))
@@ -147,9 +148,9 @@ def test_gqa_equals_repeated_key_heads() -> None:
 
 def test_strong_decays_over_long_sequences_stay_finite() -> None:
     """w at its floor e^{-e^{-1/2}} (log w = -0.61 per token, -240 over 400 tokens: e^{240} overflows fp32): no
-    overflow in the chunked form or its gradients, and over the last 70 tokens chunks, steps and the parallel form
-    agree."""
-    mixer = make_mixer(chunk_size=64)
+    overflow in the chunked form (chunks of 200: 13 sub-chunks, whose factors seen from the first sub-chunk would
+    reach e^{120}) or its gradients, and over the last 70 tokens chunks, steps and the parallel form agree."""
+    mixer = make_mixer(chunk_size=200)
     with torch.no_grad():
         mixer.decay_bias.fill_(40.0)
     inputs = [t.requires_grad_() for t in make_inputs(400)]

@@ -44,13 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
-from .ops_rwkv7 import mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
+from .ops_rwkv7 import MAX_DECAY_RATE, mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
 from .options import Option, check_not_above, check_open_unit
 from .output_norms import OutputNorm
 
 INITS = ("scratch", "convert")
-#: -log w = e^{-1/2} sigmoid(.) < e^{-1/2}: the largest decay per token RWKV-7's w expresses
-MAX_DECAY_RATE = math.exp(-0.5)
 #: the shortest half-life (tokens) w can have: ln 2 / e^{-1/2}
 SHORTEST_HALF_LIFE = math.log(2.0) / MAX_DECAY_RATE
 

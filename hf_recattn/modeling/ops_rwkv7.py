@@ -16,16 +16,19 @@ a unit lower-triangular C x C system,
     u_t + sum_{s < t} L_ts u_s = (k^_t Γ_{t-1}) M_0 + sum_{s < t} A_ts v_s,
     L_ts = sum_d k^_td b_sd e^{log Γ_{t-1,d} - log Γ_{s,d}},    A_ts = sum_d k^_td k_sd e^{log Γ_{t-1,d} - log Γ_{s,d}},
 
-every exponent a difference with s < t, so <= 0 however strong the decays (masked to -inf above the diagonal
-before the exponential): nothing overflows. The chunk's queries then read
+with exponents <= 0 (s < t). The chunk's queries then read
 o_t = (q_t Γ_t) M_0 + sum_{s <= t} (q_t Γ_t / Γ_s) . (k_s^T v_s - b_s^T u_s) and it leaves
-M_C = Γ_C M_0 + sum_s (Γ_C / Γ_s) (k_s^T v_s - b_s^T u_s). The parallel form is one chunk over the whole sequence
-(exact, O(T^2 D) memory for the pairwise decays); the chunked form passes the state from chunk to chunk.
+M_C = Γ_C M_0 + sum_s (Γ_C / Γ_s) (k_s^T v_s - b_s^T u_s). The C x C terms are products of [C, D] matrices: each
+pair's decay is factored through the start of the query's sub-chunk of ``SUB_CHUNK`` tokens (see ``_chunk``), which
+stays inside fp32's range because RWKV-7's decay is bounded, -log w < e^{-1/2} per token; pairs are masked (before
+the exponential where a factor could overflow) so that no entry is inf or nan, however long the sequence. The
+parallel form is one chunk over the whole sequence (O(T^2 D / SUB_CHUNK) memory for the factored keys); the chunked
+form passes the state from chunk to chunk.
 
 Shapes: q [B, Hk, G, T, D] (G query heads read one key head's state, already scaled), k, kk (= k^), log_w
-(= log w <= 0) and a [B, Hk, T, D], v [B, Hk, T, E]; the state [B, Hk, D, E]. Everything is computed in the
-state's dtype (float32 states of a half-precision model). Padding: ``mask_padding`` gives a padded token w = 1,
-a = 0 and k = 0, so it leaves the state untouched.
+(= log w, in [-e^{-1/2}, 0]: RWKV-7's range, which the factoring needs) and a [B, Hk, T, D], v [B, Hk, T, E]; the
+state [B, Hk, D, E]. Everything is computed in the state's dtype (float32 states of a half-precision model).
+Padding: ``mask_padding`` gives a padded token w = 1, a = 0 and k = 0, so it leaves the state untouched.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -47,34 +51,64 @@ def mask_padding(
     return k * keep.to(k.dtype), log_w.masked_fill(~keep, 0.0), a * keep.to(a.dtype)
 
 
-def _pairwise(cum_rows: Tensor, cum: Tensor, strict: bool) -> Tensor:
-    """[..., T, T, D] e^{cum_rows_t - cum_s} for s < t (``strict``) or s <= t, zero elsewhere (masked before the
-    exponential, so only exponents <= 0 are taken)."""
-    t = cum.shape[-2]
-    keep = torch.ones(t, t, dtype=torch.bool, device=cum.device).tril(-1 if strict else 0)[..., None]
-    return (cum_rows[..., :, None, :] - cum[..., None, :, :]).masked_fill(~keep, -math.inf).exp()
+#: -log w < e^{-1/2}: the strongest decay per token RWKV-7's w expresses
+MAX_DECAY_RATE = math.exp(-0.5)
+#: tokens per sub-chunk: inside a chunk, decays are factored through the start of each sub-chunk of this many tokens
+SUB_CHUNK = 16
+
+
+def _seen_from_sub_chunks(x: Tensor, cum: Tensor, ref: Tensor) -> Tensor:
+    """[..., n, C, D] x_s e^{ref_i - cum_s}: the columns x [..., C, D] as rows of sub-chunk i (of n) see them, zero
+    for s past sub-chunk i (masked before the exponential). The exponent is <= 0 for s before sub-chunk i and at most
+    MAX_DECAY_RATE * SUB_CHUNK inside it."""
+    c, n = cum.shape[-2], ref.shape[-2]
+    index = torch.arange(c, device=cum.device)
+    later = index[None, :] >= (torch.arange(1, n + 1, device=cum.device) * (c // n))[:, None]  # [n, C]
+    exponent = (ref[..., :, None, :] - cum[..., None, :, :]).masked_fill(later[..., None], -math.inf)
+    return x[..., None, :, :] * exponent.exp()
+
+
+def _rows_times_columns(rows: Tensor, row_log: Tensor, ref: Tensor, columns: Tensor) -> Tensor:
+    """[..., C, C'] sum_d rows_td e^{row_log_td - ref_i(t)d} columns[i(t)]_sd, with i(t) the sub-chunk of row t
+    (row_log_t <= ref_i(t): every exponent <= 0). rows [..., C, D], ref [..., n, D], columns [..., n, C', D]."""
+    *lead, c, d = rows.shape
+    n = ref.shape[-2]
+    scaled = rows * (row_log - ref.repeat_interleave(c // n, dim=-2)).exp()
+    return (scaled.view(*lead, n, c // n, d) @ columns.transpose(-1, -2)).reshape(*lead, c, -1)
 
 
 def _chunk(
     q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """One chunk from ``state`` (see the module docstring): (o [B, Hk, G, C, E], the state after the chunk)."""
+    """One chunk from ``state`` (see the module docstring): (o [B, Hk, G, C, E], the state after the chunk).
+
+    Each pair (t, s) of the C x C terms takes its decay e^{log Γ_t' - log Γ_s} through the start r of t's sub-chunk,
+    e^{log Γ_t' - log Γ_r} e^{log Γ_r - log Γ_s}: the first factor is <= 1, the second <= 1 for s in an earlier
+    sub-chunk and at most e^{MAX_DECAY_RATE * SUB_CHUNK} (e^{9.7}) inside t's own, so that the terms are products of
+    [C, D] matrices without leaving fp32's range, and pairs with s > t are masked after the product.
+    """
+    c = k.shape[-2]
+    sub = min(SUB_CHUNK, c)
+    pad = -c % sub  # a ragged chunk gets empty tokens at its end: no decay, no key, no query
+    if pad:
+        q, k, v, log_w, kk, a = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, log_w, kk, a))
     b = a * kk
     cum = log_w.cumsum(-2)  # log Γ_t, through token t
     prev = cum - log_w  # log Γ_{t-1}
-    to_prev = _pairwise(prev, cum, strict=True)
-    lower = torch.einsum("bhtd,bhsd,bhtsd->bhts", kk, b, to_prev)
-    recall = torch.einsum("bhtd,bhsd,bhtsd->bhts", kk, k, to_prev)
-    rhs = (kk * prev.exp()) @ state + recall @ v
-    u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-    to_query = _pairwise(cum, cum, strict=False)
-    scores = torch.einsum("bhgtd,bhsd,bhtsd->bhgts", q, k, to_query)
-    corrections = torch.einsum("bhgtd,bhsd,bhtsd->bhgts", q, b, to_query)
+    ref = prev[..., ::sub, :]  # log Γ just before each sub-chunk
+    both = c + pad
+    keys = torch.cat([_seen_from_sub_chunks(y, cum, ref) for y in (k, b)], dim=-2)  # [B, Hk, n, 2 C, D]
+    index = torch.arange(both, device=k.device)
+    strictly_lower = (index[:, None] > index[None, :]).repeat(1, 2)  # [C, 2 C]: s < t, for both halves
+    recall, lower = _rows_times_columns(kk, prev, ref, keys).masked_fill(~strictly_lower, 0.0).split(both, dim=-1)
+    u = torch.linalg.solve_triangular(lower, (kk * prev.exp()) @ state + recall @ v, upper=False, unitriangular=True)
+    reads = _rows_times_columns(q, cum[:, :, None], ref[:, :, None], keys[:, :, None])
+    scores, corrections = reads.masked_fill(index[:, None] < index[None, :].repeat(1, 2), 0.0).split(both, dim=-1)
     out = (q * cum.exp()[:, :, None]) @ state[:, :, None] + scores @ v[:, :, None] - corrections @ u[:, :, None]
     last = cum[:, :, -1:]
     to_end = (last - cum).exp()  # [B, Hk, C, D]: each token's decay to the chunk's end
     new = last.transpose(-1, -2).exp() * state + (k * to_end).transpose(-1, -2) @ v - (b * to_end).transpose(-1, -2) @ u
-    return out, new
+    return out[..., :c, :], new
 
 
 def _cast(state: Tensor, *tensors: Tensor) -> list[Tensor]:
