@@ -11,8 +11,8 @@ with the token's vectors (each of length D unless said otherwise):
     kw = k * (1 + (a - 1) * k_a)                           written key
     S <- S (diag(w) - outer(kh, a * kh)) + outer(v, kw),   o = S (scale q)
 
-then, per query head, LayerNorm without bias: (o - mean o) / sqrt(var o + eps) times the head's gain. A padded
-token is skipped (the state is left as it was) and its output row is zero.
+then, per query head, LayerNorm without bias: (o - mean o) / sqrt(var o + eps) times the head's gain, times
+sigmoid(W_g x) (each optional). A padded token is skipped (the state is left as it was) and its output row is zero.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ Tensor = torch.Tensor
 class RWKV7Params:
     """The mixer's parameters and options (tensors may be live, for gradients). Shapes: ``decay_down`` A_w
     [r_w, C], ``decay_up`` B_w [Hk D, r_w], ``decay_bias`` w0 [Hk D], the same for the rate (``iclr_*``: A_a, B_a,
-    a0), ``key_gain`` k_k and ``key_mix`` k_a [Hk, D], ``norm_gain`` [H, E] (None: no output norm)."""
+    a0), ``key_gain`` k_k and ``key_mix`` k_a [Hk, D], ``norm_gain`` [H, E] (None: no output norm), ``gate_weight``
+    W_g [H E, C] (None: no output gate)."""
 
     heads: int
     kv_heads: int
@@ -45,6 +46,7 @@ class RWKV7Params:
     key_gain: Tensor
     key_mix: Tensor
     norm_gain: Tensor | None = None
+    gate_weight: Tensor | None = None
 
 
 def _sigmoid(z: Tensor) -> Tensor:
@@ -79,7 +81,7 @@ def rwkv7_reference(
             kw = k[b, hk, t] * (1.0 + (a - 1.0) * p.key_mix[hk].double())
             S = S @ (torch.diag(w) - torch.outer(kh, a * kh)) + torch.outer(v[b, hk, t], kw)
             for h in range(hk * group, (hk + 1) * group):
-                out[b, t, h] = _layer_norm(S @ (p.scale * q[b, h, t]), h, p)
+                out[b, t, h] = _gated(_layer_norm(S @ (p.scale * q[b, h, t]), h, p), h, xt, p)
         finals[b, hk] = S.T
     return out, finals
 
@@ -90,3 +92,11 @@ def _layer_norm(o: Tensor, head: int, p: RWKV7Params) -> Tensor:
         return o
     centred = o - o.mean()
     return centred / torch.sqrt((centred * centred).mean() + p.eps) * p.norm_gain[head].double()
+
+
+def _gated(o: Tensor, head: int, x: Tensor, p: RWKV7Params) -> Tensor:
+    """o times sigmoid(W_g x) for the head's rows of W_g; o itself without an output gate."""
+    if p.gate_weight is None:
+        return o
+    e = o.shape[0]
+    return o * _sigmoid(p.gate_weight[head * e : (head + 1) * e].double() @ x)

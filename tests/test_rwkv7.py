@@ -30,9 +30,9 @@ from hf_recattn.modeling.mixers import build_mixer, validate_spec
 REL_FP32 = 1e-5
 REL_GRAD = 1e-8
 REL_FORMS = 1e-5
-#: (init, output_norm)
-CASES = [("scratch", True), ("convert", False), ("convert", True)]
-CASE_IDS = [f"{i}-{'norm' if n else 'nonorm'}" for i, n in CASES]
+#: (init, output_norm, output_gate)
+CASES = [("scratch", True, True), ("convert", False, False), ("convert", True, False)]
+CASE_IDS = [f"{i}-{'norm' if n else 'nonorm'}-{'gate' if g else 'nogate'}" for i, n, g in CASES]
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +40,11 @@ def _one_thread() -> None:
     one_thread()
 
 
-def make_mixer(init_kind: str = "scratch", norm: bool = True, dtype=torch.float32, shape: MixerShape = SHAPE,
-               **options):
+def make_mixer(init_kind: str = "scratch", norm: bool = True, gate: bool = True, dtype=torch.float32,
+               shape: MixerShape = SHAPE, **options):
     """A mixer in ``dtype`` initialized as the model would, then every parameter moved off its initial value."""
-    options = {"init": init_kind, "output_norm": norm, "decay_rank": 4, "iclr_rank": 3, "half_life_min": 1.5,
-               "half_life_max": 6.0, **options}
+    options = {"init": init_kind, "output_norm": norm, "output_gate": gate, "decay_rank": 4, "iclr_rank": 3,
+               "half_life_min": 1.5, "half_life_max": 6.0, **options}
     mixer = build_mixer(validate_spec({"mixer": "generalized_delta", **options}, "test"), shape).to(dtype)
     checks.init_every_module(mixer)
     checks.perturb_parameters(mixer, dtype=dtype)
@@ -60,6 +60,7 @@ def params_of(mixer, live: bool = False) -> RWKV7Params:
     tensors = {name: p if live else p.detach().double() for name, p in mixer.named_parameters()}
     return RWKV7Params(heads=mixer.shape.num_heads, kv_heads=mixer.shape.num_kv_heads, scale=mixer.scale,
                        eps=mixer.spec["eps"], norm_gain=tensors.get("output_norm.weight"),
+                       gate_weight=tensors.get("gate_weight"),
                        **{name: tensors[name] for name in PARAMETERS})
 
 
@@ -68,12 +69,12 @@ def make_inputs(seq_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
-@pytest.mark.parametrize("init_kind,norm", CASES, ids=CASE_IDS)
-def test_forms_match_reference(init_kind: str, norm: bool, padded: bool) -> None:
+@pytest.mark.parametrize("init_kind,norm,gate", CASES, ids=CASE_IDS)
+def test_forms_match_reference(init_kind: str, norm: bool, gate: bool, padded: bool) -> None:
     """parallel, chunked (chunks of 3 and 16, which do not divide 40, of 5 and 20, which do, and of 64, one chunk;
     chunks longer than 16 tokens hold several sub-chunks) and token steps: outputs and final state."""
     seq_len = 40
-    mixer = make_mixer(init_kind, norm)
+    mixer = make_mixer(init_kind, norm, gate)
     q, k, v, x = make_inputs(seq_len)
     mask = left_padded(seq_len, PAD) if padded else None
     expected, final = rwkv7_reference(q, k, v, x, mask, params_of(mixer))
@@ -94,11 +95,11 @@ def test_forms_match_reference(init_kind: str, norm: bool, padded: bool) -> None
 
 
 @pytest.mark.parametrize("form", ["parallel", "chunked"])
-@pytest.mark.parametrize("init_kind,norm", CASES[:2], ids=CASE_IDS[:2])
-def test_gradients_match_reference(init_kind: str, norm: bool, form: str) -> None:
+@pytest.mark.parametrize("init_kind,norm,gate", CASES[:2], ids=CASE_IDS[:2])
+def test_gradients_match_reference(init_kind: str, norm: bool, gate: bool, form: str) -> None:
     """float64: gradients of q, k, v, the layer input and every parameter, left-padded batch (chunks of 20 over 23:
     sub-chunks of 16 and a ragged one; the parallel form one chunk of two sub-chunks)."""
-    mixer = make_mixer(init_kind, norm, torch.float64, chunk_size=20)
+    mixer = make_mixer(init_kind, norm, gate, torch.float64, chunk_size=20)
     checks.assert_gradients_match(
         mixer, lambda qkvx, mask: rwkv7_reference(*qkvx, mask, params_of(mixer, True))[0], 23, REL_GRAD, form)
 
@@ -165,11 +166,11 @@ def test_strong_decays_over_long_sequences_stay_finite() -> None:
 
 
 def test_convert_and_scratch_init() -> None:
-    """convert: input-independent decay at the configured half-lives, a = iclr_init, the teacher's keys written
+    """convert: input-independent decay at the configured half-lives, a = beta_init, the teacher's keys written
     unchanged; scratch: RWKV-7's values."""
     shape = MixerShape(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=3, layer_idx=1)
     spec = validate_spec({"mixer": "generalized_delta", "init": "convert", "half_life_min": 4, "half_life_max": 64,
-                          "iclr_init": 0.25}, "t")
+                          "beta_init": 0.25}, "t")
     mixer = build_mixer(spec, shape)
     for param in mixer.parameters():
         param.data.normal_()
@@ -194,7 +195,8 @@ def test_convert_and_scratch_init() -> None:
 
 def test_preset_and_state_size() -> None:
     spec = validate_spec("rwkv7", "t")
-    assert spec == {**validate_spec({"mixer": "generalized_delta"}, "t"), "rope": False, "scale": 1.0}
+    assert spec == {**validate_spec({"mixer": "generalized_delta"}, "t"), "rope": False, "scale": 1.0,
+                    "output_gate": True}
     mixer = make_mixer()
     state = mixer.init_state(1, torch.device("cpu"), torch.bfloat16)
     assert state["S"].dtype == torch.float32  # an accumulating state stays float32 in a half-precision model
@@ -205,7 +207,8 @@ def test_bad_specs_name_the_option() -> None:
     checks.assert_specs_rejected([
         ({"mixer": "generalized_delta", "causal": False}, "layer 3",
          r"layer 3: option 'causal' must be True for generalized_delta"),
-        ({"mixer": "rwkv7", "iclr_init": 1.0}, "layer 1", r"layer 1: option 'iclr_init' must be in \(0, 1\)"),
+        ({"mixer": "rwkv7", "beta_init": 1.0}, "layer 1", r"layer 1: option 'beta_init' must be in \(0, 1\)"),
+        ({"mixer": "rwkv7", "output_norm": False}, "layer 1", r"layer 1: option 'output_gate' needs output_norm=True"),
         ({"mixer": "rwkv7", "half_life_min": 1.0}, "layer 0", r"layer 0: option 'half_life_min' must be >= 1.14"),
         ({"mixer": "rwkv7", "half_life_min": 9, "half_life_max": 3}, "layer 0",
          r"layer 0: option 'half_life_min' \(9.0\) is above 'half_life_max'"),

@@ -3,7 +3,8 @@ al., arXiv:2503.14456; the reference definition is fla's ``RWKV7Attention`` laye
 
 Per key head a state S [E, D] (values x keys; stored transposed, see ops_rwkv7.py), with row vectors per token:
 
-    S_t = S_{t-1} (diag(w_t) - k^_t^T (a_t * k^_t)) + v_t^T k~_t,        o_t = LayerNorm(S_t (scale q_t)^T)
+    S_t = S_{t-1} (diag(w_t) - k^_t^T (a_t * k^_t)) + v_t^T k~_t,
+    o_t = LayerNorm(S_t (scale q_t)^T) * sigmoid(W_g x_t)
 
 * q, k, v are the layer's q / k / v projections (RoPE applied unless ``rope: false``): RWKV-7's receptance r is q,
   so a softmax teacher's projections carry over;
@@ -29,9 +30,11 @@ Initializations (``init``):
   a0 = 0 (a = 1/2), k_k = 0.85, k_a = 1;
 * ``convert``, for distilling a softmax teacher: B_w = B_a = 0 (decay and rate start input-independent), A_w and A_a
   ~ N(0, initializer_range), w0 such that each head's D key dimensions have half-lives spread log-uniformly from
-  ``half_life_min`` to ``half_life_max`` tokens, a0 such that a = ``iclr_init``, k_k = 1, k_a = 0 (the teacher's
+  ``half_life_min`` to ``half_life_max`` tokens, a0 such that a = ``beta_init``, k_k = 1, k_a = 0 (the teacher's
   keys are written unchanged). The layer then starts as decayed linear attention on the teacher's q, k, v with a
-  delta-rule correction of strength ``iclr_init``.
+  delta-rule correction of strength ``beta_init``.
+
+Both: W_g ~ N(0, initializer_range), the output norm's gains 1.
 """
 
 from __future__ import annotations
@@ -43,12 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
+from .gated_parts import GatedMixer, chunk_options, convert_init_options, logit, output_options, qk_norm
+from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_rwkv7 import MAX_DECAY_RATE, mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
-from .options import Option, check_not_above, check_open_unit
-from .output_norms import OutputNorm
+from .options import Option
 
-INITS = ("scratch", "convert")
 #: the shortest half-life (tokens) w can have: ln 2 / e^{-1/2}
 SHORTEST_HALF_LIFE = math.log(2.0) / MAX_DECAY_RATE
 
@@ -70,42 +72,39 @@ def scratch_decay_bias(channels: int, layer: int, layers: int) -> torch.Tensor:
     return (0.5 - 7.0 + 5.0 * position ** (0.85 + depth**0.5)).float()
 
 
-class RWKV7Mixer(Mixer):
+class RWKV7Mixer(GatedMixer):
     """RWKV-7's generalized delta rule: a state per key head with a vector decay and an in-context learning rate."""
 
     name = "generalized_delta"
     options = {
         "decay_rank": Option((int,), 64, "rank r_w of the decay's low-rank map tanh(x A_w) B_w", minimum=1),
         "iclr_rank": Option((int,), 64, "rank r_a of the in-context learning rate's map x A_a B_a", minimum=1),
-        "output_norm": Option((bool,), True, "LayerNorm (no bias, learnable gain) of each head's output"),
+        **output_options(gate=False, activation="sigmoid"),
         "scale": Option((float,), None, "query scale; None: head_dim ** -0.5", nullable=True, minimum=0.0),
-        "init": Option((str,), "scratch", "initialization of the new parameters: scratch (RWKV-7's) or convert "
-                       "(input-independent decay and rate, the teacher's keys written as they are)", choices=INITS),
-        "half_life_min": Option((float,), 8.0, "init=convert: shortest initial decay half-life in tokens",
-                                minimum=SHORTEST_HALF_LIFE),
-        "half_life_max": Option((float,), 1024.0, "init=convert: longest initial decay half-life in tokens",
-                                minimum=SHORTEST_HALF_LIFE),
-        "iclr_init": Option((float,), 0.5, "init=convert: initial in-context learning rate a, in (0, 1)"),
-        "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "eps": Option((float,), 1e-5, "added inside the key norm and the output norm", minimum=0.0),
+        **convert_init_options("input-independent decay and rate, the teacher's keys written as they are", "decay",
+                               beta="in-context learning rate a"),
+        **chunk_options("key norm and the output norm"),
         "causal": Option((bool,), True, "must be True: a decayed state has no bidirectional form"),
     }
+    options["output_norm"] = Option((bool,), True, "LayerNorm of each head's output (no bias, learnable gain)")
     state_kind = "recurrent"
     has_chunked = True
     causal_only = "for generalized_delta (a decayed state has a direction; there is no bidirectional form)"
+    #: RWKV-7's GroupNorm with a group per head
+    output_norm_kind = "layernorm"
+    gate_activation = "sigmoid"
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
-        check_open_unit(spec, where, "iclr_init")
-        check_not_above(spec, where, "half_life_min", "half_life_max")
+        if spec["half_life_min"] < SHORTEST_HALF_LIFE:
+            raise ValueError(f"{where}: option 'half_life_min' must be >= {SHORTEST_HALF_LIFE:.4f} (ln 2 / e^(-1/2), "
+                             f"the fastest RWKV-7's decay forgets), got {spec['half_life_min']!r}")
+        super().check_spec(spec, where)
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__(spec, shape, config)
         hk, d, c = shape.num_kv_heads, shape.head_dim, shape.hidden_size
-        self.chunk_size = int(spec["chunk_size"])
-        self.eps = float(spec["eps"])
         self.scale = d**-0.5 if spec["scale"] is None else float(spec["scale"])
-        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
         self.num_layers = int(getattr(config, "num_hidden_layers", 1))
         # plain parameters, not nn.Linear: the model's generic Linear init must not touch them
         self.decay_down = nn.Parameter(torch.zeros(int(spec["decay_rank"]), c))  # A_w^T
@@ -116,12 +115,22 @@ class RWKV7Mixer(Mixer):
         self.iclr_bias = nn.Parameter(torch.zeros(hk * d))  # a0
         self.key_gain = nn.Parameter(torch.ones(hk, d))  # k_k
         self.key_mix = nn.Parameter(torch.zeros(hk, d))  # k_a
-        self.output_norm = OutputNorm("layernorm", shape, d, self.eps) if spec["output_norm"] else None
+        self.build_output()
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        """S [B, Hk, D (keys), E (values)], the paper's S transposed; float32 in a half-precision model."""
+        hk, d = self.shape.num_kv_heads, self.shape.head_dim
+        return {"S": torch.zeros(batch_size, hk, d, d, device=device, dtype=state_dtype(dtype))}
+
+    def state_size(self, context_length: int) -> int:
+        """Hk D^2, whatever the context."""
+        return self.shape.num_kv_heads * self.shape.head_dim**2
 
     def init_parameters(self, init: Any) -> None:
         """See the module docstring (``init`` skips loaded parameters)."""
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
-        if self.spec["init"] == "scratch":
+        self.init_output_gate(init, self.initializer_range)
+        if not self.convert_init:
             for down, up in ((self.decay_down, self.decay_up), (self.iclr_down, self.iclr_up)):
                 init.zeros_(down)
                 init.orthogonal_(up, gain=0.1)
@@ -133,16 +142,16 @@ class RWKV7Mixer(Mixer):
                 init.zeros_(up)
             lives = (float(self.spec["half_life_min"]), float(self.spec["half_life_max"]))
             decay_bias = half_life_decay_bias(d, *lives).repeat(hk)
-            rate = float(self.spec["iclr_init"])
-            iclr_bias, key_gain, key_mix = math.log(rate / (1.0 - rate)), 1.0, 0.0
+            iclr_bias, key_gain, key_mix = logit(float(self.spec["beta_init"])), 1.0, 0.0
         init.copy_(self.decay_bias, decay_bias.to(self.decay_bias))
         init.constant_(self.iclr_bias, iclr_bias)
         init.constant_(self.key_gain, key_gain)
         init.constant_(self.key_mix, key_mix)
 
     def input_weights(self) -> dict[str, nn.Parameter]:
-        """The down projections of the decay and of the in-context learning rate, read from the layer input."""
-        return {"decay_down": self.decay_down, "iclr_down": self.iclr_down}
+        """The down projections of the decay and of the in-context learning rate and the output gate, read from the
+        layer input."""
+        return {"decay_down": self.decay_down, "iclr_down": self.iclr_down, **self.output_input_weights()}
 
     # ----- shared pieces ------------------------------------------------------------------------------------
     def _prepare(
@@ -164,38 +173,27 @@ class RWKV7Mixer(Mixer):
                                self.iclr_bias.to(x.dtype))
         a = per_head(torch.sigmoid(rate_logits))
         removal = k * self.key_gain[:, None].to(k.dtype)
-        removal = F.rms_norm(removal, (d,), eps=self.eps / d) * d**-0.5  # x / sqrt(|x|^2 + eps)
+        removal = qk_norm(removal, "l2", self.eps)
         written = k * (1.0 + (a - 1.0) * self.key_mix[:, None].to(k.dtype))
         written, log_w, a = mask_padding(written, log_w, a, inputs.token_mask)
         return group_queries(q, hk) * self.scale, written, log_w, removal, a
-
-    def _finish(self, o: torch.Tensor) -> torch.Tensor:
-        """o [B, Hk, G, T, E] -> [B, T, H, E], through the output norm."""
-        return ungroup_output(o if self.output_norm is None else self.output_norm(o))
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         qg, written, log_w, removal, a = self._prepare(q, k, inputs)
         start = self.init_state(q.shape[0], q.device, q.dtype)["S"]
-        return self._finish(rwkv7_parallel(qg, written, v, log_w, removal, a, start)[0])
+        return self.finish_output(rwkv7_parallel(qg, written, v, log_w, removal, a, start)[0], inputs)
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, written, log_w, removal, a = self._prepare(q, k, inputs)
         o, S = rwkv7_chunked(qg, written, v, log_w, removal, a, state["S"], self.chunk_size)
-        return self._finish(o), {"S": S}
+        return self.finish_output(o, inputs), {"S": S}
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
         qg, written, log_w, removal, a = self._prepare(q, k, inputs)
         o, S = rwkv7_step(qg, written, v, log_w, removal, a, state["S"], in_place=writable(state["S"]))
-        return self._finish(o), {"S": S}
-
-    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
-        hk, d = self.shape.num_kv_heads, self.shape.head_dim
-        return {"S": torch.zeros(batch_size, hk, d, d, device=device, dtype=state_dtype(dtype))}
-
-    def state_size(self, context_length: int) -> int:
-        return self.shape.num_kv_heads * self.shape.head_dim * self.shape.head_dim
+        return self.finish_output(o, inputs), {"S": S}

@@ -50,8 +50,8 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                "gamma_min": 1.0 - 2.0**-5, "gamma_max": None, "sink": False, "causal": True, "rope": True},
     "gla": {"mixer": "gated_linear", "gate_rank": 16, "gate_temperature": 16.0, "output_norm": True,
             "output_gate": True, "scale": None, "causal": True, "rope": False, "init": "scratch"},
-    "rwkv7": {"mixer": "generalized_delta", "decay_rank": 64, "iclr_rank": 64, "output_norm": True, "scale": 1.0,
-              "causal": True, "rope": False, "init": "scratch"},
+    "rwkv7": {"mixer": "generalized_delta", "decay_rank": 64, "iclr_rank": 64, "output_norm": True,
+              "output_gate": True, "scale": 1.0, "causal": True, "rope": False, "init": "scratch"},
 }
 
 #: preset name -> one line on where its defaults come from
@@ -84,6 +84,7 @@ BUILTIN_PRESET_DOCS: dict[str, str] = {
     "key dimension (rank 16), no feature map, no denominator, output RMSNorm and swish gate, no RoPE, fla's "
     "xavier init (gain 2^-2.5).",
     "rwkv7": "RWKV-7 (Peng et al. 2025, arXiv:2503.14456) time mixing as fla's layer: vector decay and in-context "
-    "learning rate from rank-64 maps of the layer input, L2-normalized removal key, per-head output LayerNorm, "
-    "unscaled receptance, no RoPE, RWKV-7's init (see mixer_rwkv7.py for what is not reproduced).",
+    "learning rate from rank-64 maps of the layer input, L2-normalized removal key, per-head output LayerNorm times "
+    "a sigmoid gate (full rank here, low rank in RWKV-7), unscaled receptance, no RoPE, RWKV-7's init (see "
+    "mixer_rwkv7.py for what is not reproduced).",
 }
