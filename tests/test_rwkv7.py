@@ -20,6 +20,7 @@ from generation_cases import Case, left_padded_batch, one_thread, tiny_model
 from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import real_rows, rel_err
+from reference_recurrent_softmax import hybrid_attention
 from reference_rwkv7 import RWKV7Params, rwkv7_reference
 from transformers import initialization as init
 
@@ -237,3 +238,42 @@ def test_model_generates_through_the_cache_and_reloads(attention, tmp_path) -> N
     with torch.no_grad():
         again = loaded(plain, attention_mask=full, use_cache=False).logits[:, ids.shape[1] - 1 : -1]
     assert torch.equal(again, logits)
+
+
+# ----- RWKV-7 as a hybrid's far part: g softmax(window) + (1 - g) generalized_delta over every token ----------------
+HYBRID = {"mixer": "hybrid", "window": 4, "combine": "sum",
+          "far": {"mixer": "rwkv7", "decay_rank": 4, "iclr_rank": 3, "chunk_size": 5}}
+
+
+def hybrid_reference(hybrid, live: bool = False):
+    """(inputs, mask) -> g * softmax over the window (tests/reference_recurrent_softmax.py) + (1 - g) * the RWKV-7
+    reference, real rows."""
+
+    def reference(inputs, mask):
+        q, k, v, x = inputs
+        share = torch.sigmoid(hybrid.mix_logit if live else hybrid.mix_logit.detach()).double()[:, None]
+        near = hybrid_attention(q, k, v, 4, None, share[:, 0].detach(), mask=mask)
+        far, _ = rwkv7_reference(q, k, v, x, mask, params_of(hybrid.far, live))
+        return real_rows(share * near + (1 - share) * far, mask)
+
+    return reference
+
+
+def test_hybrid_with_rwkv7_far_part() -> None:
+    """``{"mixer": "hybrid", "window": 4, "combine": "sum", "far": {"mixer": "rwkv7"}}``: the far part reads every
+    token as it arrives (its decay and rate read the token's own layer input); the hybrid's forms agree, and its
+    values and float64 gradients match g * the window reference + (1 - g) * the RWKV-7 reference. combine='shared'
+    is refused."""
+    hybrid = build_mixer(validate_spec(HYBRID, "layer 1"), SHAPE)
+    checks.init_every_module(hybrid)
+    checks.perturb_parameters(hybrid)
+    inputs = make_inputs(13)
+    mask = left_padded(13, PAD)
+    parallel, state = checks.assert_forms_agree(hybrid, inputs, mask, REL_FORMS)
+    assert rel_err(real_rows(parallel, mask), hybrid_reference(hybrid)(inputs, mask)) <= REL_FP32
+    assert {"wk", "wv", "wmask", "far.S"} == set(state)
+    hybrid = hybrid.double()
+    for form in ("parallel", "chunked"):
+        checks.assert_gradients_match(hybrid, hybrid_reference(hybrid, live=True), 9, REL_GRAD, form)
+    shared = {**HYBRID, "combine": "shared"}
+    checks.assert_specs_rejected([(shared, "layer 2", r"layer 2: option 'far' .*combine='sum'")])

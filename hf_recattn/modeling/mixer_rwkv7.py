@@ -21,7 +21,8 @@ no value residual (v_first mixes values across layers, outside a per-layer mixer
 the output is normalized per head by a LayerNorm without bias (RWKV-7's GroupNorm with one group per head,
 ``output_norm``); no output gate yet. With GQA the Hkv key heads hold the states (w, a, k^, k~ per key head) and
 the G query heads of a group read their key head's state, as in the delta family. A padded token leaves the state
-untouched (w = 1, a = 0, k~ = 0). ``causal=False`` is refused (a decayed state has a direction).
+untouched (w = 1, a = 0, k~ = 0). ``causal=False`` is refused (a decayed state has a direction). As a ``hybrid``'s
+far part it reads every token as it arrives and needs ``combine='sum'`` (far_part.py's ``ARRIVING``).
 
 Initializations (``init``):
 
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .far_part import ARRIVING, FarPart
 from .gated_parts import GatedMixer, chunk_options, convert_init_options, logit, output_options, qk_norm
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_rwkv7 import MAX_DECAY_RATE, mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
@@ -72,7 +74,7 @@ def scratch_decay_bias(channels: int, layer: int, layers: int) -> torch.Tensor:
     return (0.5 - 7.0 + 5.0 * position ** (0.85 + depth**0.5)).float()
 
 
-class RWKV7Mixer(GatedMixer):
+class RWKV7Mixer(GatedMixer, FarPart):
     """RWKV-7's generalized delta rule: a state per key head with a vector decay and an in-context learning rate."""
 
     name = "generalized_delta"
@@ -93,6 +95,9 @@ class RWKV7Mixer(GatedMixer):
     #: RWKV-7's GroupNorm with a group per head
     output_norm_kind = "layernorm"
     gate_activation = "sigmoid"
+    #: as a hybrid's far part (far_part.py): every token as it arrives (its decay and rate read the token's own
+    #: layer input), its output normalized on its own (combine='sum'); FarPart's defaults run its forms
+    far_reads = ARRIVING
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
