@@ -219,7 +219,8 @@ def test_bad_specs_name_the_option() -> None:
 
 @pytest.mark.parametrize("attention", [
     {"mixer": "rwkv7", "chunk_size": 4}, {"mixer": "generalized_delta", "init": "convert", "chunk_size": 4},
-], ids=["preset", "convert"])
+    {"mixer": "hybrid", "window": 3, "combine": "sum", "chunk_size": 4, "far": {"mixer": "rwkv7", "chunk_size": 4}},
+], ids=["preset", "convert", "hybrid-far"])
 def test_model_generates_through_the_cache_and_reloads(attention, tmp_path) -> None:
     """Greedy decoding with the cache (chunked prefill, then steps) gives the tokens and logits of the full
     forward without a cache, left-padded batch; save / load gives the same logits."""
