@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .conversion.embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .modeling.configuration import RecAttnConfig
 from .state_size import state_size_report
@@ -23,8 +24,9 @@ TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 STATE_CONTEXTS = (1024, 8192, 32768)
 BYTES_PER_ELEMENT = 2
 _HUB_MODEL_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-#: licenses of teachers we know without reading their cards
-KNOWN_LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0"}
+#: licenses of teachers we know without reading their cards, and the notices their terms ask derivatives to carry
+KNOWN_LICENSES = {t.model_id: t.license for t in TEACHERS.values()}
+LICENSE_NOTICES = {t.model_id: t.notice for t in TEACHERS.values()}
 
 _GENERATE = """messages = [{"role": "user", "content": "What is the capital of France?"}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -185,6 +187,11 @@ def _stage2_method(stage2: dict[str, Any]) -> str:
     return "every weight" if stage2.get("method") == "full" else "LoRA"
 
 
+def _license_notice(teacher: str | None) -> str:
+    notice = LICENSE_NOTICES.get(teacher or "")
+    return f"\n\nLicense: a model derived from `{teacher}`, under its terms. {notice}" if notice else ""
+
+
 def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
     if not report:
         base = f"Made from `{teacher}`. " if teacher else ""
@@ -286,7 +293,7 @@ def build_model_card(
         summary=summary,
         attention_table=attention_table(config),
         state_table=state_table(config),
-        provenance=_provenance(report, teacher),
+        provenance=_provenance(report, teacher) + _license_notice(teacher),
         evaluation=_evaluation(report),
         generate_snippet=_GENERATE if chat else _GENERATE_PLAIN,
         limitations=_limitations(config, report),

