@@ -94,7 +94,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-_CHECKPOINT_HELP = "hf_recattn checkpoint folder, or a teacher spec (embedded, .gguf, folder, Hub id)"
+_CHECKPOINT_HELP = "hf_recattn checkpoint folder, or a teacher spec (embedded, gemma3-270m, .gguf, folder, Hub id)"
 
 
 #: the eval options that size the recall probes (unset: ``RecallSizes.for_mode``): flag, type, nargs, metavar, help
@@ -210,8 +210,8 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
                  "save", "Convert a Llama-shaped teacher with a recipe: attention transfer, LoRA finetuning, "
                  "evaluation against the teacher, a model card and a sample through the recurrent cache. Rerun the "
                  "same command to resume an interrupted run.")
-    p.add_argument("--teacher", default="embedded", help="embedded (SmolLM2-135M-Instruct), a .gguf file, a "
-                   "model folder or a Hub id")
+    p.add_argument("--teacher", default="embedded", help="embedded (SmolLM2-135M-Instruct), gemma3-270m (Gemma 3 "
+                   "270M, under the Gemma Terms of Use), a .gguf file, a model folder or a Hub id")
     p.add_argument("--teacher-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="load the teacher in this dtype (the student trains in float32)")
     p.add_argument("--recipe", required=True, help="a packaged recipe name or a .yaml file")
