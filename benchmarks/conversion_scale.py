@@ -1,0 +1,246 @@
+"""Memory and time per token of the two conversion stages, measured here, and the arithmetic for larger teachers.
+
+Measured (CPU, fp32): for each size (``smollm2-135m``: the embedded teacher; ``tiny``: a random Llama of hidden
+256, 4 layers, SmolLM2's vocabulary of 49,152), a fresh process loads the teacher, converts it with the recipe's
+attention (``gdn`` by default), then runs a few optimizer steps of one stage with the recipe's settings on random
+token ids (what they are does not change the cost): stage 1, attention transfer (``attention_transfer``), or
+stage 2, LoRA + KL to the teacher through transformers' Trainer (``finetune``). Time per token is the median
+step (the first step, with its one-off set-up, left out) over the step's tokens; memory is the peak resident set
+of the stage (the kernel's high-water mark, reset after loading) above the resident set before it, beside the
+resident set of the loaded teacher and student.
+
+Computed (not run): bytes on one GPU for Qwen3-0.6B / 1.7B / 8B and Llama-3.1-8B from their published shapes,
+with the formulas in ``docs/conversion.md``: frozen weights in bf16, trainable parameters with fp32 master
+weights, gradients and Adam moments (16 bytes each), saved activations per token at the block size, and the
+logits of the KL term.
+
+    nice .venv/bin/python benchmarks/conversion_scale.py --threads 1
+    .venv/bin/python benchmarks/conversion_scale.py --quick               # smoke run: tiny only, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from results_file import add_out_argument, run_record, write_results
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+from hf_recattn.conversion.attention_transfer import attention_transfer, mixer_parameters
+from hf_recattn.conversion.finetune import finetune
+from hf_recattn.conversion.from_llama import from_llama
+from hf_recattn.conversion.recipe import load_recipe
+from hf_recattn.conversion.teacher import load_teacher
+
+SIZES = ("tiny", "smollm2-135m")
+STAGES = ("stage1", "stage2")
+TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
+MIB = 2**20
+GB = 1e9
+GPU_BYTES = 80 * GB
+#: published shapes (the models' config.json): layers, hidden, intermediate, heads, KV heads, head dim, vocab, tied
+ARCHS: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
+    "Qwen3-0.6B": (28, 1024, 3072, 16, 8, 128, 151936, True),
+    "Qwen3-1.7B": (28, 2048, 6144, 16, 8, 128, 151936, True),
+    "Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False),
+    "Llama-3.1-8B": (32, 4096, 14336, 32, 8, 128, 128256, False),
+}
+BF16, FP32, ADAM = 2, 4, 16  # bytes per element; per trainable parameter: fp32 weight + grad + two moments
+
+
+# ----- measuring one stage in this process ------------------------------------------------------------------
+def _rss(field: str) -> int:
+    """VmRSS / VmHWM of this process, bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux: ``echo 5 > /proc/self/clear_refs``); False when it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class _StepTimes(TrainerCallback):
+    def __init__(self) -> None:
+        self.begin = 0.0
+        self.seconds: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.begin = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seconds.append(time.perf_counter() - self.begin)
+
+
+def _teacher(size: str) -> torch.nn.Module:
+    if size == "tiny":
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    return load_teacher("embedded")[0]
+
+
+def measure(size: str, stage: str, recipe_name: str, steps: int) -> dict[str, Any]:
+    """One stage of one size, ``steps`` optimizer steps: seconds per step, tokens per step, memory."""
+    recipe = load_recipe(recipe_name, "quick")
+    teacher = _teacher(size).requires_grad_(False)
+    student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+    settings = recipe.stage1 if stage == "stage1" else recipe.stage2
+    per_step = settings.batch_size * settings.block_size * getattr(settings, "grad_accum", 1)
+    settings = replace(settings, tokens=steps * per_step, save_every=10**6) if stage == "stage1" else \
+        replace(settings, tokens=steps * per_step, save_steps=10**6)
+    blocks = torch.randint(0, teacher.config.vocab_size, (steps * per_step // settings.block_size, settings.block_size),
+                           generator=torch.Generator().manual_seed(0))
+    counts = {"teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+              "student_parameters": sum(p.numel() for p in student.parameters())}
+    loaded = _rss("VmRSS")
+    peak_reset = _reset_peak()
+    with tempfile.TemporaryDirectory() as tmp:
+        if stage == "stage1":
+            counts["trainable_parameters"] = sum(
+                p.numel() for group in mixer_parameters(student, tuple(settings.projections)).values()
+                for p in group.values())
+            marks: list[float] = []
+            attention_transfer(teacher, student, blocks, settings, checkpoint_dir=None, progress=False,
+                               on_step=lambda step, model: marks.append(time.perf_counter()))
+            seconds = [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
+        else:
+            timer = _StepTimes()
+            trained, result = finetune(teacher, student, blocks, settings, tmp, progress=False, callbacks=[timer])
+            counts["trainable_parameters"] = result.trainable_parameters
+            seconds = timer.seconds[1:]
+    peak = _rss("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"size": size, "stage": stage, "tokens_per_step": per_step, "block_size": settings.block_size,
+            "batch_size": settings.batch_size, "step_seconds": seconds, "loaded_rss": loaded, "peak_rss": peak,
+            "peak_reset": peak_reset, **counts}
+
+
+# ----- the arithmetic for larger teachers ----------------------------------------------------------------
+def parameters(arch: tuple) -> dict[str, int]:
+    """Parameter counts from a shape: all, attention projections, q + k projections."""
+    layers, hidden, inter, heads, kv, head_dim, vocab, tied = arch
+    q_k = hidden * (heads + kv) * head_dim
+    attention = q_k + hidden * kv * head_dim + heads * head_dim * hidden
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    return {"all": vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden,
+            "attention": layers * attention, "q_k": layers * q_k}
+
+
+def gpu_estimate(name: str, block: int, lora_r: int = 8) -> dict[str, Any]:
+    """Bytes per stage on one GPU (see docs/conversion.md for each term)."""
+    arch = ARCHS[name]
+    layers, hidden, inter, heads, kv, head_dim, vocab, _ = arch
+    count = parameters(arch)
+    weights = BF16 * count["all"]  # one model's frozen weights
+    # stage 1: teacher and student weights, q/k projections trained, the teacher's per-layer attention input and
+    # output kept for the batch, one layer's activations at a time (its attention only)
+    captured = layers * 2 * hidden * BF16 * block
+    one_layer = (2 * hidden + 4 * heads * head_dim + 2 * kv * head_dim) * BF16 * block
+    stage1_state = 2 * weights + ADAM * count["q_k"]  # what FSDP / ZeRO-3 would shard; the rest stays per GPU
+    stage1_local = captured + one_layer
+    # stage 2: LoRA on q/k/v/o (r x (in + out) each), every layer's saved activations, the KL's logits
+    lora = layers * lora_r * (2 * hidden + heads * head_dim + 2 * (hidden + kv * head_dim) + heads * head_dim)
+    per_token_layer = (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter) * BF16
+    kl_per_token = 4 * vocab * FP32  # student logits, teacher logits, two log-softmaxes (fp32)
+    local = (layers * per_token_layer + kl_per_token) * block
+    stage2_state = 2 * weights + ADAM * lora
+    full_state = weights + ADAM * count["all"]  # stage 2 with every weight trained (the teacher in bf16 beside it)
+    return {"model": name, "parameters": count["all"], "block_size": block, "weights_bf16": weights,
+            "stage1_trainable": count["q_k"], "stage1_captured": captured, "stage1_state": stage1_state,
+            "stage1_local": stage1_local, "lora_parameters": lora, "activations_per_token": layers * per_token_layer,
+            "kl_per_token": kl_per_token, "stage2_state": stage2_state, "stage2_local": local,
+            "full_state": full_state + weights, "full_local": local}
+
+
+# ----- the table --------------------------------------------------------------------------------------------
+def _fits(e: dict[str, Any], part: str) -> str:
+    """``X GB (fits)`` on one GPU, else the GPUs FSDP / ZeRO-3 needs: the state shards, the rest stays per GPU."""
+    state, local = e[f"{part}_state"], e[f"{part}_local"]
+    if state + local <= GPU_BYTES:
+        return f"{(state + local) / GB:.1f} (fits)"
+    return f"{(state + local) / GB:.0f} (shard: >= {int(-(-state // (GPU_BYTES - local)))} GPUs)"
+
+
+def render_markdown(results: dict) -> str:
+    rows = ["| teacher | parameters | stage | tokens / step | ms / token | loaded MiB | stage peak above loaded MiB |",
+            "|---|---:|---|---:|---:|---:|---:|"]
+    for m in results["measured"]:
+        ms = 1e3 * statistics.median(m["step_seconds"]) / m["tokens_per_step"]
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e6:.1f}M | {m['stage']} | {m['tokens_per_step']} | "
+                    f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {max(0, m['peak_rss'] - m['loaded_rss']) / MIB:.0f} |")
+    rows += ["", "| teacher (computed, not run) | parameters | weights bf16 GB | stage 1 GB | stage 2 LoRA GB | "
+             "activations MB / token | KL logits MB / token | stage 2 every weight GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in results["computed"]:
+        rows.append(
+            f"| {e['model']} | {e['parameters'] / 1e9:.2f}B | {e['weights_bf16'] / GB:.1f} | "
+            f"{_fits(e, 'stage1')} | {_fits(e, 'stage2')} | {e['activations_per_token'] / 1e6:.2f} | "
+            f"{e['kl_per_token'] / 1e6:.2f} | {_fits(e, 'full')} |")
+    rows += [""] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(rows)
+
+
+# ----- running -----------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
+    p.add_argument("--recipe", default="gdn", help="the recipe whose attention and stage settings are measured")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
+    p.add_argument("--gpu-block", type=int, default=2048, help="block size of the computed GPU rows")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny only, 2 steps")
+    p.add_argument("--child", nargs=2, metavar=("SIZE", "STAGE"), help=argparse.SUPPRESS)
+    add_out_argument(p, "conversion_scale_cpu.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.child:
+        print(json.dumps(measure(*args.child, args.recipe, args.steps)))
+        return 0
+    sizes, steps = (["tiny"], 2) if args.quick else (args.sizes, args.steps)
+    record = run_record()
+    measured = []
+    for size in sizes:
+        for stage in STAGES:  # a fresh process each: its memory is this stage's alone
+            command = [sys.executable, __file__, "--child", size, stage, "--recipe", args.recipe, "--steps",
+                       str(steps), "--threads", str(args.threads)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
+            measured.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"{size} {stage}: {measured[-1]['step_seconds']}", file=sys.stderr)
+    computed = [gpu_estimate(name, args.gpu_block) for name in ARCHS]
+    notes = [
+        f"Measured on the CPU in fp32, recipe `{args.recipe}` (quick budget's settings), {steps} optimizer steps per "
+        "stage, the first not timed: ms / token is the median step over its tokens.",
+        f"Computed for one {GPU_BYTES / GB:.0f} GB GPU at block {args.gpu_block}, batch 1 (formulas in the text); "
+        "no GPU conversion has been run.",
+    ]
+    results = write_results(args.out, "conversion_scale", record, {
+        "recipe": args.recipe, "steps": steps, "threads": args.threads, "measured": measured,
+        "computed": computed, "notes": notes})
+    print(render_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
