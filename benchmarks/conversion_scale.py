@@ -157,7 +157,7 @@ def gpu_estimate(name: str, block: int, lora_r: int = 8) -> dict[str, Any]:
     # stage 2: LoRA on q/k/v/o (r x (in + out) each), every layer's saved activations, the KL's logits
     lora = layers * lora_r * (2 * hidden + heads * head_dim + 2 * (hidden + kv * head_dim) + heads * head_dim)
     per_token_layer = (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter) * BF16
-    kl_per_token = 4 * vocab * FP32  # student logits, teacher logits, two log-softmaxes (fp32)
+    kl_per_token = 6 * vocab * FP32  # both models' logits, their log-softmaxes, the teacher's probabilities, products
     local = (layers * per_token_layer + kl_per_token) * block
     stage2_state = 2 * weights + ADAM * lora
     full_state = weights + ADAM * count["all"]  # stage 2 with every weight trained (the teacher in bf16 beside it)
