@@ -107,7 +107,11 @@ def measure(size: str, stage: str, recipe_name: str, steps: int) -> dict[str, An
         replace(settings, tokens=steps * per_step, save_steps=10**6)
     blocks = torch.randint(0, teacher.config.vocab_size, (steps * per_step // settings.block_size, settings.block_size),
                            generator=torch.Generator().manual_seed(0))
-    counts = {"teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+    c = teacher.config
+    shape = [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+             getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.vocab_size,
+             bool(c.tie_word_embeddings)]
+    counts = {"shape": shape, "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
               "student_parameters": sum(p.numel() for p in student.parameters())}
     loaded = _rss("VmRSS")
     peak_reset = _reset_peak()
@@ -132,40 +136,52 @@ def measure(size: str, stage: str, recipe_name: str, steps: int) -> dict[str, An
 
 
 # ----- the arithmetic for larger teachers ----------------------------------------------------------------
-def parameters(arch: tuple) -> dict[str, int]:
-    """Parameter counts from a shape: all, attention projections, q + k projections."""
-    layers, hidden, inter, heads, kv, head_dim, vocab, tied = arch
+def parameters(shape: tuple) -> dict[str, int]:
+    """Parameter counts from a shape: all, q + k projections, LoRA r=1 on q/k/v/o."""
+    layers, hidden, inter, heads, kv, head_dim, vocab, tied = shape
     q_k = hidden * (heads + kv) * head_dim
-    attention = q_k + hidden * kv * head_dim + heads * head_dim * hidden
-    per_layer = attention + 3 * hidden * inter + 2 * hidden
-    return {"all": vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden,
-            "attention": layers * attention, "q_k": layers * q_k}
+    per_layer = q_k + hidden * kv * head_dim + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden
+    lora = 4 * hidden + 2 * heads * head_dim + 2 * kv * head_dim  # (in + out) of q, k, v, o
+    return {"all": vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden, "q_k": layers * q_k,
+            "lora_r1": layers * lora}
 
 
-def gpu_estimate(name: str, block: int, lora_r: int = 8) -> dict[str, Any]:
-    """Bytes per stage on one GPU (see docs/conversion.md for each term)."""
-    arch = ARCHS[name]
-    layers, hidden, inter, heads, kv, head_dim, vocab, _ = arch
-    count = parameters(arch)
-    weights = BF16 * count["all"]  # one model's frozen weights
-    # stage 1: teacher and student weights, q/k projections trained, the teacher's per-layer attention input and
-    # output kept for the batch, one layer's activations at a time (its attention only)
-    captured = layers * 2 * hidden * BF16 * block
-    one_layer = (2 * hidden + 4 * heads * head_dim + 2 * kv * head_dim) * BF16 * block
-    stage1_state = 2 * weights + ADAM * count["q_k"]  # what FSDP / ZeRO-3 would shard; the rest stays per GPU
-    stage1_local = captured + one_layer
-    # stage 2: LoRA on q/k/v/o (r x (in + out) each), every layer's saved activations, the KL's logits
-    lora = layers * lora_r * (2 * hidden + heads * head_dim + 2 * (hidden + kv * head_dim) + heads * head_dim)
-    per_token_layer = (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter) * BF16
-    kl_per_token = 6 * vocab * FP32  # both models' logits, their log-softmaxes, the teacher's probabilities, products
-    local = (layers * per_token_layer + kl_per_token) * block
-    stage2_state = 2 * weights + ADAM * lora
-    full_state = weights + ADAM * count["all"]  # stage 2 with every weight trained (the teacher in bf16 beside it)
-    return {"model": name, "parameters": count["all"], "block_size": block, "weights_bf16": weights,
-            "stage1_trainable": count["q_k"], "stage1_captured": captured, "stage1_state": stage1_state,
-            "stage1_local": stage1_local, "lora_parameters": lora, "activations_per_token": layers * per_token_layer,
-            "kl_per_token": kl_per_token, "stage2_state": stage2_state, "stage2_local": local,
-            "full_state": full_state + weights, "full_local": local}
+def estimate(shape: tuple, block: int, element: int, lora_r: int = 8) -> dict[str, int]:
+    """Bytes of each term at batch 1 (formulas in docs/conversion.md); ``element``: bytes of an activation."""
+    layers, hidden, inter, heads, kv, head_dim, vocab, _ = shape
+    count = parameters(shape)
+    per_layer_token = (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter) * element
+    return {
+        "parameters": count["all"],
+        "stage1_trainable": count["q_k"],  # the gdn recipe trains q/k (its mixers' own parameters are ~1% of that)
+        "captured": layers * 2 * hidden * element * block,  # the teacher's attention input and output, every layer
+        "one_layer": (2 * hidden + 4 * heads * head_dim + 2 * kv * head_dim) * element * block,
+        "lora_parameters": lora_r * count["lora_r1"],
+        "activations": layers * per_layer_token * block,  # every layer's saved tensors, no recomputation
+        "kl": 10 * vocab * FP32 * block,  # the vocab-sized fp32 tensors distill_loss_sum keeps (see the docs)
+    }
+
+
+def cpu_prediction(m: dict[str, Any]) -> int:
+    """What a measured stage should add to the loaded process by the formulas (fp32, the measured block)."""
+    e = estimate(tuple(m["shape"]), m["block_size"] * m["batch_size"], FP32)
+    if m["stage"] == "stage1":  # gradients and two moments of the trained weights; captured I/O; one layer
+        return 12 * e["stage1_trainable"] + e["captured"] + e["one_layer"]
+    return ADAM * e["lora_parameters"] + e["activations"] + e["kl"]
+
+
+def gpu_estimate(name: str, block: int) -> dict[str, Any]:
+    """Bytes per stage on one GPU: ``*_state`` is what FSDP / ZeRO-3 shards, ``*_local`` stays on every GPU."""
+    e = estimate(ARCHS[name], block, BF16)
+    weights = BF16 * e["parameters"]  # one model's weights
+    return {
+        "model": name, "block_size": block, **e, "weights_bf16": weights,
+        "activations_per_token": e["activations"] // block, "kl_per_token": e["kl"] // block,
+        "stage1_state": 2 * weights + ADAM * e["stage1_trainable"], "stage1_local": e["captured"] + e["one_layer"],
+        "stage2_state": 2 * weights + ADAM * e["lora_parameters"], "stage2_local": e["activations"] + e["kl"],
+        # every weight trained: the teacher's and the student's bf16 weights, 16 bytes per student parameter
+        "full_state": 2 * weights + ADAM * e["parameters"], "full_local": e["activations"] + e["kl"],
+    }
 
 
 # ----- the table --------------------------------------------------------------------------------------------
@@ -178,12 +194,13 @@ def _fits(e: dict[str, Any], part: str) -> str:
 
 
 def render_markdown(results: dict) -> str:
-    rows = ["| teacher | parameters | stage | tokens / step | ms / token | loaded MiB | stage peak above loaded MiB |",
-            "|---|---:|---|---:|---:|---:|---:|"]
+    rows = ["| teacher | parameters | stage | tokens / step | ms / token | loaded MiB | stage peak above loaded MiB "
+            "| formulas (fp32) MiB |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
         ms = 1e3 * statistics.median(m["step_seconds"]) / m["tokens_per_step"]
         rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e6:.1f}M | {m['stage']} | {m['tokens_per_step']} | "
-                    f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {max(0, m['peak_rss'] - m['loaded_rss']) / MIB:.0f} |")
+                    f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {max(0, m['peak_rss'] - m['loaded_rss']) / MIB:.0f} | "
+                    f"{cpu_prediction(m) / MIB:.0f} |")
     rows += ["", "| teacher (computed, not run) | parameters | weights bf16 GB | stage 1 GB | stage 2 LoRA GB | "
              "activations MB / token | KL logits MB / token | stage 2 every weight GB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
