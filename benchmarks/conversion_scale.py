@@ -195,12 +195,13 @@ def _fits(e: dict[str, Any], part: str) -> str:
 
 def render_markdown(results: dict) -> str:
     rows = ["| teacher | parameters | stage | tokens / step | ms / token | loaded MiB | stage peak above loaded MiB "
-            "| formulas (fp32) MiB |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+            "| formulas (fp32) MiB | measured / formulas |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
         ms = 1e3 * statistics.median(m["step_seconds"]) / m["tokens_per_step"]
+        above, predicted = max(0, m["peak_rss"] - m["loaded_rss"]), cpu_prediction(m)
         rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e6:.1f}M | {m['stage']} | {m['tokens_per_step']} | "
-                    f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {max(0, m['peak_rss'] - m['loaded_rss']) / MIB:.0f} | "
-                    f"{cpu_prediction(m) / MIB:.0f} |")
+                    f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {above / MIB:.0f} | {predicted / MIB:.0f} | "
+                    f"{above / predicted:.2f} |")
     rows += ["", "| teacher (computed, not run) | parameters | weights bf16 GB | stage 1 GB | stage 2 LoRA GB | "
              "activations MB / token | KL logits MB / token | stage 2 every weight GB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -21,6 +21,7 @@ RESULTS = {
     "kernel_speed_cpu.json": "kernel_speed",
     "kernel_speed_cuda.json": "kernel_speed",
     "mesanet_solver_cpu.json": "mesanet_solver",
+    "conversion_scale_cpu.json": "conversion_scale",
 }
 
 
