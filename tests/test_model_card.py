@@ -112,6 +112,14 @@ def test_card_without_a_report_says_so(tmp_path: Path) -> None:
     assert card.data.license is None and card.data.base_model is None
 
 
+def test_a_gemma_derived_card_carries_the_gemma_terms(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "m")
+    card = build_model_card(folder, "org/x", teacher="google/gemma-3-270m")
+    assert card.data.license == "gemma" and card.data.base_model == "google/gemma-3-270m"
+    assert "subject to the Gemma Terms of Use found at https://ai.google.dev/gemma/terms" in str(card)
+    assert "Gemma Terms" not in str(build_model_card(folder, "org/x", teacher="HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
 def test_not_a_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no config.json"):
         build_model_card(tmp_path, "org/x")
