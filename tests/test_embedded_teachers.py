@@ -150,3 +150,17 @@ def test_gemma3_270m_loads_and_converts_exactly() -> None:
         expected = model(ids).logits
         diff = (student(ids).logits - expected).abs().max().item()
     assert diff <= 1e-5, diff
+
+
+def test_gemma_recipe_converts_only_the_full_attention_layers() -> None:
+    from transformers import Gemma3TextConfig
+
+    from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
+
+    teacher = Gemma3TextConfig(num_hidden_layers=18, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=16, vocab_size=100, sliding_window=512)
+    specs = check_against_teacher(load_recipe("gemma3-270m-full-delta"), teacher).layer_specs()
+    converted = [i for i, spec in enumerate(specs) if spec["mixer"] == "delta"]
+    assert converted == [i for i, kind in enumerate(teacher.layer_types) if kind == "full_attention"] == [5, 11, 17]
+    kept = [(specs[i]["mixer"], specs[i]["window"]) for i in range(18) if i not in converted]
+    assert kept == [("sliding_window", 512)] * 15
