@@ -339,7 +339,8 @@ def test_convert_end_to_end_with_recurrent_full_layers(tmp_path: Path, monkeypat
     t.save_pretrained(tmp_path / "teacher")
     tokenizer.save_pretrained(tmp_path / "teacher")
     recipe = tiny_recipe_dict(RECURRENT, layers={"convert": "full_attention"},
-                              stage1={"tokens": 2 * 4 * 32}, stage2={"tokens": 2 * 2 * 32})
+                              stage1={"tokens": 2 * 4 * 32, "projections": ["q_proj", "k_proj"]},
+                              stage2={"tokens": 2 * 2 * 32})
     write_recipe(tmp_path / "qwen3-full.yaml", recipe)
     out = tmp_path / "run"
     args = ["convert", "--teacher", str(tmp_path / "teacher"), "--recipe", str(tmp_path / "qwen3-full.yaml"),
@@ -350,6 +351,8 @@ def test_convert_end_to_end_with_recurrent_full_layers(tmp_path: Path, monkeypat
         [s["mixer"] for s in model.config.layer_specs()] == ["sliding_window", "linear"] * 2
     assert [s.get("window") for s in model.config.layer_specs()] == [5, None, 5, None]
     assert json.loads((out / "report.json").read_text())["recipe"]["layers"] == {"convert": "full_attention"}
+    stage1 = json.loads((out / "stage1" / "result" / "summary.json").read_text())
+    assert sorted(stage1["last_loss"]) == ["1", "3"]  # stage 1 trains the converted layers only
     generated = greedy(model, ids(batch=1, length=4), new=8)
     assert generated.shape[1] == 12
 

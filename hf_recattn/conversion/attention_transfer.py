@@ -17,7 +17,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,7 @@ def attention_transfer(
     keep_checkpoints: int = 1,
     pick_forms: bool = True,
     on_step: Callable[[int, nn.Module], None] | None = None,
+    layers: Collection[int] | None = None,
 ) -> TransferResult:
     """Train every layer's mixer parameters to match the teacher's attention output; resumable.
 
@@ -255,7 +256,8 @@ def attention_transfer(
     (atomically) and a rerun continues from the newest checkpoint. A NaN/inf loss stops the run with a
     ``NonFiniteLossError`` naming the layer and step, after saving the last good parameters.
     ``pick_forms``: train each mixer in its faster form (see ``fastest_forms``). ``on_step(step, student)``
-    runs after every optimizer step (the benchmark measures perplexity there).
+    runs after every optimizer step (the benchmark measures perplexity there). ``layers``: train only these
+    layers (the ones a recipe converts; the others keep the teacher's attention and have nothing to learn).
 
     Under ``torchrun`` (several processes) each process takes ``batch_size / processes`` blocks of every
     step's batch, the gradients and the logged losses are averaged over the processes, and rank 0 writes the
@@ -266,6 +268,8 @@ def attention_transfer(
             f"stage 1: need a non-empty [N, block] tensor of token ids, got {tuple(blocks.shape)}"
         )
     groups = mixer_parameters(student, tuple(settings.projections))
+    if layers is not None:
+        groups = {i: params for i, params in groups.items() if i in set(layers)}
     if not groups or settings.tokens <= 0:
         return TransferResult(steps=0, tokens=0)
     run = _Transfer(teacher, student, groups, settings, blocks.shape[1], checkpoint_dir, keep_checkpoints)

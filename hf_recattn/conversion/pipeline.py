@@ -56,8 +56,10 @@ from .checkpoints import (
     load_tensors,
     save_tensors,
 )
+from .families import teacher_layer_types
 from .finetune import finetune
 from .from_llama import from_llama
+from .layer_selection import selected_layers
 from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, report_training_tokens
 from .retrieval_data import mix_blocks, retrieval_blocks
 from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
@@ -376,6 +378,13 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
+def converted_layers(recipe: Recipe, teacher_config: Any) -> list[int] | None:
+    """The teacher layers the recipe replaces (stage 1 trains only those), or None for every layer."""
+    if recipe.layers is None:
+        return None
+    return selected_layers(recipe.layers, teacher_layer_types(teacher_config))
+
+
 def _stage1(
     recipe: Recipe,
     teacher: torch.nn.Module,
@@ -409,6 +418,7 @@ def _stage1(
         seed=recipe.seed,
         checkpoint_dir=output / "stage1" / "progress",
         progress=progress,
+        layers=converted_layers(recipe, teacher.config),
     )
     summary = result.as_dict()
     summary["tokens_per_second"] = tokens_per_second(result)
