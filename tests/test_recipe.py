@@ -17,7 +17,7 @@ from hf_recattn.conversion.recipe import (
 )
 
 REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
-            "hybrid-w64-sink4-gdn", "fox"}
+            "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn"}
 
 
 def smollm2_config() -> LlamaConfig:
