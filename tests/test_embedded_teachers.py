@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_recattn.conversion import embedded_teachers as et
+from hf_recattn import embedded_teachers as et
 from hf_recattn.conversion import teacher as teacher_mod
 from hf_recattn.conversion.teacher import teacher_license, teacher_name
 from hf_recattn.model_card import KNOWN_LICENSES, LICENSE_NOTICES

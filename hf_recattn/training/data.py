@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..embedded_teachers import embedded_gguf_path, gguf_cache_dir
 from .settings import DataSettings
 
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -34,10 +35,8 @@ def load_tokenizer(spec: str | None, where: str) -> Any:
     from transformers import AutoTokenizer
 
     if spec is None or str(spec).strip().lower() == "embedded":
-        from ..conversion.teacher import _gguf_cache_dir, embedded_gguf_path
-
         gguf = embedded_gguf_path()
-        cached = _gguf_cache_dir(gguf)
+        cached = gguf_cache_dir(gguf)
         if (cached / "tokenizer.json").is_file():  # the plain copy a conversion leaves; reads in a second
             tokenizer = AutoTokenizer.from_pretrained(str(cached))
         else:

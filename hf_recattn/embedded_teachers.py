@@ -19,7 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import cache_root
+import transformers
+
+from .paths import cache_root
 
 EMBEDDED = "embedded"
 
@@ -187,3 +189,13 @@ def _assemble(parts: list[Path], target: Path, expected: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """The folder holding the dequantized copy of the GGUF file ``path`` (keyed by the file and by the
+    transformers version that read it)."""
+    stat = path.stat()
+    # the dequantized weights depend on the file and on the transformers / gguf code that read it
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return cache_root() / "teachers" / f"{path.stem}-{key}"
