@@ -1,4 +1,4 @@
-"""The zoo: shipped recipes applied to the embedded teacher, with what their conversion reports measured.
+"""The zoo: shipped recipes applied to the embedded teachers, with what their conversion reports measured.
 
 Entries are never typed by hand: ``scripts/build_zoo.py`` reads conversion output folders (``report.json`` and
 ``model/``), renders one model card per entry into ``model_cards/`` and writes the index (``model_cards/README.md``
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from .conversion.recipe import report_training_tokens
+from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
+from .evaluation import write_text
 from .model_card import BYTES_PER_ELEMENT, build_model_card, read_config
 from .provenance import provenance_line
 from .state_size import state_size_report
@@ -27,6 +30,14 @@ def zoo_entries(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return json.loads(path.read_text())["entries"]
+
+
+def teacher_label(spec: str) -> str:
+    """A short lowercase name for the teacher a run was given: the embedded teacher's table name, else the last
+    part of its path or Hub id (``embedded`` is the default teacher's name)."""
+    if embedded_teacher(spec) is not None:
+        return DEFAULT if spec.strip().lower() == EMBEDDED else spec.strip().lower()
+    return re.sub(r"[^a-z0-9.]+", "-", Path(spec.rstrip("/")).name.lower()).strip("-") or "teacher"
 
 
 def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -48,8 +59,9 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     student, teacher = report["student"], report["comparison"]["teacher"]
     passkey = student.get("passkey") or {}
     budget = recipe.get("budget", "quick")
+    teacher_spec = _run_teacher(run)
     return {
-        "name": f"smollm2-135m-{recipe['name']}",
+        "name": f"{teacher_label(teacher_spec)}-{recipe['name']}",
         "recipe": recipe["name"],
         "teacher": report.get("teacher"),
         "budget": budget,
@@ -65,11 +77,17 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "teacher_passkey": (teacher.get("passkey") or {}).get("accuracy"),
         "associative_recall": (student.get("associative_recall") or {}).get("mean_accuracy"),
         "teacher_associative_recall": (teacher.get("associative_recall") or {}).get("mean_accuracy"),
-        "command": f"hf-recattn convert --teacher embedded --recipe {recipe['name']} --budget {budget} "
+        "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {recipe['name']} --budget {budget} "
         f"--output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
         "provenance": report["provenance"],
     }
+
+
+def _run_teacher(run: Path) -> str:
+    """The ``--teacher`` a conversion folder was made with (its ``run.json``), ``embedded`` when it has none."""
+    run_json = run / "run.json"
+    return json.loads(run_json.read_text()).get("teacher", EMBEDDED) if run_json.is_file() else EMBEDDED
 
 
 def format_zoo(entries: list[dict[str, Any]], card_prefix: str = "") -> str:
@@ -106,28 +124,39 @@ def common_provenance(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return first
 
 
-def build_zoo(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, command: str) -> list[dict[str, Any]]:
-    """Entries, cards and index for ``run_dirs``, written into ``out_dir``; ``command`` is printed in the index."""
-    from .evaluation import write_text
+def build_zoo(
+    run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, command: str, add: bool = False
+) -> list[dict[str, Any]]:
+    """Entries, cards and index for ``run_dirs``, written into ``out_dir``; ``command`` is printed in the index.
 
+    ``add``: keep the entries (and cards) already in ``out_dir/zoo.json`` that these runs do not rebuild; the
+    index then lists the earlier command before this one.
+    """
     out = Path(out_dir)
-    pairs = sorted(((entry_from_run(run), Path(run)) for run in run_dirs), key=lambda p: p[0]["state_fraction_at_8k"])
+    pairs = [(entry_from_run(run), Path(run)) for run in run_dirs]
     for entry, run in pairs:
         write_text(out / entry["card"], str(build_model_card(run / "model", entry["name"])))
     entries = [entry for entry, _ in pairs]
+    if add and (out / "zoo.json").is_file():
+        earlier = json.loads((out / "zoo.json").read_text())
+        rebuilt = {entry["name"] for entry in entries}
+        entries += [entry for entry in earlier["entries"] if entry["name"] not in rebuilt]
+        command = f"{earlier['command']}\n{command}"
+    entries.sort(key=lambda entry: (entry["teacher"] or "", entry["state_fraction_at_8k"]))
     record = common_provenance(entries)
     index_data = {"command": command, "provenance": record, "entries": entries}
     write_text(out / "zoo.json", json.dumps(index_data, indent=2) + "\n")
     index = [
         "# The hf_recattn zoo",
         "",
-        "Each shipped recipe applied to the embedded teacher (SmolLM2-135M-Instruct) on the embedded corpus, as "
+        "Shipped recipes applied to the embedded teachers (SmolLM2-135M-Instruct, Gemma 3 270M) on the embedded "
+        "corpus, as "
         "its conversion report measured it: state per sequence at 8k tokens (bf16) against the teacher's KV "
         "cache, held-out perplexity against the teacher's on the same tokens, and passkey retrieval. Each entry's "
         "card is beside this file; its `command` (in `zoo.json`) reproduces it. In Python: "
         "`hf_recattn.zoo.zoo_entries()`; on the command line: `hf-recattn zoo`.",
         "",
-        "This index, the cards and `zoo.json` were written by:",
+        "This index, the cards and `zoo.json` were written by (in this order):",
         "",
         f"```bash\n{command}\n```",
         "",

@@ -180,6 +180,19 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
     assert "Measured on embedded corpus v3 (sha256 abababababab); Some CPU, 2 cores; 1 thread" in index
     assert json.loads((tmp_path / "cards" / "zoo.json").read_text())["provenance"] == PROVENANCE
     assert ModelCard.load(tmp_path / "cards" / "hyb.md").data.model_name == "smollm2-135m-hyb"
+    gem = tmp_path / "gem"  # a run of another embedded teacher, added to the index built above
+    save_checkpoint(gem / "model", LAYERS)
+    report = fake_report(ppl=12.0)
+    report["recipe"]["name"] = "gem"
+    (gem / "report.json").write_text(json.dumps(report))
+    (gem / "run.json").write_text(json.dumps({"teacher": "gemma3-270m"}))
+    added = build_zoo([gem, runs[0]], tmp_path / "cards", "python scripts/build_zoo.py --add ...", add=True)
+    assert sorted(e["name"] for e in added) == ["gemma3-270m-gem", "smollm2-135m-hyb", "smollm2-135m-lin"]
+    gem_entry = next(e for e in added if e["recipe"] == "gem")
+    assert gem_entry["command"].startswith("hf-recattn convert --teacher gemma3-270m ")
+    assert zoo_entries(tmp_path / "cards" / "zoo.json") == added
+    assert json.loads((tmp_path / "cards" / "zoo.json").read_text())["command"] == (
+        "python scripts/build_zoo.py ...\npython scripts/build_zoo.py --add ...")
     other = json.loads((runs[1] / "report.json").read_text())
     other["provenance"] = {**PROVENANCE, "corpus": {"version": 2, "sha256": "cd" * 32}}
     (runs[1] / "report.json").write_text(json.dumps(other))
