@@ -61,7 +61,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     budget = recipe.get("budget", "quick")
     teacher_spec = _run_teacher(run)
     return {
-        "name": f"{teacher_label(teacher_spec)}-{recipe['name']}",
+        "name": _entry_name(teacher_label(teacher_spec), recipe["name"]),
         "recipe": recipe["name"],
         "teacher": report.get("teacher"),
         "budget": budget,
@@ -82,6 +82,11 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "card": f"{recipe['name']}.md",
         "provenance": report["provenance"],
     }
+
+
+def _entry_name(teacher: str, recipe: str) -> str:
+    """``TEACHER-RECIPE``, or the recipe's name alone when it already starts with the teacher's."""
+    return recipe if recipe.startswith(f"{teacher}-") else f"{teacher}-{recipe}"
 
 
 def _run_teacher(run: Path) -> str:
@@ -150,8 +155,8 @@ def build_zoo(
         "# The hf_recattn zoo",
         "",
         "Shipped recipes applied to the embedded teachers (SmolLM2-135M-Instruct, Gemma 3 270M) on the embedded "
-        "corpus, as "
-        "its conversion report measured it: state per sequence at 8k tokens (bf16) against the teacher's KV "
+        "corpus, as each run's "
+        "conversion report measured it: state per sequence at 8k tokens (bf16) against the teacher's KV "
         "cache, held-out perplexity against the teacher's on the same tokens, and passkey retrieval. Each entry's "
         "card is beside this file; its `command` (in `zoo.json`) reproduces it. In Python: "
         "`hf_recattn.zoo.zoo_entries()`; on the command line: `hf-recattn zoo`.",

@@ -19,7 +19,7 @@ from tiny_lm import tiny_tokenizer
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.hub import check_repo_id, checkpoint_files
 from hf_recattn.model_card import build_model_card, write_model_card
-from hf_recattn.zoo import build_zoo, entry_from_run, format_zoo, zoo_entries
+from hf_recattn.zoo import _entry_name, build_zoo, entry_from_run, format_zoo, zoo_entries
 
 LAYERS = [{"mixer": "hybrid", "window": 4}, {"mixer": "linear", "feature_map": "elu"}]
 HKV, HEAD_DIM = 2, 8
@@ -188,6 +188,7 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
     (gem / "run.json").write_text(json.dumps({"teacher": "gemma3-270m"}))
     added = build_zoo([gem, runs[0]], tmp_path / "cards", "python scripts/build_zoo.py --add ...", add=True)
     assert sorted(e["name"] for e in added) == ["gemma3-270m-gem", "smollm2-135m-hyb", "smollm2-135m-lin"]
+    assert _entry_name("gemma3-270m", "gemma3-270m-full-delta") == "gemma3-270m-full-delta"  # no doubled prefix
     gem_entry = next(e for e in added if e["recipe"] == "gem")
     assert gem_entry["command"].startswith("hf-recattn convert --teacher gemma3-270m ")
     assert zoo_entries(tmp_path / "cards" / "zoo.json") == added
