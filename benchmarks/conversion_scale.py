@@ -14,8 +14,14 @@ with the formulas in ``docs/conversion.md``: frozen weights in bf16, trainable p
 weights, gradients and Adam moments (16 bytes each), saved activations per token at the block size, and the
 logits of the KL term.
 
+On a GPU (``--device cuda``): random-init teachers of Qwen3-0.6B's and Qwen3-1.7B's published shapes (their
+``Qwen3Config``; memory and time per token do not depend on the weights) in bf16, both stages at the GPU block
+size (batch 1), a fresh process per stage: the peak of ``torch.cuda.max_memory_allocated`` (reset after loading
+both models) and the median step (synchronized) over its tokens, beside the formulas' bytes for that shape.
+
     nice .venv/bin/python benchmarks/conversion_scale.py --threads 1
     .venv/bin/python benchmarks/conversion_scale.py --quick               # smoke run: tiny only, 2 steps
+    python benchmarks/conversion_scale.py --device cuda                   # writes conversion_scale_cuda.json
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results_file import add_out_argument, run_record, write_results
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from results_file import RESULTS, add_out_argument, run_record, write_results
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
 from hf_recattn.conversion.attention_transfer import attention_transfer, mixer_parameters
 from hf_recattn.conversion.finetune import finetune
@@ -77,16 +83,24 @@ def _reset_peak() -> bool:
         return False
 
 
+def _clock(device: str) -> float:
+    """``time.perf_counter`` once the device's queued work is done."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class _StepTimes(TrainerCallback):
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
         self.begin = 0.0
         self.seconds: list[float] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.begin = time.perf_counter()
+        self.begin = _clock(self.device)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.seconds.append(time.perf_counter() - self.begin)
+        self.seconds.append(_clock(self.device) - self.begin)
 
 
 def _teacher(size: str) -> torch.nn.Module:
@@ -96,43 +110,93 @@ def _teacher(size: str) -> torch.nn.Module:
     return load_teacher("embedded")[0]
 
 
+def _stage_settings(recipe_name: str, stage: str, steps: int, **overrides: Any) -> tuple[Any, int]:
+    """The recipe's quick-budget settings of ``stage`` (``overrides`` win) for ``steps`` steps; tokens per step."""
+    recipe = load_recipe(recipe_name, "quick")
+    settings = replace(recipe.stage1 if stage == "stage1" else recipe.stage2, **overrides)
+    per_step = settings.batch_size * settings.block_size * getattr(settings, "grad_accum", 1)
+    never = {"save_every": 10**6} if stage == "stage1" else {"save_steps": 10**6}
+    return replace(settings, tokens=steps * per_step, **never), per_step
+
+
+def _shape(config: Any) -> list:
+    c = config
+    return [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.vocab_size,
+            bool(c.tie_word_embeddings)]
+
+
+def _run_stage(teacher: torch.nn.Module, student: torch.nn.Module, stage: str, settings: Any, steps: int,
+               device: str = "cpu") -> tuple[list[float], int]:
+    """``steps`` optimizer steps of one stage on random token ids: the timed steps' seconds (the first left out,
+    synchronized on a GPU) and the number of trained parameters."""
+    blocks = torch.randint(0, teacher.config.vocab_size, (settings.tokens // settings.block_size, settings.block_size),
+                           generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        if stage == "stage1":
+            trainable = sum(p.numel() for group in mixer_parameters(student, tuple(settings.projections)).values()
+                            for p in group.values())
+            marks: list[float] = []
+            attention_transfer(teacher, student, blocks, settings, checkpoint_dir=None, progress=False,
+                               on_step=lambda step, model: marks.append(_clock(device)))
+            return [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)], trainable
+        timer = _StepTimes(device)
+        _, result = finetune(teacher, student, blocks, settings, tmp, progress=False, callbacks=[timer])
+        return timer.seconds[1:], result.trainable_parameters
+
+
 def measure(size: str, stage: str, recipe_name: str, steps: int) -> dict[str, Any]:
     """One stage of one size, ``steps`` optimizer steps: seconds per step, tokens per step, memory."""
     recipe = load_recipe(recipe_name, "quick")
     teacher = _teacher(size).requires_grad_(False)
     student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
-    settings = recipe.stage1 if stage == "stage1" else recipe.stage2
-    per_step = settings.batch_size * settings.block_size * getattr(settings, "grad_accum", 1)
-    settings = replace(settings, tokens=steps * per_step, save_every=10**6) if stage == "stage1" else \
-        replace(settings, tokens=steps * per_step, save_steps=10**6)
-    blocks = torch.randint(0, teacher.config.vocab_size, (steps * per_step // settings.block_size, settings.block_size),
-                           generator=torch.Generator().manual_seed(0))
-    c = teacher.config
-    shape = [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-             getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.vocab_size,
-             bool(c.tie_word_embeddings)]
-    counts = {"shape": shape, "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+    settings, per_step = _stage_settings(recipe_name, stage, steps)
+    counts = {"shape": _shape(teacher.config), "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
               "student_parameters": sum(p.numel() for p in student.parameters())}
     loaded = _rss("VmRSS")
     peak_reset = _reset_peak()
-    with tempfile.TemporaryDirectory() as tmp:
-        if stage == "stage1":
-            counts["trainable_parameters"] = sum(
-                p.numel() for group in mixer_parameters(student, tuple(settings.projections)).values()
-                for p in group.values())
-            marks: list[float] = []
-            attention_transfer(teacher, student, blocks, settings, checkpoint_dir=None, progress=False,
-                               on_step=lambda step, model: marks.append(time.perf_counter()))
-            seconds = [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
-        else:
-            timer = _StepTimes()
-            trained, result = finetune(teacher, student, blocks, settings, tmp, progress=False, callbacks=[timer])
-            counts["trainable_parameters"] = result.trainable_parameters
-            seconds = timer.seconds[1:]
+    seconds, counts["trainable_parameters"] = _run_stage(teacher, student, stage, settings, steps)
     peak = _rss("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"size": size, "stage": stage, "tokens_per_step": per_step, "block_size": settings.block_size,
             "batch_size": settings.batch_size, "step_seconds": seconds, "loaded_rss": loaded, "peak_rss": peak,
             "peak_reset": peak_reset, **counts}
+
+
+def qwen3_teacher(shape: tuple, device: str) -> torch.nn.Module:
+    """A random-init Qwen3 teacher of ``shape`` (as in ``ARCHS``) in bf16 on ``device``."""
+    layers, hidden, inter, heads, kv, head_dim, vocab, tied = shape
+    config = Qwen3Config(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab,
+                         tie_word_embeddings=tied, max_position_embeddings=40960)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps: int, block: int,
+                   device: str) -> dict[str, Any]:
+    """One stage of a random-init bf16 Qwen3 teacher of ``shape`` on ``device``, batch 1 at ``block``: seconds
+    per step and, on a GPU, the bytes allocated after loading and the peak allocated during the stage."""
+    recipe = load_recipe(recipe_name, "quick")
+    teacher = qwen3_teacher(shape, device)
+    with torch.device(device):
+        student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+    settings, per_step = _stage_settings(recipe_name, stage, steps, block_size=block, batch_size=1)
+    where = {str(p.device.type) for model in (teacher, student) for p in model.parameters()}
+    if where != {device}:
+        raise RuntimeError(f"{name} {stage}: the models are on {sorted(where)}, not {device}")
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    loaded = torch.cuda.memory_allocated() if cuda else None
+    seconds, trainable = _run_stage(teacher, student, stage, settings, steps, device)
+    return {"size": name, "stage": stage, "device": device, "dtype": "bfloat16", "tokens_per_step": per_step,
+            "block_size": block, "batch_size": 1, "step_seconds": seconds, "shape": list(shape),
+            "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+            "student_parameters": sum(p.numel() for p in student.parameters()), "trainable_parameters": trainable,
+            "loaded_bytes": loaded, "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
 
 
 # ----- the arithmetic for larger teachers ----------------------------------------------------------------
@@ -170,9 +234,10 @@ def cpu_prediction(m: dict[str, Any]) -> int:
     return ADAM * e["lora_parameters"] + e["activations"] + e["kl"]
 
 
-def gpu_estimate(name: str, block: int) -> dict[str, Any]:
-    """Bytes per stage on one GPU: ``*_state`` is what FSDP / ZeRO-3 shards, ``*_local`` stays on every GPU."""
-    e = estimate(ARCHS[name], block, BF16)
+def gpu_estimate(name: str, block: int, shape: tuple | None = None) -> dict[str, Any]:
+    """Bytes per stage on one GPU: ``*_state`` is what FSDP / ZeRO-3 shards, ``*_local`` stays on every GPU
+    (``shape``: the model's, by default ``ARCHS[name]``)."""
+    e = estimate(shape or ARCHS[name], block, BF16)
     weights = BF16 * e["parameters"]  # one model's weights
     return {
         "model": name, "block_size": block, **e, "weights_bf16": weights,
@@ -193,11 +258,36 @@ def _fits(e: dict[str, Any], part: str) -> str:
     return f"{(state + local) / GB:.0f} (shard: >= {int(-(-state // (GPU_BYTES - local)))} GPUs)"
 
 
+def gpu_prediction(m: dict[str, Any]) -> int:
+    """What a stage measured on a GPU should peak at by the formulas: its state and its per-GPU bytes."""
+    e = gpu_estimate(m["size"], m["block_size"], tuple(m["shape"]))
+    return e[f"{m['stage']}_state"] + e[f"{m['stage']}_local"]
+
+
+def _ms_per_token(m: dict[str, Any]) -> float:
+    return 1e3 * statistics.median(m["step_seconds"]) / m["tokens_per_step"]
+
+
+def render_device(results: dict) -> str:
+    """The table of a ``--device cuda`` run: memory and time per token of each stage beside the formulas."""
+    rows = ["| teacher (random init, bf16) | parameters | stage | tokens / step | ms / token | loaded GB | peak GB "
+            "| formulas GB | peak / formulas |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for m in results["measured"]:
+        predicted = gpu_prediction(m)
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.2f}B | {m['stage']} | {m['tokens_per_step']} | "
+                    f"{_ms_per_token(m):.3f} | {m['loaded_bytes'] / GB:.2f} | {m['peak_bytes'] / GB:.2f} | "
+                    f"{predicted / GB:.2f} | {m['peak_bytes'] / predicted:.2f} |")
+    rows += [""] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(rows)
+
+
 def render_markdown(results: dict) -> str:
+    if results.get("device") == "cuda":
+        return render_device(results)
     rows = ["| teacher | parameters | stage | tokens / step | ms / token | loaded MiB | stage peak above loaded MiB "
             "| formulas (fp32) MiB | measured / formulas |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
-        ms = 1e3 * statistics.median(m["step_seconds"]) / m["tokens_per_step"]
+        ms = _ms_per_token(m)
         above, predicted = max(0, m["peak_rss"] - m["loaded_rss"]), cpu_prediction(m)
         rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e6:.1f}M | {m['stage']} | {m['tokens_per_step']} | "
                     f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {above / MIB:.0f} | {predicted / MIB:.0f} | "
@@ -215,43 +305,88 @@ def render_markdown(results: dict) -> str:
 
 
 # ----- running -----------------------------------------------------------------------------------------------
+GPU_SIZES = tuple(name for name in ARCHS if name.startswith("Qwen3"))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
     p.add_argument("--recipe", default="gdn", help="the recipe whose attention and stage settings are measured")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
-    p.add_argument("--gpu-block", type=int, default=2048, help="block size of the computed GPU rows")
+    p.add_argument("--gpu-block", type=int, default=2048, help="block size of the GPU rows (computed and measured)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny only, 2 steps")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: measure random-init Qwen3 shapes (--gpu-sizes) in bf16 on the GPU")
+    p.add_argument("--gpu-sizes", nargs="+", choices=GPU_SIZES, default=["Qwen3-0.6B", "Qwen3-1.7B"])
     p.add_argument("--child", nargs=2, metavar=("SIZE", "STAGE"), help=argparse.SUPPRESS)
     add_out_argument(p, "conversion_scale_cpu.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and args.out == RESULTS / "conversion_scale_cpu.json":
+        args.out = RESULTS / "conversion_scale_cuda.json"
+    return args
+
+
+def _child(args: argparse.Namespace, size: str, stage: str) -> dict[str, Any]:
+    """One stage of one size measured in a fresh process: its memory is this stage's alone."""
+    command = [sys.executable, __file__, "--child", size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
+               "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{size} {stage}: {result['step_seconds']}", file=sys.stderr)
+    return result
+
+
+def main_device(args: argparse.Namespace) -> int:
+    """``--device cuda``: both stages of each GPU size; the results file is rewritten after each stage."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    record = run_record()
+    data: dict[str, Any] = {"device": "cuda", "gpu": torch.cuda.get_device_name(0),
+                            "gpu_memory": torch.cuda.get_device_properties(0).total_memory, "recipe": args.recipe,
+                            "steps": args.steps, "block_size": args.gpu_block, "measured": [], "notes": [
+        f"Measured on one {torch.cuda.get_device_name(0)}: random-init teachers of the models' published shapes "
+        f"(transformers' Qwen3Config) in bf16, recipe `{args.recipe}` (quick budget's settings at block "
+        f"{args.gpu_block}, batch 1), {args.steps} optimizer steps per stage, the first not timed: ms / token is "
+        "the median synchronized step over its tokens.",
+        "Loaded: torch.cuda.memory_allocated with teacher and student on the GPU; peak: max_memory_allocated "
+        "during the stage (reset after loading), both models included; formulas: the GPU table's state + "
+        "per-GPU bytes for that shape."]}
+    for size in args.gpu_sizes:
+        for stage in STAGES:
+            data["measured"].append(_child(args, size, stage))
+            results = write_results(args.out, "conversion_scale", record, data)
+    print(render_markdown(results))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.child and args.device != "cpu":
+        size, stage = args.child
+        print(json.dumps(measure_device(size, ARCHS[size], stage, args.recipe, args.steps, args.gpu_block,
+                                        args.device)))
+        return 0
     if args.child:
         print(json.dumps(measure(*args.child, args.recipe, args.steps)))
         return 0
+    if args.device != "cpu":
+        return main_device(args)
     sizes, steps = (["tiny"], 2) if args.quick else (args.sizes, args.steps)
     record = run_record()
     measured = []
     for size in sizes:
         for stage in STAGES:  # a fresh process each: its memory is this stage's alone
-            command = [sys.executable, __file__, "--child", size, stage, "--recipe", args.recipe, "--steps",
-                       str(steps), "--threads", str(args.threads)]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
-            measured.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"{size} {stage}: {measured[-1]['step_seconds']}", file=sys.stderr)
+            measured.append(_child(argparse.Namespace(**{**vars(args), "steps": steps}), size, stage))
     computed = [gpu_estimate(name, args.gpu_block) for name in ARCHS]
     notes = [
         f"Measured on the CPU in fp32, recipe `{args.recipe}` (quick budget's settings), {steps} optimizer steps per "
         "stage, the first not timed: ms / token is the median step over its tokens.",
         f"Computed for one {GPU_BYTES / GB:.0f} GB GPU at block {args.gpu_block}, batch 1 (formulas in the text); "
-        "no GPU conversion has been run.",
+        "arithmetic, not measured (`--device cuda` measures on a GPU).",
     ]
     results = write_results(args.out, "conversion_scale", record, {
         "recipe": args.recipe, "steps": steps, "threads": args.threads, "measured": measured,

@@ -37,3 +37,49 @@ def test_what_fits_one_gpu_and_how_many_gpus_sharding_needs() -> None:
     assert state + local > scale.GPU_BYTES  # 16 bytes of Adam per parameter: 131 GB for 8B
     gpus = int(scale._fits(big, "full").split(">= ")[1].split()[0])
     assert state / gpus + local <= scale.GPU_BYTES < state / (gpus - 1) + local
+
+
+def test_both_stages_train_a_bf16_student_where_the_models_are() -> None:
+    """``--device`` mode's path on the CPU: a bf16 random Qwen3, blocks longer than the delta rule's chunk (so the
+    faster form is timed on bf16 inputs and stage 1 feeds the chunked form's output to a bf16 o_proj)."""
+    shape = (2, 64, 96, 4, 2, 16, 100, True)
+    for stage in scale.STAGES:
+        m = scale.measure_device("tiny-qwen3", shape, stage, "gdn", 2, 128, "cpu")
+        assert (m["stage"], m["dtype"], m["block_size"], m["tokens_per_step"]) == (stage, "bfloat16", 128, 128)
+        assert len(m["step_seconds"]) == 1 and m["step_seconds"][0] > 0 and m["trainable_parameters"] > 0
+        assert m["teacher_parameters"] == scale.parameters(shape)["all"] + 2 * 2 * 16  # + the q / k norms
+        assert m["peak_bytes"] is None  # memory is measured on a GPU only
+
+
+def test_the_gpu_results_render_beside_the_formulas() -> None:
+    import json
+    from pathlib import Path
+
+    results = json.loads((Path(scale.__file__).parent / "results" / "conversion_scale_cuda.json").read_text())
+    assert results["benchmark"] == "conversion_scale" and results["device"] == "cuda"
+    lines = scale.render_markdown(results).splitlines()
+    assert lines[0].startswith("| teacher (random init, bf16) |")
+    rows = [line.split(" | ") for line in lines[2:2 + len(results["measured"])]]
+    for m, row in zip(results["measured"], rows, strict=True):
+        e = scale.gpu_estimate(m["size"], m["block_size"])  # the computed table's bytes for that model
+        assert tuple(m["shape"]) == scale.ARCHS[m["size"]]
+        assert float(row[7]) == round((e[f"{m['stage']}_state"] + e[f"{m['stage']}_local"]) / scale.GB, 2)
+        assert float(row[8].rstrip(" |")) == round(m["peak_bytes"] / scale.gpu_prediction(m), 2)
+        assert m["loaded_bytes"] <= m["peak_bytes"]
+
+
+def test_stage1_student_attention_keeps_a_bf16_layer_in_bf16() -> None:
+    """The chunked delta rule computes in fp32; stage 1 casts its output back before the layer's bf16 o_proj."""
+    import torch
+
+    from hf_recattn.conversion.attention_transfer import student_attention
+    from hf_recattn.conversion.from_llama import from_llama
+    from hf_recattn.conversion.recipe import load_recipe
+
+    recipe = load_recipe("gdn", "quick")
+    teacher = scale.qwen3_teacher((2, 64, 96, 4, 2, 16, 100, True), "cpu")
+    student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+    hidden = torch.randn(1, 128, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    rotary = student.model.rotary_emb(hidden, position_ids=torch.arange(128)[None])
+    out, _ = student_attention(student, 0, hidden, rotary)
+    assert out.dtype == torch.bfloat16 and out.shape == hidden.shape and torch.isfinite(out).all()

@@ -177,7 +177,8 @@ def student_attention(
                 "the values (linear with the denominator)"
             )
         kl = attention_kl_divergence(target_log_weights, weights)
-    return attn.o_proj(out.reshape(*hidden.shape[:-1], -1)), kl
+    # the mixer may compute in fp32 (a bf16 student's chunked delta rule): back to the layer's dtype, as its forward
+    return attn.o_proj(out.reshape(*hidden.shape[:-1], -1).to(hidden.dtype)), kl
 
 
 @torch.no_grad()

@@ -25,34 +25,43 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for a GPU's queued work, so that a clock around it times the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_form(mixer: nn.Module, form: str, seq_len: int, hidden_size: int, repeats: int = 2) -> float:
     shape = mixer.shape
-    device = next((p.device for p in mixer.parameters()), torch.device("cpu"))
+    first = next(mixer.parameters(), None)  # a bf16 mixer is timed on bf16 inputs, on its own device
+    device, dtype = (torch.device("cpu"), torch.float32) if first is None else (first.device, first.dtype)
     gen = torch.Generator().manual_seed(0)
     best = float("inf")
     for _ in range(repeats):
         q = (
             torch.randn(1, shape.num_heads, seq_len, shape.head_dim, generator=gen)
-            .to(device)
+            .to(device, dtype)
             .requires_grad_()
         )
         k = (
             torch.randn(1, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
-            .to(device)
+            .to(device, dtype)
             .requires_grad_()
         )
         v = (
             torch.randn(1, shape.num_kv_heads, seq_len, shape.head_dim, generator=gen)
-            .to(device)
+            .to(device, dtype)
             .requires_grad_()
         )
-        inputs = MixerInputs(hidden_states=torch.randn(1, seq_len, hidden_size, generator=gen).to(device))
+        inputs = MixerInputs(hidden_states=torch.randn(1, seq_len, hidden_size, generator=gen).to(device, dtype))
+        _synchronize(device)
         start = time.perf_counter()
         if form == "parallel":
             out = mixer.parallel(q, k, v, inputs)
         else:
             out, _ = mixer.chunked(q, k, v, inputs, mixer.init_state(1, device, q.dtype))
         out.float().square().mean().backward()
+        _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
