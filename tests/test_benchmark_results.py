@@ -22,6 +22,7 @@ RESULTS = {
     "kernel_speed_cuda.json": "kernel_speed",
     "mesanet_solver_cpu.json": "mesanet_solver",
     "conversion_scale_cpu.json": "conversion_scale",
+    "conversion_scale_cuda.json": "conversion_scale",
 }
 
 

@@ -120,7 +120,9 @@ class RecAttnRotaryEmbedding(LlamaRotaryEmbedding):
     fraction of each head rotates)."""
 
     @staticmethod
-    def compute_default_rope_parameters(config: Any = None, **kwargs: Any) -> tuple[torch.Tensor, float]:
+    def compute_default_rope_parameters(
+        config: Any = None, device: Any = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
