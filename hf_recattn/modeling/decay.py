@@ -33,13 +33,17 @@ DECAYS = ("none", "learned", "gated", "retnet")
 RETNET_GAMMA_MIN = 1.0 - 2.0**-5
 
 
+def log_uniform_half_lives(count: int, shortest: float, longest: float) -> torch.Tensor:
+    """float64 [count] half-lives (tokens) spread log-uniformly from ``shortest`` to ``longest`` (one: their
+    geometric mean)."""
+    if count == 1:
+        return torch.tensor([math.sqrt(shortest * longest)], dtype=torch.float64)
+    return torch.logspace(math.log10(shortest), math.log10(longest), count, dtype=torch.float64)
+
+
 def half_life_logits(num_heads: int, shortest: float, longest: float) -> torch.Tensor:
     """sigmoid^-1 of the per-token factors whose half-lives spread log-uniformly over ``num_heads`` heads."""
-    if num_heads == 1:
-        lives = torch.tensor([math.sqrt(shortest * longest)], dtype=torch.float64)
-    else:
-        lives = torch.logspace(math.log10(shortest), math.log10(longest), num_heads, dtype=torch.float64)
-    g = 0.5 ** (1.0 / lives)
+    g = 0.5 ** (1.0 / log_uniform_half_lives(num_heads, shortest, longest))
     return torch.log(g / (1.0 - g)).float()
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decay import log_uniform_half_lives
 from .gated_parts import logit
 from .mixer_base import MixerShape
 
@@ -42,11 +43,7 @@ def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
 
 def half_life_dt_bias(num_heads: int, shortest: float, longest: float) -> torch.Tensor:
     """dt_bias giving a = 2^(-1 / half-life) at A = 1 and W_a = 0, half-lives log-uniform over the heads."""
-    if num_heads == 1:
-        lives = torch.tensor([math.sqrt(shortest * longest)], dtype=torch.float64)
-    else:
-        lives = torch.logspace(math.log10(shortest), math.log10(longest), num_heads, dtype=torch.float64)
-    return _inverse_softplus(math.log(2.0) / lives).float()
+    return _inverse_softplus(math.log(2.0) / log_uniform_half_lives(num_heads, shortest, longest)).float()
 
 
 class DeltaGates(nn.Module):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decay import log_uniform_half_lives
 from .gated_parts import GatedMixer, chunk_options, convert_init_options, output_options
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
@@ -37,11 +38,7 @@ from .options import Option
 
 def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest: float) -> torch.Tensor:
     """b with sigmoid(b)^(1/tau) = 2^(-1/life), lives log-uniform over ``dims`` key dimensions."""
-    if dims == 1:
-        lives = torch.tensor([math.sqrt(shortest * longest)], dtype=torch.float64)
-    else:
-        lives = torch.logspace(math.log10(shortest), math.log10(longest), dims, dtype=torch.float64)
-    log_p = -temperature * math.log(2.0) / lives  # log sigmoid(b)
+    log_p = -temperature * math.log(2.0) / log_uniform_half_lives(dims, shortest, longest)  # log sigmoid(b)
     return (log_p - torch.log(-torch.expm1(log_p))).float()  # logit of p = exp(log_p)
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decay import log_uniform_half_lives
 from .far_part import ARRIVING, FarPart
 from .gated_parts import GatedMixer, chunk_options, convert_init_options, logit, output_options, qk_norm
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
@@ -59,11 +60,7 @@ SHORTEST_HALF_LIFE = math.log(2.0) / MAX_DECAY_RATE
 
 def half_life_decay_bias(dims: int, shortest: float, longest: float) -> torch.Tensor:
     """w0 [dims] giving w^life = 1/2 at B_w = 0 for half-lives log-uniform from ``shortest`` to ``longest``."""
-    if dims == 1:
-        lives = torch.tensor([math.sqrt(shortest * longest)], dtype=torch.float64)
-    else:
-        lives = torch.logspace(math.log10(shortest), math.log10(longest), dims, dtype=torch.float64)
-    p = math.log(2.0) / MAX_DECAY_RATE / lives  # sigmoid(w0)
+    p = SHORTEST_HALF_LIFE / log_uniform_half_lives(dims, shortest, longest)  # sigmoid(w0)
     return torch.log(p / (1.0 - p)).float()
 
 
