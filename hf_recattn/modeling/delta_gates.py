@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .decay import log_uniform_half_lives
-from .gated_parts import logit
+from .gated_parts import head_gate_logits, logit
 from .mixer_base import MixerShape
 
 RULES = ("delta", "gated", "comba")
@@ -95,7 +95,7 @@ class DeltaGates(nn.Module):
         b, t, _ = x.shape
         n = self.steps
         x = x * x.shape[-1] ** -0.5
-        beta = torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))  # [B, T, n Hk]
+        beta = torch.sigmoid(head_gate_logits(x, self.beta_weight, self.beta_bias))  # [B, T, n Hk]
         if self.negative_eigenvalues:
             beta = beta * 2.0
         if token_mask is not None:
@@ -105,7 +105,7 @@ class DeltaGates(nn.Module):
         if self.rule == "delta":
             log_alpha = torch.zeros_like(beta)
         else:
-            dt = F.softplus(F.linear(x, self.decay_weight.to(x.dtype), self.dt_bias.to(x.dtype)))  # [B, T, Hk]
+            dt = F.softplus(head_gate_logits(x, self.decay_weight, self.dt_bias))  # [B, T, Hk]
             if token_mask is not None:
                 dt = dt * keep
             log_alpha = (dt * -self.A_log.to(x.dtype).exp()).transpose(1, 2)[..., None]  # [B, Hk, T, 1]

@@ -80,7 +80,8 @@ def logit(p: float) -> float:
 
 
 def head_gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """x W^T + c in x's dtype: the logits of a gate read from the layer input x [B, T, C] (W [N, C], c [N])."""
+    """x W^T + c in x's dtype: the logits of a gate read from x [B, T, C] (the layer input, or a low-rank map of
+    it; W [N, C], c [N])."""
     return F.linear(x, weight.to(x.dtype), bias.to(x.dtype))
 
 

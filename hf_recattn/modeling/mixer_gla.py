@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .decay import log_uniform_half_lives
-from .gated_parts import GatedMixer, chunk_options, convert_init_options, output_options
+from .gated_parts import GatedMixer, chunk_options, convert_init_options, head_gate_logits, output_options
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_gla import gla_chunked, gla_parallel, gla_step
 from .options import Option
@@ -108,7 +108,7 @@ class GLAMixer(GatedMixer):
         x = inputs.hidden_states
         b, t, _ = x.shape
         low_rank = inputs.linear("gate_down", self.gate_down)
-        logits = F.linear(low_rank, self.gate_up.to(x.dtype), self.gate_bias.to(x.dtype))
+        logits = head_gate_logits(low_rank, self.gate_up, self.gate_bias)
         log_a = (F.logsigmoid(logits) / self.temperature).view(b, t, self.shape.num_kv_heads, -1).transpose(1, 2)
         mask = inputs.token_mask
         if mask is not None:

@@ -38,6 +38,7 @@ from .gated_parts import (
     chunk_options,
     conv_options,
     convert_init_options,
+    head_gate_logits,
     logit,
     output_options,
     qk_norm,
@@ -133,8 +134,8 @@ class MesaMixer(GatedMixer):
     def _gates(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log gamma, beta), each [B, Hk, T]; log gamma = 0 and beta = 0 on padded tokens."""
         x = x * x.shape[-1] ** -0.5
-        log_gamma = F.logsigmoid(F.linear(x, self.forget_weight.to(x.dtype), self.forget_bias.to(x.dtype)))
-        beta = torch.sigmoid(F.linear(x, self.beta_weight.to(x.dtype), self.beta_bias.to(x.dtype)))
+        log_gamma = F.logsigmoid(head_gate_logits(x, self.forget_weight, self.forget_bias))
+        beta = torch.sigmoid(head_gate_logits(x, self.beta_weight, self.beta_bias))
         if mask is not None:
             keep = mask[..., None].to(x.dtype)
             log_gamma, beta = log_gamma * keep, beta * keep

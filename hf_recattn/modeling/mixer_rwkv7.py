@@ -44,12 +44,19 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .decay import log_uniform_half_lives
 from .far_part import ARRIVING, FarPart
-from .gated_parts import GatedMixer, chunk_options, convert_init_options, logit, output_options, qk_norm
+from .gated_parts import (
+    GatedMixer,
+    chunk_options,
+    convert_init_options,
+    head_gate_logits,
+    logit,
+    output_options,
+    qk_norm,
+)
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
 from .ops_rwkv7 import MAX_DECAY_RATE, mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
 from .options import Option
@@ -169,10 +176,9 @@ class RWKV7Mixer(GatedMixer, FarPart):
             return y.view(b, t, hk, d).transpose(1, 2)
 
         low = torch.tanh(inputs.linear("decay_down", self.decay_down))
-        decay_logits = F.linear(low, self.decay_up.to(x.dtype), self.decay_bias.to(x.dtype))
+        decay_logits = head_gate_logits(low, self.decay_up, self.decay_bias)
         log_w = per_head(torch.sigmoid(decay_logits) * -MAX_DECAY_RATE)
-        rate_logits = F.linear(inputs.linear("iclr_down", self.iclr_down), self.iclr_up.to(x.dtype),
-                               self.iclr_bias.to(x.dtype))
+        rate_logits = head_gate_logits(inputs.linear("iclr_down", self.iclr_down), self.iclr_up, self.iclr_bias)
         a = per_head(torch.sigmoid(rate_logits))
         removal = k * self.key_gain[:, None].to(k.dtype)
         removal = qk_norm(removal, "l2", self.eps)
