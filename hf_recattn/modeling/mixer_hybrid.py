@@ -40,7 +40,6 @@ ignored), and the window logits use s = 1/sqrt(d).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -49,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
+from .gated_parts import logit
 from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option, check_open_unit
 from .registry import MIXERS, build_mixer, mixer_class, validate_spec
@@ -170,17 +170,14 @@ class HybridMixer(Mixer):
         if spec["far"] != NO_FAR:
             family = mixer_class(spec["far"]["mixer"], f"layer {shape.layer_idx}: option 'far'")
             self.far = build_mixer(family.far_part_spec(dict(spec["far"])), shape, config)
-        self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), self._logit_init()))
+        self.mix_logit = nn.Parameter(torch.full((shape.num_heads,), logit(self.mix_init)))
 
     def input_weights(self) -> dict[str, nn.Parameter]:
         """The far mixer's (a far part may read the layer input through weights of its own)."""
         return {} if self.far is None else self.far.input_weights()
 
-    def _logit_init(self) -> float:
-        return math.log(self.mix_init / (1.0 - self.mix_init))
-
     def init_parameters(self, init: Any) -> None:
-        init.constant_(self.mix_logit, self._logit_init())
+        init.constant_(self.mix_logit, logit(self.mix_init))
 
     # ----- the far part, through the protocol of far_part.py -------------------------------------------------
     def _far_parallel(
