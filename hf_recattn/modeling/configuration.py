@@ -135,7 +135,7 @@ class RecAttnConfig(LlamaConfig):
         specs = self.layer_specs()  # validate now, so that a bad spec fails at construction
         if self.attn_logit_softcapping is not None:
             for i, spec in enumerate(specs):
-                if not getattr(mixer_class(spec["mixer"], f"layer {i}"), "applies_softcap", False):
+                if not mixer_class(spec["mixer"], f"layer {i}").applies_softcap:
                     raise ValueError(
                         f"attn_logit_softcapping={self.attn_logit_softcapping}: layer {i} ({spec['mixer']}) has no "
                         "attention logits to cap; only softmax and sliding_window layers apply it (keep those "
@@ -173,4 +173,3 @@ class RecAttnConfig(LlamaConfig):
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         return self.layer_specs()[layer_idx]
-

@@ -112,6 +112,9 @@ class Mixer(nn.Module):
     #: whether the mixer can return softmax attention weights over the keys it attends to (``output_attentions``)
     has_attention_weights: ClassVar[bool] = False
     has_chunked: ClassVar[bool] = False
+    #: whether the mixer caps its attention logits by ``config.attn_logit_softcapping`` (the config refuses the
+    #: option where a layer's mixer does not)
+    applies_softcap: ClassVar[bool] = False
     #: for a family whose ``causal`` option must stay True (no bidirectional form): the reason the error gives
     causal_only: ClassVar[str | None] = None
 
