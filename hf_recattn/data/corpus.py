@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 
 from ..paths import cache_root
 from . import pinned
-from .embedded import embedded_corpus, write_atomic
+from .embedded import embedded_corpus, write_cache
 
 EMBEDDED = "embedded"
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -53,16 +52,9 @@ def embedded_corpus_file() -> Path | None:
     corpus = embedded_corpus()
     path = cache_root() / "corpus" / f"embedded-v{corpus.version}-{corpus.sha256[:12]}-train.jsonl"
     if not path.is_file():
-        _write_jsonl_atomic(path, corpus.texts("train"))
+        lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in corpus.texts("train"))
+        write_cache(path, lines.encode("utf-8"))
     return path if path.is_file() else None
-
-
-def _write_jsonl_atomic(path: Path, texts: Sequence[str]) -> None:
-    lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts)
-    try:
-        write_atomic(path, lines.encode("utf-8"))
-    except OSError as err:  # a read-only home still gets its corpus, just not cached
-        print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
 
 
 # ----- local sources ------------------------------------------------------------------------------

@@ -282,6 +282,14 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def write_cache(path: Path, data: bytes) -> None:
+    """``write_atomic`` for a cache file: a read-only home still gets its corpus, just not cached (a warning)."""
+    try:
+        write_atomic(path, data)
+    except OSError as err:
+        print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
+
+
 def build_corpus(
     sources: Sequence[Source], expected_sha256: str | None, cache_file: Path | None,
     archives: Path | None = None, version: int = pinned.CORPUS_VERSION,
@@ -290,8 +298,9 @@ def build_corpus(
     from the archives, checked, and cached. ``expected_sha256`` None skips the check (a new pin)."""
     if cache_file is not None and cache_file.is_file():
         data = cache_file.read_bytes()
-        if expected_sha256 is None or hashlib.sha256(data).hexdigest() == expected_sha256:
-            return Corpus(_parse(data, cache_file), hashlib.sha256(data).hexdigest(), version)
+        got = hashlib.sha256(data).hexdigest()
+        if expected_sha256 is None or got == expected_sha256:
+            return Corpus(_parse(data, cache_file), got, version)
         print(f"hf_recattn: {cache_file} does not have the pinned sha256; rebuilding it", file=sys.stderr)
     members = {s.name: read_members(archive(s, archives)) for s in sources}
     docs = build_documents(sources, members)
@@ -304,10 +313,7 @@ def build_corpus(
             "CORPUS_VERSION and checksums in pinned.py)"
         )
     if cache_file is not None:
-        try:
-            write_atomic(cache_file, data)
-        except OSError as err:  # a read-only home still gets its corpus, just not cached
-            print(f"hf_recattn: could not cache the corpus in {cache_file}: {err}", file=sys.stderr)
+        write_cache(cache_file, data)
     return Corpus(tuple(docs), got, version)
 
 
