@@ -8,7 +8,6 @@ each document's text for others.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -21,7 +20,7 @@ import torch
 
 from ..paths import cache_root
 from . import pinned
-from .embedded import embedded_corpus, write_cache
+from .embedded import embedded_corpus, unit_hash, write_cache
 
 EMBEDDED = "embedded"
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -152,11 +151,6 @@ def load_texts(source: str | os.PathLike | None = None) -> list[str]:
 
 
 # ----- splitting and packing ----------------------------------------------------------------------
-def _unit_hash(text: str, seed: int) -> float:
-    digest = hashlib.sha256(f"{seed}\x00{text}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
 def split_heldout(
     texts: Sequence[str], heldout_fraction: float = 0.05, seed: int = 0
 ) -> tuple[list[str], list[str]]:
@@ -166,7 +160,7 @@ def split_heldout(
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if len(texts) < 2:
         raise ValueError(f"need at least 2 documents to hold some out, got {len(texts)}")
-    scores = [_unit_hash(t, seed) for t in texts]
+    scores = [unit_hash(f"{seed}\x00{t}") for t in texts]
     held = [s < heldout_fraction for s in scores]
     if not any(held):  # tiny corpora: hold out the lowest-scoring document's text
         lowest = texts[min(range(len(texts)), key=scores.__getitem__)]

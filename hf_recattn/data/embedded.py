@@ -101,13 +101,14 @@ def pieces(text: str, limit: int = MAX_DOC_CHARS) -> list[str]:
     return [p.strip("\n ") for p in out]
 
 
-def _unit(key: str) -> float:
+def unit_hash(key: str) -> float:
+    """A number in [0, 1) from the sha256 of ``key``: the same on every machine and Python version."""
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
 
 
 def split_of(file_id: str, heldout_fraction: float = pinned.HELDOUT_FRACTION) -> str:
     """'heldout' for files whose path hash falls below the fraction, else 'train'."""
-    return "heldout" if _unit(f"heldout\x00{file_id}") < heldout_fraction else "train"
+    return "heldout" if unit_hash(f"heldout\x00{file_id}") < heldout_fraction else "train"
 
 
 def _matches(path: str, patterns: Iterable[str]) -> bool:
