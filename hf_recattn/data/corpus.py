@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,20 +19,15 @@ import torch
 
 from ..paths import cache_root
 from . import pinned
-from .embedded import embedded_corpus, unit_hash, write_cache
+from .embedded import clean, embedded_corpus, unit_hash, write_cache
 
 EMBEDDED = "embedded"
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-_BLANKS = re.compile(r"\n{3,}")
 
 
 def clean_text(text: str) -> str:
     """Normalized newlines and tabs, no control characters or trailing spaces, at most one blank line."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\t", "    ")
-    text = _CONTROL.sub("", text)
-    text = "\n".join(line.rstrip() for line in text.split("\n"))
-    return _BLANKS.sub("\n\n", text).strip()
+    return clean(text, blanks=None)
 
 
 def is_embedded(source: str | os.PathLike | None) -> bool:

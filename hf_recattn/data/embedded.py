@@ -61,12 +61,13 @@ class Document:
 
 
 # ----- turning files into documents ---------------------------------------------------------------
-def clean(text: str) -> str:
-    """Unix newlines, tabs as 4 spaces, no control characters or trailing blanks, at most one blank line."""
+def clean(text: str, blanks: str | None = " ") -> str:
+    """Unix newlines, tabs as 4 spaces, no control characters or trailing blanks, at most one blank line.
+    ``blanks``: what counts as a blank besides newlines (None: any whitespace, by the Unicode tables)."""
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\t", "    ")
     text = _CONTROL.sub("", text)
-    text = "\n".join(line.rstrip(" ") for line in text.split("\n"))
-    return _BLANKS.sub("\n\n", text).strip("\n ")
+    text = "\n".join(line.rstrip(blanks) for line in text.split("\n"))
+    return _BLANKS.sub("\n\n", text).strip(None if blanks is None else "\n" + blanks)
 
 
 def looks_like_prose(text: str) -> bool:
