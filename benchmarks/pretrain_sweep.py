@@ -41,7 +41,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile
@@ -161,16 +160,9 @@ def pending_runs(requested: Sequence[str], results: dict[str, Any]) -> list[str]
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from hf_recattn.data.embedded import write_atomic
+
+    write_atomic(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
 
 def parse_labels(labels: Iterable[str] | None) -> list[str]:

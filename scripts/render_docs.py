@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
     args = parser.parse_args(argv)
-    stale, errors = [], []
-    for path in documents():
+    stale, errors, paths = [], [], documents()
+    for path in paths:
         where = str(path.relative_to(ROOT))
         text = path.read_text()
         new = render_text(text, where, errors)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check and stale:
         print("render_docs: out of date (run python scripts/render_docs.py): " + ", ".join(stale), file=sys.stderr)
         return 1
-    print(("checked " if args.check else "rendered ") + f"{len(documents())} documents"
+    print(("checked " if args.check else "rendered ") + f"{len(paths)} documents"
           + (f"; rewrote {', '.join(stale)}" if stale and not args.check else ""))
     return 0
 

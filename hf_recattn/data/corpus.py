@@ -8,12 +8,9 @@ each document's text for others.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import re
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,20 +19,15 @@ import torch
 
 from ..paths import cache_root
 from . import pinned
-from .embedded import embedded_corpus, write_atomic
+from .embedded import clean, embedded_corpus, unit_hash, write_cache
 
 EMBEDDED = "embedded"
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-_BLANKS = re.compile(r"\n{3,}")
 
 
 def clean_text(text: str) -> str:
     """Normalized newlines and tabs, no control characters or trailing spaces, at most one blank line."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\t", "    ")
-    text = _CONTROL.sub("", text)
-    text = "\n".join(line.rstrip() for line in text.split("\n"))
-    return _BLANKS.sub("\n\n", text).strip()
+    return clean(text, blanks=None)
 
 
 def is_embedded(source: str | os.PathLike | None) -> bool:
@@ -53,16 +45,9 @@ def embedded_corpus_file() -> Path | None:
     corpus = embedded_corpus()
     path = cache_root() / "corpus" / f"embedded-v{corpus.version}-{corpus.sha256[:12]}-train.jsonl"
     if not path.is_file():
-        _write_jsonl_atomic(path, corpus.texts("train"))
+        lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in corpus.texts("train"))
+        write_cache(path, lines.encode("utf-8"))
     return path if path.is_file() else None
-
-
-def _write_jsonl_atomic(path: Path, texts: Sequence[str]) -> None:
-    lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts)
-    try:
-        write_atomic(path, lines.encode("utf-8"))
-    except OSError as err:  # a read-only home still gets its corpus, just not cached
-        print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
 
 
 # ----- local sources ------------------------------------------------------------------------------
@@ -160,11 +145,6 @@ def load_texts(source: str | os.PathLike | None = None) -> list[str]:
 
 
 # ----- splitting and packing ----------------------------------------------------------------------
-def _unit_hash(text: str, seed: int) -> float:
-    digest = hashlib.sha256(f"{seed}\x00{text}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
 def split_heldout(
     texts: Sequence[str], heldout_fraction: float = 0.05, seed: int = 0
 ) -> tuple[list[str], list[str]]:
@@ -174,7 +154,7 @@ def split_heldout(
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if len(texts) < 2:
         raise ValueError(f"need at least 2 documents to hold some out, got {len(texts)}")
-    scores = [_unit_hash(t, seed) for t in texts]
+    scores = [unit_hash(f"{seed}\x00{t}") for t in texts]
     held = [s < heldout_fraction for s in scores]
     if not any(held):  # tiny corpora: hold out the lowest-scoring document's text
         lowest = texts[min(range(len(texts)), key=scores.__getitem__)]

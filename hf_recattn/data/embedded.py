@@ -61,12 +61,13 @@ class Document:
 
 
 # ----- turning files into documents ---------------------------------------------------------------
-def clean(text: str) -> str:
-    """Unix newlines, tabs as 4 spaces, no control characters or trailing blanks, at most one blank line."""
+def clean(text: str, blanks: str | None = " ") -> str:
+    """Unix newlines, tabs as 4 spaces, no control characters or trailing blanks, at most one blank line.
+    ``blanks``: what counts as a blank besides newlines (None: any whitespace, by the Unicode tables)."""
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\t", "    ")
     text = _CONTROL.sub("", text)
-    text = "\n".join(line.rstrip(" ") for line in text.split("\n"))
-    return _BLANKS.sub("\n\n", text).strip("\n ")
+    text = "\n".join(line.rstrip(blanks) for line in text.split("\n"))
+    return _BLANKS.sub("\n\n", text).strip(None if blanks is None else "\n" + blanks)
 
 
 def looks_like_prose(text: str) -> bool:
@@ -101,13 +102,14 @@ def pieces(text: str, limit: int = MAX_DOC_CHARS) -> list[str]:
     return [p.strip("\n ") for p in out]
 
 
-def _unit(key: str) -> float:
+def unit_hash(key: str) -> float:
+    """A number in [0, 1) from the sha256 of ``key``: the same on every machine and Python version."""
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
 
 
 def split_of(file_id: str, heldout_fraction: float = pinned.HELDOUT_FRACTION) -> str:
     """'heldout' for files whose path hash falls below the fraction, else 'train'."""
-    return "heldout" if _unit(f"heldout\x00{file_id}") < heldout_fraction else "train"
+    return "heldout" if unit_hash(f"heldout\x00{file_id}") < heldout_fraction else "train"
 
 
 def _matches(path: str, patterns: Iterable[str]) -> bool:
@@ -282,6 +284,14 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def write_cache(path: Path, data: bytes) -> None:
+    """``write_atomic`` for a cache file: a read-only home still gets its corpus, just not cached (a warning)."""
+    try:
+        write_atomic(path, data)
+    except OSError as err:
+        print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
+
+
 def build_corpus(
     sources: Sequence[Source], expected_sha256: str | None, cache_file: Path | None,
     archives: Path | None = None, version: int = pinned.CORPUS_VERSION,
@@ -290,8 +300,9 @@ def build_corpus(
     from the archives, checked, and cached. ``expected_sha256`` None skips the check (a new pin)."""
     if cache_file is not None and cache_file.is_file():
         data = cache_file.read_bytes()
-        if expected_sha256 is None or hashlib.sha256(data).hexdigest() == expected_sha256:
-            return Corpus(_parse(data, cache_file), hashlib.sha256(data).hexdigest(), version)
+        got = hashlib.sha256(data).hexdigest()
+        if expected_sha256 is None or got == expected_sha256:
+            return Corpus(_parse(data, cache_file), got, version)
         print(f"hf_recattn: {cache_file} does not have the pinned sha256; rebuilding it", file=sys.stderr)
     members = {s.name: read_members(archive(s, archives)) for s in sources}
     docs = build_documents(sources, members)
@@ -304,10 +315,7 @@ def build_corpus(
             "CORPUS_VERSION and checksums in pinned.py)"
         )
     if cache_file is not None:
-        try:
-            write_atomic(cache_file, data)
-        except OSError as err:  # a read-only home still gets its corpus, just not cached
-            print(f"hf_recattn: could not cache the corpus in {cache_file}: {err}", file=sys.stderr)
+        write_cache(cache_file, data)
     return Corpus(tuple(docs), got, version)
 
 

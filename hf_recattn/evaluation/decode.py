@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..modeling.cache import CACHE_NAME, cache_of
-from .generation import max_positions, model_device
+from .generation import eval_mode, max_positions, model_device
 
 
 def cache_nbytes(cache: Any) -> int:
@@ -41,14 +41,12 @@ def decode_stats(model: Any, context_length: int = 2048, steps: int = 16, seed: 
         context_length = limit - steps
         if context_length < 1:
             raise ValueError(f"decode_stats: {steps} steps do not fit in max_position_embeddings={limit}")
-    was_training = model.training
-    model.eval()
     device = model_device(model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     low = min(100, vocab - 1)  # skip the special tokens at the start of most vocabularies
     ids = torch.randint(low, vocab, (1, context_length), generator=gen).to(device)
-    try:
+    with eval_mode(model):
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
         prefill_s = time.perf_counter() - start
@@ -62,8 +60,6 @@ def decode_stats(model: Any, context_length: int = 2048, steps: int = 16, seed: 
             token = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
             cache = cache_of(out)
-    finally:
-        model.train(was_training)
     return {
         "context_length": context_length,
         "requested_context_length": requested,

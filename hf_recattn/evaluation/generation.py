@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,17 @@ DEFAULT_PROMPTS = (
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of the model's (first) parameters, where its inputs go."""
     return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside the block, back in the mode it had after it (also on an error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def max_positions(model: Any) -> int | None:
@@ -65,14 +77,10 @@ def generation_samples(
     max_new_tokens: int = 40,
 ) -> list[str]:
     """Greedy continuations (new text only) of each prompt, one prompt at a time, through the cache."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         outputs = []
         for prompt in prompts:
             new = generate_new_tokens(model, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
                                       do_sample=False)
             outputs.append(tokenizer.decode(new, skip_special_tokens=True).strip())
         return outputs
-    finally:
-        model.train(was_training)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .generation import model_device
+from .generation import eval_mode, model_device
 
 
 @torch.no_grad()
@@ -20,11 +20,9 @@ def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 4
         raise ValueError(f"blocks must be [N >= 1, T >= 2] token ids, got shape {tuple(blocks.shape)}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    was_training = model.training
-    model.eval()
     device = model_device(model)
     total_nll, count = 0.0, 0
-    try:
+    with eval_mode(model):
         for start in range(0, blocks.shape[0], batch_size):
             ids = blocks[start : start + batch_size].to(device)
             logits = model(input_ids=ids, use_cache=False).logits
@@ -33,8 +31,6 @@ def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 4
                 total_nll += float(nll)
                 count += ids.shape[1] - 1
             del logits
-    finally:
-        model.train(was_training)
     if not math.isfinite(total_nll):
         return float("inf")
     return math.exp(total_nll / count)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .generation import generate_new_tokens, max_positions
+from .generation import eval_mode, generate_new_tokens, max_positions
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 
 #: where the passkey sits in its prompt (0 = start, 1 = end): a fixed grid shared by every model
@@ -82,14 +82,12 @@ def passkey_probe(
     depend only on ``seed``, so every model sees the same prompts."""
     _check_passkey_args(context_lengths, trials, depths, max_new_tokens)
     rng = random.Random(seed)
-    was_training = model.training
-    model.eval()
     accuracy: dict[str, float] = {}
     by_depth: dict[str, dict[str, float]] = {}
     answers: dict[str, list[dict[str, Any]]] = {}
     skipped: list[int] = []
     limit = max_positions(model)
-    try:
+    with eval_mode(model):
         for length in context_lengths:
             keys = [f"{rng.randrange(10_000, 100_000)}" for _ in range(trials)]
             if limit is not None and length > limit:
@@ -100,8 +98,6 @@ def passkey_probe(
             answers[str(length)] = rows
             accuracy[str(length)] = sum(r["correct"] for r in rows) / trials
             by_depth[str(length)] = _share_by(rows, "depth")
-    finally:
-        model.train(was_training)
     mean = sum(accuracy.values()) / len(accuracy) if accuracy else None
     return {"accuracy": accuracy, "mean_accuracy": mean, "accuracy_by_depth": by_depth, "trials": trials,
             "depths": list(depths), "skipped": skipped, "answers": answers}

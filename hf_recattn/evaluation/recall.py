@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..modeling.cache import CACHE_NAME, cache_of
-from .generation import max_positions, model_device
+from .generation import eval_mode, max_positions, model_device
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 
 __all__ = [
@@ -319,9 +319,7 @@ def associative_recall_probe(
     accuracy: dict[str, dict[str, float]] = {}
     answers: dict[str, dict[str, list[dict[str, Any]]]] = {}
     skipped: list[int] = []
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for length in context_lengths:
             if limit is not None and length > limit:
                 skipped.append(length)
@@ -337,8 +335,6 @@ def associative_recall_probe(
                 asked = [query["correct"] for row in rows for query in row["queries"]]
                 answers[str(length)][str(n)] = rows
                 accuracy[str(length)][str(n)] = sum(asked) / len(asked)
-    finally:
-        model.train(was_training)
     cells = [share for per_length in accuracy.values() for share in per_length.values()]
     by_pairs = {str(n): _mean([per[str(n)] for per in accuracy.values()]) for n in pairs} if accuracy else {}
     return {"accuracy": accuracy, "mean_accuracy": _mean(cells), "accuracy_by_pairs": by_pairs,
