@@ -18,6 +18,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import transformers
 
@@ -204,3 +205,14 @@ def gguf_cache_dir(path: Path) -> Path:
     ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "teachers" / f"{path.stem}-{key}"
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer of the GGUF file ``path``: its plain cached copy's when a load left one (reads in a second),
+    else read from the GGUF."""
+    from transformers import AutoTokenizer
+
+    cached = gguf_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

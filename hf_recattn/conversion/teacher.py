@@ -24,7 +24,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..embedded_teachers import EMBEDDED, embedded_gguf_path, embedded_teacher, gguf_cache_dir, unknown_teacher_error
+from ..embedded_teachers import (
+    EMBEDDED,
+    embedded_gguf_path,
+    embedded_teacher,
+    gguf_cache_dir,
+    gguf_tokenizer,
+    unknown_teacher_error,
+)
 from .families import check_teacher
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -147,11 +154,8 @@ def teacher_tokenizer(spec: str = EMBEDDED) -> PreTrainedTokenizerBase:
     kind, where = _resolve(spec)
     if kind != "gguf":
         return AutoTokenizer.from_pretrained(str(where))
-    cached = gguf_cache_dir(where)
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
     _check_gguf_file(where)
-    return AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
+    return gguf_tokenizer(where)
 
 
 def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
