@@ -18,6 +18,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import transformers
 
@@ -89,8 +90,7 @@ def unknown_teacher_error(spec: str) -> ValueError:
 
 def sha256_of(path: Path) -> str:
     """The file's sha256 (hex), hashed once per process while its size and mtime stay the same."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = _file_key(path)
     if key not in _verified:
         digest = hashlib.sha256()
         with path.open("rb") as f:
@@ -98,6 +98,11 @@ def sha256_of(path: Path) -> str:
                 digest.update(block)
         _verified[key] = digest.hexdigest()
     return _verified[key]
+
+
+def _file_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
 def check_sha256(path: Path, expected: str) -> None:
@@ -186,6 +191,7 @@ def _assemble(parts: list[Path], target: Path, expected: str) -> None:
             raise ValueError(f"teacher {target}: assembled from {[str(p) for p in parts]}, sha256 "
                              f"{digest.hexdigest()} differs from the pinned {expected}; reinstall its packages")
         os.replace(tmp, target)
+        _verified[_file_key(target)] = digest.hexdigest()  # hashed while written: not read again to check it
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -199,3 +205,14 @@ def gguf_cache_dir(path: Path) -> Path:
     ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "teachers" / f"{path.stem}-{key}"
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer of the GGUF file ``path``: its plain cached copy's when a load left one (reads in a second),
+    else read from the GGUF."""
+    from transformers import AutoTokenizer
+
+    cached = gguf_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

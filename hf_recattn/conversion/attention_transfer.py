@@ -270,7 +270,8 @@ def attention_transfer(
         )
     groups = mixer_parameters(student, tuple(settings.projections))
     if layers is not None:
-        groups = {i: params for i, params in groups.items() if i in set(layers)}
+        wanted = set(layers)
+        groups = {i: params for i, params in groups.items() if i in wanted}
     if not groups or settings.tokens <= 0:
         return TransferResult(steps=0, tokens=0)
     run = _Transfer(teacher, student, groups, settings, blocks.shape[1], checkpoint_dir, keep_checkpoints)

@@ -206,10 +206,14 @@ def architecture_options(config: Any) -> dict[str, Any]:
     options.update(family.options(config))
     if _nested_rope(config):  # each layer rotates with the set of its teacher layer type
         options["rope_layer_groups"] = list(config.layer_types)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     if options["attention_multiplier"] == head_dim**-0.5:  # the mixers' own scale: nothing to apply
         options["attention_multiplier"] = None
     return options
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def split_fused(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -217,7 +221,7 @@ def split_fused(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.
     family = family_of(config)
     if not family.fused:
         return state
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
     sizes = {3: [q, kv, kv], 2: [config.intermediate_size] * 2}

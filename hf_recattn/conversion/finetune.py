@@ -5,32 +5,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..training.distill import (
-    BlockDataset,
-    DistillTrainer,
-    FinetuneResult,
-    distill_loss_sum,
-    finetune,
-    finished_student,
-    separate_mixer_group,
-    trainable_student,
-    training_arguments,
-)
+from ..training.distill import BlockDataset, DistillTrainer, distill_loss_sum, finetune, training_arguments
 from ..training.settings import Stage2Settings
-from ..training.trainable import is_mixer_parameter, merge_lora, wrap_lora
+from ..training.trainable import merge_lora, wrap_lora
 
 __all__ = [
     "BlockDataset",
     "DistillTrainer",
-    "FinetuneResult",
     "apply_lora",
     "distill_loss_sum",
     "finetune",
-    "finished_student",
-    "is_mixer_parameter",
     "merge_lora",
-    "separate_mixer_group",
-    "trainable_student",
     "training_arguments",
 ]
 

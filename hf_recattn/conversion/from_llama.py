@@ -13,16 +13,12 @@ from ..modeling.configuration import RecAttnConfig, resolve_layer_specs
 from ..modeling.modeling import RecAttnForCausalLM
 from .families import (
     ARCHITECTURE_OPTIONS,
-    SUPPORTED,
     architecture_options,
     split_fused,
     teacher_layer_specs,
     teacher_layer_types,
 )
 from .layer_selection import selected_layers
-
-#: every teacher family whose weights map onto ours (families.py says how)
-LLAMA_SHAPED = SUPPORTED
 
 # config keys of the teacher that do not describe the architecture we copy
 _DROP_KEYS = {

@@ -27,11 +27,8 @@ from typing import Any
 import yaml
 
 from ..modeling.mixers import validate_spec
-from ..training.settings import (  # noqa: F401 (LOSSES, STAGE2_METHODS, DEFAULT_LORA_TARGETS: re-exported)
+from ..training.settings import (  # noqa: F401 (LoraSettings: re-exported beside Stage2Settings)
     ATTENTION_PROJECTIONS,
-    DEFAULT_LORA_TARGETS,
-    LOSSES,
-    STAGE2_METHODS,
     LoraSettings,
     Stage2Settings,
     build_settings,

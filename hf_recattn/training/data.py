@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..embedded_teachers import embedded_gguf_path, gguf_cache_dir
+from ..embedded_teachers import embedded_gguf_path, gguf_tokenizer
 from .settings import DataSettings
 
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -35,12 +35,7 @@ def load_tokenizer(spec: str | None, where: str) -> Any:
     from transformers import AutoTokenizer
 
     if spec is None or str(spec).strip().lower() == "embedded":
-        gguf = embedded_gguf_path()
-        cached = gguf_cache_dir(gguf)
-        if (cached / "tokenizer.json").is_file():  # the plain copy a conversion leaves; reads in a second
-            tokenizer = AutoTokenizer.from_pretrained(str(cached))
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = gguf_tokenizer(embedded_gguf_path())  # the plain copy a conversion leaves, when there is one
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(spec))

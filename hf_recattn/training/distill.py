@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,13 @@ from transformers import TrainerCallback, TrainingArguments, default_data_collat
 
 from .forms import fastest_forms
 from .parallel import local_share
-from .runner import CausalLMTrainer, NonFiniteLossError, latest_trainer_checkpoint, train_with_resume
+from .runner import (
+    CausalLMTrainer,
+    NonFiniteLossError,
+    latest_trainer_checkpoint,
+    quiet_gradient_checkpointing_notice,
+    train_with_resume,
+)
 from .settings import Stage2Settings, build_training_arguments
 from .trainable import finished_model, is_mixer_parameter, set_trainable
 
@@ -287,9 +292,7 @@ def finetune(
     step with a checkpoint (the plain model is still returned). ``pick_forms``: train each mixer in its faster form.
     ``weights`` ([N, block_size]): the loss weight of each token's prediction (``retrieval_data.py``).
     """
-    with warnings.catch_warnings():
-        # transformers' own deprecation notice, raised inside its Trainer / peft calls, not by our arguments
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_gradient_checkpointing_notice():
         return _finetune(teacher, student, blocks, settings, output_dir, seed, progress, stop_after_step,
                          pick_forms, callbacks, weights)
 

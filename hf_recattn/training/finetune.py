@@ -8,7 +8,6 @@ with labels on the assistant tokens only.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,14 @@ import torch
 from transformers import DataCollatorForSeq2Seq, default_data_collator, set_seed
 
 from .data import chat_examples, load_documents, packed_blocks
-from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
+from .runner import (
+    CausalLMTrainer,
+    RunResult,
+    quiet_gradient_checkpointing_notice,
+    save_final,
+    summarize,
+    train_with_resume,
+)
 from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, read_config, run_arguments
 from .trainable import merge_lora, set_trainable
 
@@ -90,15 +96,13 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
         raise ValueError(f"{name}: no held-out examples ({why}); raise data.eval_fraction or lower block_size")
 
     set_seed(args.seed)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_gradient_checkpointing_notice():
         trained = set_trainable(net, method, lora, train_mixers, where)
     collator = (DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True) if chat
                 else default_data_collator)
     trainer = CausalLMTrainer(model=trained, args=args, train_dataset=train, eval_dataset=held,
                               data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
-    with warnings.catch_warnings():  # transformers' own deprecation notice, raised inside peft's calls
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_gradient_checkpointing_notice():
         resumed = train_with_resume(trainer)
         merged = None
         if method == "lora":

@@ -6,6 +6,9 @@ import math
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,15 @@ class RunResult:
     train_loss: float | None
     eval_metrics: dict[str, float]
     log_history: list[dict[str, Any]]
+
+
+@contextmanager
+def quiet_gradient_checkpointing_notice() -> Iterator[None]:
+    """Hide transformers' own ``is_gradient_checkpointing`` deprecation notice, raised inside its Trainer / peft
+    calls, not by our arguments."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def latest_trainer_checkpoint(folder: str | os.PathLike) -> Path | None:
