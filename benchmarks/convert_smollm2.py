@@ -31,8 +31,8 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from hf_recattn import from_llama
+from hf_recattn.atomic import write_json
 from hf_recattn.conversion.attention_transfer import attention_transfer, fastest_forms
-from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.finetune import finetune
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
@@ -104,7 +104,7 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
                "total_tokens": s1_tokens + s2_tokens, "perplexity": ppl, "ratio": measured.pop("heldout_ratio"),
                **measured, "elapsed_s": round(time.perf_counter() - began, 1)}
         rows.append(row)
-        atomic_write_json(out, results)
+        write_json(out, results)
         ood = f"  ood {row['ood']:8.2f} x{row['ood_ratio']:.3f}" if "ood" in row else ""
         print(f"  {name}: {stage:6s} step {step:5d}  tokens {row['total_tokens']:8d}  ppl {ppl:10.2f}  "
               f"x{row['ratio']:.3f}{ood}  ({row['elapsed_s']:.0f} s)", flush=True)
@@ -147,7 +147,7 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
 
         shutil.rmtree(work, ignore_errors=True)
     entry["seconds"] = time.perf_counter() - began
-    atomic_write_json(out, results)
+    write_json(out, results)
     if args.save:
         student.save_pretrained(Path(args.save) / name)
         tokenizer.save_pretrained(Path(args.save) / name)

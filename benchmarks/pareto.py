@@ -34,8 +34,8 @@ import torch
 from convert_smollm2 import ood_blocks
 
 from hf_recattn import from_llama
+from hf_recattn.atomic import write_json
 from hf_recattn.conversion.attention_transfer import fastest_forms
-from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
@@ -205,7 +205,7 @@ def merge(paths: list[str], out: Path, plot_path: str | None) -> int:
         raise SystemExit("pareto.py --merge: no file holds the teacher's row")
     results = {**holders[0], "models": {name: row for part in parts for name, row in part["models"].items()}}
     results["parts"] = [part["provenance"]["command"] for part in parts]
-    atomic_write_json(out, results)
+    write_json(out, results)
     print(table(results))
     if plot_path:
         print(plot(results, plot_path))
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"cache_mib": cache_mib(config, args.context), **facts}
         row.update(measure(model.eval(), tokenizer, evals, heldout_texts, args))
         results["models"][name] = row
-        atomic_write_json(out, results)
+        write_json(out, results)
         ppl = ", ".join(f"{k.removeprefix('perplexity_')} {v:.2f}" for k, v in row.items() if k.startswith("perp"))
         print(f"{name}: cache {row['cache_mib']:.2f} MiB, {ppl}, passkey {row['passkey']}, "
               f"recall {row['associative_recall_mean']:.2f} ({row['seconds']:.0f} s)", flush=True)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         student = RecAttnForCausalLM.from_pretrained(model_dir)
         record(name, student, student.config, facts)
         del student
-    atomic_write_json(out, results)  # this command, even when every model was measured earlier
+    write_json(out, results)  # this command, even when every model was measured earlier
     if "teacher" not in results["models"]:  # a part of a split run: the table needs the teacher's row
         print(f"results: {out} (join the parts with --merge for the table)")
         return 0
