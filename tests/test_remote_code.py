@@ -54,6 +54,7 @@ RUNTIME_CORE = {
     "options.py",
     "mixer_delta.py",
     "ops_delta.py",
+    "triangular.py",
     "delta_gates.py",
     "short_conv.py",
     "mixer_retrieval.py",

@@ -1,0 +1,15 @@
+"""The unit lower-triangular solve of the delta rules' UT transform (ops_delta.py, ops_rwkv7.py) and of the
+softmax families fed back through their keys (ops_deltaformer.py, ops_path.py)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """X with (I + strictly_lower(lower)) X = rhs over the last two dims (``lower``'s diagonal and upper part are
+    not read). LAPACK / cuBLAS have no half-precision triangular solve: bf16 / fp16 inputs are solved in float32
+    and come back in ``rhs``'s dtype."""
+    if lower.dtype in (torch.float16, torch.bfloat16):
+        return unit_lower_solve(lower.float(), rhs.float()).to(rhs.dtype)
+    return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
