@@ -35,9 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backends import pick
-from .ops_kernels import chunked as kernel_chunked
-from .ops_kernels import delta_step as kernel_delta_step
-from .ops_kernels import too_wide
+from .kernel_adapters import run_chunked, run_delta_step, too_wide
 from .triangular import unit_lower_solve
 
 #: why the kernels cannot run DeltaProduct
@@ -283,7 +281,7 @@ def delta_chunked(
         "chunk_delta", (q, k, v, log_alpha, beta, erase), state, several_updates=steps > 1
     )
     if kernel is not None:
-        return kernel_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
+        return run_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
     b, hk, g, t, d = q.shape
     e = v.shape[-1]
     x, c = b * hk, chunk_size * steps
@@ -328,7 +326,7 @@ def delta_step(
         "delta_step", (q, k, v, log_alpha, beta, erase), state, several_updates=k.shape[2] > 1
     )
     if kernel is not None:
-        return kernel_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
+        return run_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
     for j in range(k.shape[2]):
         kj = k[:, :, j : j + 1]  # [B, Hk, 1, D]
         read = kj @ state  # k^T S: [B, Hk, 1, E]

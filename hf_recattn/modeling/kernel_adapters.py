@@ -39,7 +39,7 @@ def _first_of_group(state: torch.Tensor, groups: int) -> torch.Tensor:
     return state.view(state.shape[0], -1, groups, *state.shape[2:])[:, :, 0]
 
 
-def chunked(
+def run_chunked(
     kernel: Callable,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,7 +57,7 @@ def chunked(
     return o.view(b, hk, g, t, -1), _first_of_group(final, g).to(state.dtype)
 
 
-def linear_chunked(
+def run_linear_chunked(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     **gates: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,7 +65,7 @@ def linear_chunked(
     column of ones)."""
     e = v.shape[-1]
     ones = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-    out, final = chunked(kernel, q, k, ones, torch.cat([S, z.unsqueeze(-1)], dim=-1), **gates)
+    out, final = run_chunked(kernel, q, k, ones, torch.cat([S, z.unsqueeze(-1)], dim=-1), **gates)
     return out[..., :e], out[..., e], final[..., :e].contiguous(), final[..., e].contiguous()
 
 
@@ -73,7 +73,7 @@ def _step_state(state: torch.Tensor, in_place: bool) -> torch.Tensor:
     return state if in_place and state.is_contiguous() else state.clone(memory_format=torch.contiguous_format)
 
 
-def linear_step(
+def run_linear_step(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     in_place: bool, g: torch.Tensor | None = None, gk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ def linear_step(
     return num.unsqueeze(3), den, S, z
 
 
-def gated_step(
+def run_gated_step(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, in_place: bool,
     gk: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +96,7 @@ def gated_step(
     return kernel(q[:, :, :, 0], k[:, :, 0], v[:, :, 0], S, gk=gk).unsqueeze(3), S
 
 
-def delta_step(
+def run_delta_step(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: torch.Tensor,
     beta: torch.Tensor, erase: torch.Tensor, state: torch.Tensor, in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
