@@ -57,7 +57,7 @@ RUNTIME_CORE = {
     "triangular.py",
     "delta_gates.py",
     "short_conv.py",
-    "mixer_retrieval.py",
+    "mixer_retrieval_heads.py",
     "mixer_hybrid.py",
 }
 

@@ -27,7 +27,7 @@ from torch import nn
 from ..evaluation.prompts import fill_tokens, plant
 from ..evaluation.recall import Haystack, RecallPrompt, fact_ids, recall_prompt
 from ..modeling.mixer_base import Mixer, MixerInputs
-from ..modeling.mixer_retrieval import FULL_SPEC, RetrievalHeadsMixer
+from ..modeling.mixer_retrieval_heads import FULL_SPEC, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
 
 HeadSet = dict[int, list[int]]

@@ -1,5 +1,5 @@
-"""The unit lower-triangular solve of the delta rules' UT transform (ops_delta.py, ops_rwkv7.py) and of the
-softmax families fed back through their keys (ops_deltaformer.py, ops_path.py)."""
+"""The unit lower-triangular solve of the delta rules' UT transform (ops_delta.py, ops_generalized_delta.py) and of the
+softmax families fed back through their keys (ops_softmax_delta.py, ops_softmax_householder.py)."""
 
 from __future__ import annotations
 
