@@ -90,7 +90,7 @@ def linear_scores(
         q: ``[B, Hkv, G, T, F]`` feature-mapped queries.
         k: ``[B, Hkv, S, F]`` feature-mapped keys.
         causal: zero the scores of keys after the query (the last T of S positions are the queries').
-        log_g: ``[B, Hkv, T]`` log forget factors, or None (needs ``causal``).
+        log_g: ``[B, Hkv, T]`` log forget factors (only with ``causal``), or None.
 
     Returns:
         ``[B, Hkv, G, T, S]`` scores.
