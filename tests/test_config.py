@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from hf_recattn import RecAttnConfig
 from hf_recattn.modeling import configuration
+from hf_recattn.modeling.configuration import read_checkpoint_config
 from hf_recattn.modeling.mixers import validate_spec
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
 
@@ -264,3 +265,19 @@ def test_a_bad_saved_config_fails_on_load(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"layer 2: option 'feature_map'"):
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_read_checkpoint_config_from_folder_or_file(tmp_path) -> None:  # noqa: ANN001
+    cfg = _mixed()
+    cfg.save_pretrained(tmp_path)
+    for path in (tmp_path, tmp_path / "config.json", str(tmp_path)):
+        loaded = read_checkpoint_config(path)
+        assert type(loaded) is RecAttnConfig and loaded.layer_specs() == cfg.layer_specs()
+        assert loaded.to_dict() == RecAttnConfig.from_pretrained(tmp_path).to_dict()
+    with pytest.raises(ValueError, match=r"nowhere: not a checkpoint folder \(no config\.json\)"):
+        read_checkpoint_config(tmp_path / "nowhere")
+    for text, says in (("{", "not valid JSON"), ("[1]", "not a JSON object"),
+                       ('{"model_type": "llama"}', "model_type is 'llama', not 'recattn'")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"config\.json: {says}"):
+            read_checkpoint_config(tmp_path)

@@ -1,8 +1,11 @@
-"""RecAttnConfig: a LlamaConfig whose attention is chosen per layer by mixer specs."""
+"""RecAttnConfig: a LlamaConfig whose attention is chosen per layer by mixer specs, and the reader of a
+checkpoint's config.json."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 from transformers import LlamaConfig
@@ -190,3 +193,24 @@ class RecAttnConfig(LlamaConfig):
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         """The validated spec of layer ``layer_idx``: a copy the caller may change."""
         return copy.deepcopy(self._specs()[layer_idx])
+
+
+def read_checkpoint_config(path: str | Path) -> RecAttnConfig:
+    """The RecAttnConfig of a checkpoint folder (or of its config.json given as ``path``); ValueError naming the
+    file when there is none or it is not an hf_recattn config."""
+    file = Path(path)
+    if not file.is_file():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: not a checkpoint folder (no config.json)")
+    try:
+        values = json.loads(file.read_text())
+    except ValueError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    if values.get("model_type") != RecAttnConfig.model_type:
+        raise ValueError(f"{file}: model_type is {values.get('model_type')!r}, not {RecAttnConfig.model_type!r}: "
+                         "not an hf_recattn checkpoint")
+    values.pop("model_type")
+    return RecAttnConfig(**values)

@@ -23,7 +23,7 @@ from .runner import (
     summarize,
     train_with_resume,
 )
-from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, read_config, run_arguments
+from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, read_training_yaml, run_arguments
 from .trainable import merge_lora, set_trainable
 
 DEFAULT_BLOCK_SIZE = 1024
@@ -57,7 +57,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
              output_dir: str | None = None, callbacks: list[Any] | None = None) -> RunResult:
     """Finetune the checkpoint ``model`` on ``data`` (both override the YAML's ``model`` / ``data.source``);
     the merged model is written to ``OUTPUT_DIR/model``. Rerun to resume."""
-    run = read_config(config_or_path, FINETUNE_KEYS)
+    run = read_training_yaml(config_or_path, FINETUNE_KEYS)
     where, values = run.where, run.values
     if data is not None:
         run.data.source = data

@@ -203,7 +203,7 @@ class RunConfig:
     data: DataSettings = field(default_factory=DataSettings)
 
 
-def read_config(config_or_path: str | Path | dict[str, Any] | None, known: set[str]) -> RunConfig:
+def read_training_yaml(config_or_path: str | Path | dict[str, Any] | None, known: set[str]) -> RunConfig:
     """Read a YAML file (or take a dict) and refuse unknown top-level keys."""
     if config_or_path is None:
         values: Any = {}
