@@ -8,8 +8,9 @@ from typing import Any
 from transformers import default_data_collator, set_seed
 
 from .data import load_documents, load_tokenizer, packed_blocks
+from .model_presets import model_values
+from .run_config import PRETRAIN_KEYS, block_size, read_training_yaml, run_arguments
 from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
-from .settings import PRETRAIN_KEYS, block_size, model_values, read_training_yaml, run_arguments
 
 DEFAULT_BLOCK_SIZE = 512
 
