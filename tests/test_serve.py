@@ -29,7 +29,7 @@ from isolated import HIDE_HF_RECATTN, save_tiny_chat_recattn
 
 from hf_recattn import RecAttnForCausalLM
 from hf_recattn.cli import main as cli_main
-from hf_recattn.serve_command import serve_in_background
+from hf_recattn.cli.serve import serve_in_background
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'hf-recattn[serve]'")
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from .modeling.serving import CONTINUOUS_BATCHING_REFUSED
+from ..modeling.serving import CONTINUOUS_BATCHING_REFUSED
 
 #: transformers serve options refused for RecAttn models, with the reason
 REFUSED = {
@@ -117,7 +117,7 @@ def _prepare(options: list[str]) -> Any:
     import transformers.cli.serving.model_manager  # noqa: F401  (the module that looks the class up)
     from transformers.cli.transformers import app
 
-    from .modeling.serving import expose_architecture
+    from ..modeling.serving import expose_architecture
 
     expose_architecture("RecAttnForCausalLM")
     return app

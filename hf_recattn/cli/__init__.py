@@ -23,7 +23,7 @@ def _load_config(config_or_path: str):  # noqa: ANN202
     """A RecAttnConfig from a checkpoint folder, a config.json, or an inline JSON object."""
     from pathlib import Path
 
-    from .modeling.configuration import RecAttnConfig
+    from ..modeling.configuration import RecAttnConfig
 
     text = config_or_path.strip()
     if text.startswith("{"):
@@ -46,7 +46,7 @@ def add_state_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     def run(args: argparse.Namespace) -> int:
-        from .state_size import format_report, state_size_report
+        from ..state_size import format_report, state_size_report
 
         rows = state_size_report(_load_config(args.config), args.context)
         if args.json:
@@ -74,7 +74,7 @@ def _add_listing(sub: argparse._SubParsersAction, name: str, help: str, text: st
 
 def add_mixers(sub: argparse._SubParsersAction) -> None:
     def listing() -> tuple[Any, Callable[[Any], str]]:
-        from .mixer_catalog import catalog, format_catalog
+        from ..mixer_catalog import catalog, format_catalog
 
         return catalog(), format_catalog
 
@@ -132,7 +132,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
 
     def run(args: argparse.Namespace) -> int:
         if args.lm_eval:
-            from .lm_eval_command import MissingLmEval, run_lm_eval
+            from .lm_eval import MissingLmEval, run_lm_eval
 
             try:
                 run_lm_eval(args.checkpoint, args.lm_eval, args.lm_eval_args)
@@ -140,7 +140,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                 print(f"hf-recattn eval: error: {err}", file=sys.stderr)
                 return 2
             return 0
-        from .eval_commands import run_eval
+        from .evaluate import run_eval
 
         return run_eval(args)
 
@@ -159,7 +159,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
 
     def run(args: argparse.Namespace) -> int:
-        from .eval_commands import run_generate
+        from .evaluate import run_generate
 
         return run_generate(args)
 
@@ -175,7 +175,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve options")
 
     def run(args: argparse.Namespace) -> int:
-        from .serve_command import serve
+        from .serve import serve
 
         return serve(args.model, args.options)
 
@@ -233,12 +233,12 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         import torch
 
         if args.push_to_hub:
-            from .hub import check_repo_id
+            from ..hub import check_repo_id
 
             check_repo_id(args.push_to_hub)  # before hours of training, not after
 
-        from .conversion.attention_transfer import NonFiniteLossError
-        from .conversion.pipeline import convert
+        from ..conversion.attention_transfer import NonFiniteLossError
+        from ..conversion.pipeline import convert
 
         torch.set_num_threads(_convert_threads(args.threads))
         try:
@@ -260,7 +260,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _push(folder: str, repo_id: str, **kwargs: object) -> int:
-    from .hub import PushError, push_checkpoint
+    from ..hub import PushError, push_checkpoint
 
     try:
         url = push_checkpoint(folder, repo_id, **kwargs)
@@ -292,7 +292,7 @@ def add_push(sub: argparse._SubParsersAction) -> None:
 
 def add_zoo(sub: argparse._SubParsersAction) -> None:
     def listing() -> tuple[Any, Callable[[Any], str]]:
-        from .zoo import format_zoo, zoo_entries
+        from ..zoo import format_zoo, zoo_entries
 
         return zoo_entries(), format_zoo
 
@@ -312,7 +312,7 @@ def add_corpus(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="FILE", default=None, help="also write the report with its provenance as JSON")
 
     def run(args: argparse.Namespace) -> int:
-        from .corpus_command import run_corpus
+        from .corpus import run_corpus
 
         return run_corpus(args)
 
@@ -345,7 +345,7 @@ def add_pretrain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, help="override training.output_dir")
 
     def run(args: argparse.Namespace) -> int:
-        from .training import pretrain
+        from ..training import pretrain
 
         return _training_run("pretrain", lambda: pretrain(args.config, output_dir=args.output))
 
@@ -363,7 +363,7 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, help="output folder (overrides training.output_dir)")
 
     def run(args: argparse.Namespace) -> int:
-        from .training import finetune
+        from ..training import finetune
 
         return _training_run("finetune", lambda: finetune(args.model, args.data, args.config, output_dir=args.output))
 
@@ -393,6 +393,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-recattn {args.command}: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

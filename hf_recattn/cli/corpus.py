@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .data import pinned
-from .data.embedded import SPLITS, Corpus, embedded_corpus, write_splits
+from ..data import pinned
+from ..data.embedded import SPLITS, Corpus, embedded_corpus, write_splits
 
 
 def corpus_report(corpus: Corpus, tokenizer: Any = None) -> dict[str, Any]:
@@ -74,13 +74,13 @@ def run_corpus(args: argparse.Namespace) -> int:
     corpus = embedded_corpus(refresh=args.rebuild)
     tokenizer = None
     if not args.no_tokens:
-        from .conversion.teacher import teacher_tokenizer
+        from ..conversion.teacher import teacher_tokenizer
 
         tokenizer = teacher_tokenizer(args.tokenizer)
     report = corpus_report(corpus, tokenizer)
     if args.out:
-        from .conversion.checkpoints import atomic_write_json
-        from .provenance import provenance
+        from ..conversion.checkpoints import atomic_write_json
+        from ..provenance import provenance
 
         atomic_write_json(Path(args.out), {**report, "benchmark": "corpus", "provenance": provenance()})
     if args.json:

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .modeling.cache import cache_of
+from ..modeling.cache import cache_of
 
 if TYPE_CHECKING:
-    from .evaluation import RecallSizes
+    from ..evaluation import RecallSizes
 
 
 def _label(spec: str) -> str:
@@ -30,7 +30,7 @@ RECALL_OPTIONS = ("passkey_lengths", "passkey_depths", "passkey_trials", "recall
 def recall_sizes(args: argparse.Namespace) -> RecallSizes:
     """The recall probes' sizes: ``--quick``'s or the full defaults, overridden by the options given; a bad
     value is a ValueError naming its option."""
-    from .evaluation import RecallSizes
+    from ..evaluation import RecallSizes
 
     given = {name: tuple(value) if isinstance(value, list) else value
              for name in RECALL_OPTIONS if (value := getattr(args, name, None)) is not None}
@@ -45,10 +45,10 @@ def recall_sizes(args: argparse.Namespace) -> RecallSizes:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
-    from .conversion.teacher import load_causal_lm, load_teacher
-    from .data.corpus import is_embedded, load_splits, token_blocks
-    from .evaluation import comparison_table, evaluate, write_report
-    from .provenance import provenance
+    from ..conversion.teacher import load_causal_lm, load_teacher
+    from ..data.corpus import is_embedded, load_splits, token_blocks
+    from ..evaluation import comparison_table, evaluate, write_report
+    from ..provenance import provenance
 
     sizes = recall_sizes(args)  # bad sizes fail before any model is loaded
     torch.manual_seed(args.seed)
@@ -86,8 +86,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of one prompt through the model's cache."""
     from transformers import TextStreamer
 
-    from .conversion.teacher import load_causal_lm
-    from .evaluation import cache_nbytes, pad_id, prompt_ids
+    from ..conversion.teacher import load_causal_lm
+    from ..evaluation import cache_nbytes, pad_id, prompt_ids
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .modeling.cache import cache_of
-from .modeling.configuration import RecAttnConfig
-from .modeling.modeling import RecAttnForCausalLM
+from ..modeling.cache import cache_of
+from ..modeling.configuration import RecAttnConfig
+from ..modeling.modeling import RecAttnForCausalLM
 
 DEMO_SPECS: list[dict] = [
     {"mixer": "softmax"},
