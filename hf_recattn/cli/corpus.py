@@ -6,77 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
-from ..data import pinned
-from ..data.embedded import SPLITS, Corpus, embedded_corpus, write_splits
-
-
-def corpus_report(corpus: Corpus, tokenizer: Any = None) -> dict[str, Any]:
-    """Version, sha256 (pinned and actual), sources, and per split: documents, characters, tokens, sha256."""
-    splits = {}
-    for split in SPLITS:
-        texts = corpus.texts(split)
-        row: dict[str, Any] = {"documents": len(texts), "characters": sum(map(len, texts)),
-                               "sha256": corpus.split_sha256(split)}
-        if tokenizer is not None:
-            row["tokens"] = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
-        splits[split] = row
-    return {
-        "version": corpus.version,
-        "sha256": corpus.sha256,
-        "pinned_sha256": pinned.CORPUS_SHA256,
-        "heldout_fraction": pinned.HELDOUT_FRACTION,
-        "sources": [
-            {"name": s.name, "version": s.version, "sha256": s.sha256, "license": s.license,
-             "documents": list(s.documents), "exclude": list(s.exclude), "ood": list(s.ood)}
-            for s in pinned.SOURCES
-        ],
-        "splits": splits,
-    }
-
-
-def format_corpus_report(report: dict[str, Any]) -> str:
-    lines = [f"embedded corpus v{report['version']}, sha256 {report['sha256']} "
-             f"({'matches the pin' if report['sha256'] == report['pinned_sha256'] else 'DIFFERS from the pin'})",
-             "", "sources (source archives on the package index, sha256-pinned):"]
-    for s in report["sources"]:
-        parts = []
-        if s["documents"]:
-            parts.append("documents " + ", ".join(s["documents"]))
-        if s["exclude"]:
-            parts.append("except " + ", ".join(s["exclude"]))
-        if s["ood"]:
-            parts.append("out-of-distribution " + ", ".join(s["ood"]))
-        lines.append(f"  {s['name']}=={s['version']}  [{s['license']}]  {'; '.join(parts)}")
-    with_tokens = all("tokens" in row for row in report["splits"].values())
-    lines += ["", f"{'split':<8} {'documents':>9} {'characters':>11}" + (f" {'tokens':>10}" if with_tokens else "")
-              + "  sha256"]
-    for split, row in report["splits"].items():
-        tokens = f" {row['tokens']:>10,}" if with_tokens else ""
-        lines.append(f"{split:<8} {row['documents']:>9,} {row['characters']:>11,}{tokens}  {row['sha256']}")
-    return "\n".join(lines)
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """The per-split table of a report (for docs/corpus.md)."""
-    with_tokens = all("tokens" in row for row in report["splits"].values())
-    head = "| split | documents | characters |" + (" tokens (SmolLM2 tokenizer) |" if with_tokens else "") + " sha256 |"
-    lines = [head, "|---|---:|---:|" + ("---:|" if with_tokens else "") + "---|"]
-    for split in SPLITS:  # the file may hold them sorted by name
-        row = report["splits"][split]
-        tokens = f" {row['tokens']:,} |" if with_tokens else ""
-        lines.append(f"| {split} | {row['documents']:,} | {row['characters']:,} |{tokens} `{row['sha256'][:16]}…` |")
-    return "\n".join(lines)
+from ..data.corpus_report import corpus_report, format_corpus_report
+from ..data.embedded import embedded_corpus, write_splits
+from ..extras import require
+from .common import SubParsers, add_command
 
 
 def run_corpus(args: argparse.Namespace) -> int:
-    corpus = embedded_corpus(refresh=args.rebuild)
+    if args.write and args.format == "dataset":
+        require("train", "hf-recattn corpus --format dataset")
     tokenizer = None
-    if not args.no_tokens:
+    if not args.no_tokens:  # before the corpus: a tokenizer that cannot load stops the command at once
         from ..conversion.teacher import teacher_tokenizer
 
         tokenizer = teacher_tokenizer(args.tokenizer)
+    corpus = embedded_corpus(refresh=args.rebuild)
     report = corpus_report(corpus, tokenizer)
     if args.out:
         from ..conversion.checkpoints import atomic_write_json
@@ -91,3 +36,16 @@ def run_corpus(args: argparse.Namespace) -> int:
         written = write_splits(corpus, Path(args.write), args.format)
         print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def add_corpus(sub: SubParsers) -> None:
+    p = add_command(sub, "corpus", "the embedded corpus: version, checksum, sources, split sizes; export its splits")
+    p.add_argument("--write", metavar="DIR", default=None, help="write the splits (train, heldout, ood) to DIR")
+    p.add_argument("--format", choices=("jsonl", "dataset"), default="jsonl",
+                   help="jsonl: DIR/SPLIT.jsonl with fields id, text; dataset: a datasets DatasetDict (save_to_disk)")
+    p.add_argument("--tokenizer", default="embedded", help="count tokens with this teacher's tokenizer")
+    p.add_argument("--no-tokens", action="store_true", help="skip the token counts (no tokenizer is loaded)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the cached corpus from its archives")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--out", metavar="FILE", default=None, help="also write the report with its provenance as JSON")
+    p.set_defaults(handler=run_corpus)
