@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from .ops_delta import delta_chunked, delta_step
-from .ops_linear import linear_chunked
+from ..modeling.ops_delta import delta_chunked, delta_step
+from ..modeling.ops_linear import linear_chunked
 
 __all__ = [
     "chunk_delta_rule",
