@@ -21,6 +21,7 @@ from typing import Any
 import transformers
 
 from .atomic import atomic_file
+from .extras import require
 from .paths import cache_root
 
 EMBEDDED = "embedded"
@@ -207,4 +208,5 @@ def gguf_tokenizer(path: Path) -> Any:
     cached = gguf_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
+    require("gguf", f"reading the tokenizer of {path}")
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .model_card import build_model_card, read_config
+from .model_card import build_model_card
+from .modeling.configuration import read_checkpoint_config
 
 #: top-level files that are published; everything else stays local
 HUB_FILES = (
@@ -58,7 +59,7 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such checkpoint folder")
-    read_config(folder)  # refuses folders that are not hf_recattn checkpoints, naming the file
+    read_checkpoint_config(folder)  # refuses folders that are not hf_recattn checkpoints, naming the file
     config = json.loads((folder / "config.json").read_text())
     files = sorted(
         p for p in folder.iterdir() if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in HUB_FILES)

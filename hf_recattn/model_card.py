@@ -18,7 +18,7 @@ from typing import Any
 from .atomic import write_text
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
-from .modeling.configuration import RecAttnConfig
+from .modeling.configuration import RecAttnConfig, read_checkpoint_config
 from .state_size import state_size_report
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
@@ -36,21 +36,6 @@ print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_token
 _GENERATE_PLAIN = """inputs = tokenizer("The capital of France is", return_tensors="pt")
 out = model.generate(**inputs, max_new_tokens=40)  # decodes through the recurrent cache
 print(tokenizer.decode(out[0], skip_special_tokens=True))"""
-
-
-def read_config(folder: str | Path) -> RecAttnConfig:
-    """The RecAttnConfig of a checkpoint folder; ValueError naming the file when it is not one."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{folder}: not a checkpoint folder (no config.json)")
-    values = json.loads(path.read_text())
-    if values.get("model_type") != RecAttnConfig.model_type:
-        raise ValueError(
-            f"{path}: model_type is {values.get('model_type')!r}, not {RecAttnConfig.model_type!r}: "
-            "not an hf_recattn checkpoint"
-        )
-    values.pop("model_type")
-    return RecAttnConfig(**values)
 
 
 def compact_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -265,7 +250,7 @@ def build_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     folder = Path(folder)
-    config = read_config(folder)
+    config = read_checkpoint_config(folder)
     if report is None and (folder / "report.json").is_file():
         report = json.loads((folder / "report.json").read_text())
     teacher = teacher or (report or {}).get("teacher")

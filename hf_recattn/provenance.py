@@ -70,7 +70,7 @@ def _threads() -> int | None:
 def _program(argv0: str) -> str:
     """``hf-recattn`` for the console script or ``python -m hf_recattn.cli``, else the path as given."""
     path = Path(argv0)
-    if path.name == "hf-recattn" or path.parts[-2:] == ("hf_recattn", "cli.py"):
+    if path.name == "hf-recattn" or path.parts[-3:] == ("hf_recattn", "cli", "__main__.py"):
         return "hf-recattn"
     return argv0
 

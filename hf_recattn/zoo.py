@@ -16,7 +16,8 @@ from typing import Any
 from .atomic import write_text
 from .conversion.recipe import report_training_tokens
 from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
-from .model_card import BYTES_PER_ELEMENT, build_model_card, read_config
+from .model_card import BYTES_PER_ELEMENT, build_model_card
+from .modeling.configuration import read_checkpoint_config
 from .provenance import provenance_line
 from .state_size import state_size_report
 
@@ -51,7 +52,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{report_path}: the conversion ran without evaluation (--no-eval); rerun it with it")
     if not isinstance(report.get("provenance"), dict):
         raise ValueError(f"{report_path}: no provenance record (written by an older hf_recattn); rerun the conversion")
-    config = read_config(run / "model")
+    config = read_checkpoint_config(run / "model")
     rows = state_size_report(config, STATE_CONTEXT)
     state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
     kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT

@@ -45,7 +45,7 @@ def _zoo(index: dict[str, Any]) -> str:
 
 
 def _corpus(report: dict[str, Any]) -> str:
-    from hf_recattn.corpus_command import render_markdown
+    from hf_recattn.data.corpus_report import render_markdown
 
     return render_markdown(report)
 

@@ -11,7 +11,7 @@ from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
 
 from hf_recattn import from_llama
 from hf_recattn.conversion import attention_transfer as at
-from hf_recattn.conversion.recipe import Stage1Settings
+from hf_recattn.conversion.settings import Stage1Settings
 from hf_recattn.data.corpus import token_blocks
 
 HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}

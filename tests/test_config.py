@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from hf_recattn import RecAttnConfig
+from hf_recattn.modeling import configuration
+from hf_recattn.modeling.configuration import read_checkpoint_config
+from hf_recattn.modeling.mixers import validate_spec
+from hf_recattn.modeling.modeling import RecAttnForCausalLM
 
 LINEAR = {"mixer": "linear", "feature_map": "hedgehog", "normalize": "rms"}
 WINDOW = {"mixer": "sliding_window", "window": 16}
@@ -97,6 +104,54 @@ def test_user_specs_are_not_mutated() -> None:
     cfg = config(spec, {"0": spec})
     cfg.layer_specs()
     assert spec == LINEAR
+
+
+# ----- each spec validated once per config ------------------------------------------------------------------
+def _count_validations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every spec the configuration module validates."""
+    seen: list[str] = []
+
+    def counting(spec: object, where: str) -> dict:
+        seen.append(where)
+        return validate_spec(spec, where)
+
+    monkeypatch.setattr(configuration, "validate_spec", counting)
+    return seen
+
+
+@pytest.mark.parametrize("layers", [2, 10, 30])
+def test_building_a_model_validates_each_layer_spec_once(monkeypatch: pytest.MonkeyPatch, layers: int) -> None:
+    seen = _count_validations(monkeypatch)
+    cfg = config(LINEAR, {"every:3": "softmax"}, layers=layers)
+    with torch.device("meta"):
+        RecAttnForCausalLM(cfg)
+    for _ in range(3):  # properties and copies read the resolved specs, they do not resolve them again
+        cfg.layer_types, cfg.layer_specs(), cfg.layer_spec(layers - 1)
+    assert seen == [f"layer {i}" for i in range(layers)]
+
+
+def test_setting_an_input_resolves_the_specs_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config(LINEAR)
+    seen = _count_validations(monkeypatch)
+    cfg.attention = ["softmax"] * 6
+    assert mixers(cfg) == ["softmax"] * 6 and cfg.layer_types == ["full_attention"] * 6 and len(seen) == 6
+    cfg.attention_overrides = {"0": WINDOW}
+    assert mixers(cfg)[:2] == ["sliding_window", "softmax"] and len(seen) == 12
+    cfg.num_hidden_layers = 4
+    with pytest.raises(ValueError, match=r"one spec per layer \(4\), got 6"):
+        cfg.layer_specs()
+    cfg.attention = "linear"
+    assert mixers(cfg) == ["sliding_window"] + ["linear"] * 3 and len(seen) == 16
+
+
+def test_resolved_specs_are_not_shared_or_saved() -> None:
+    cfg = config(LINEAR)
+    cfg.layer_specs()[0]["mixer"] = "softmax"
+    cfg.layer_spec(1)["feature_map"] = "elu"
+    assert mixers(cfg) == ["linear"] * 6 and cfg.layer_spec(1)["feature_map"] == "hedgehog"
+    assert "_resolved_specs" not in cfg.to_dict() and cfg == config(LINEAR)
+    for other in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert other == cfg and other.layer_specs() == cfg.layer_specs()
 
 
 # ----- invalid specs: ValueError naming the layer and the option --------------------------------------------
@@ -210,3 +265,19 @@ def test_a_bad_saved_config_fails_on_load(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"layer 2: option 'feature_map'"):
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_read_checkpoint_config_from_folder_or_file(tmp_path) -> None:  # noqa: ANN001
+    cfg = _mixed()
+    cfg.save_pretrained(tmp_path)
+    for path in (tmp_path, tmp_path / "config.json", str(tmp_path)):
+        loaded = read_checkpoint_config(path)
+        assert type(loaded) is RecAttnConfig and loaded.layer_specs() == cfg.layer_specs()
+        assert loaded.to_dict() == RecAttnConfig.from_pretrained(tmp_path).to_dict()
+    with pytest.raises(ValueError, match=r"nowhere: not a checkpoint folder \(no config\.json\)"):
+        read_checkpoint_config(tmp_path / "nowhere")
+    for text, says in (("{", "not valid JSON"), ("[1]", "not a JSON object"),
+                       ('{"model_type": "llama"}', "model_type is 'llama', not 'recattn'")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"config\.json: {says}"):
+            read_checkpoint_config(tmp_path)

@@ -76,6 +76,15 @@ def test_documents_splits_and_order(archives: tuple[Path, tuple[Source, ...]]) -
     assert build_corpus(sources, None, None, archives=folder).sha256 == built.sha256  # deterministic
 
 
+def test_a_build_shows_its_progress_on_stderr(archives: tuple[Path, tuple[Source, ...]],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    folder, sources = archives
+    build_corpus(sources, None, None, archives=folder)
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "building the embedded corpus: 100%" in err and "2/2" in err and "legal-texts==2.1" in err
+
+
 def test_installed_packages_do_not_change_the_corpus(
     archives: tuple[Path, tuple[Source, ...]], tmp_path: Path
 ) -> None:

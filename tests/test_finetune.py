@@ -21,8 +21,9 @@ from hf_recattn.conversion.finetune import (
     merge_lora,
     training_arguments,
 )
-from hf_recattn.conversion.recipe import LoraSettings, Stage2Settings
 from hf_recattn.data.corpus import token_blocks
+from hf_recattn.training.distill_settings import DistillSettings
+from hf_recattn.training.trainable import LoraSettings
 
 HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}
 
@@ -38,7 +39,7 @@ def setup() -> tuple[torch.nn.Module, torch.Tensor]:
     return tiny_teacher(len(tokenizer)), token_blocks(tokenizer, tiny_texts(), 32)
 
 
-def _settings(**kw: object) -> Stage2Settings:
+def _settings(**kw: object) -> DistillSettings:
     base = dict(
         tokens=4 * 2 * 32,
         lr=1e-2,
@@ -52,7 +53,7 @@ def _settings(**kw: object) -> Stage2Settings:
         lora=LoraSettings(r=4, alpha=8),
     )
     base.update(kw)
-    return Stage2Settings(**base)
+    return DistillSettings(**base)
 
 
 # ----- the loss ---------------------------------------------------------------------------------------------
@@ -333,7 +334,7 @@ def test_train_mixer_also_trains_the_mixer_parameters(setup, tmp_path: Path) -> 
 FOX = {"mixer": "softmax", "forget": "fox"}
 
 
-def _fox_settings(**kw: object) -> Stage2Settings:
+def _fox_settings(**kw: object) -> DistillSettings:
     return _settings(**{"train_mixer": True, "lr": 1e-4, "tokens": 2 * 32, **kw})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,12 @@ from hf_recattn.conversion.recipe import (
     load_recipe,
     recipe_from_dict,
 )
+from hf_recattn.conversion.settings import Stage2Settings
+from hf_recattn.training.checks import build_settings
+from hf_recattn.training.distill_settings import DistillSettings
 
+#: the stage-2 settings only conversion has: where its blocks start, the blocks that hide facts
+CONVERSION_ONLY = ["skip_tokens", "retrieval_share", "answer_weight"]
 REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
             "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn"}
 
@@ -235,6 +241,20 @@ def test_stage2_method(tmp_path: Path) -> None:
     ):
         message = _error(tmp_path, bad)
         assert says in message, message
+
+
+def test_stage2_is_the_distillation_finetune_plus_conversion_data() -> None:
+    """Training owns the finetune's settings; stage 2 adds only what conversion feeds it, after them (recipe.json
+    keeps its key order), and checks them between the optimizer's checks and the loss's as it always did."""
+    names = [f.name for f in dataclasses.fields(Stage2Settings)]
+    assert names == [f.name for f in dataclasses.fields(DistillSettings)] + CONVERSION_ONLY
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['skip_tokens'\]"):
+        build_settings(DistillSettings, {"skip_tokens": 0}, "x: finetune")
+    with pytest.raises(ValueError, match=r"x: finetune.loss must be one of"):
+        DistillSettings(loss="mse").check("x", "finetune")
+    both = Stage2Settings(skip_tokens=7, loss="mse")
+    with pytest.raises(ValueError, match=r"bad.yaml: stage2.skip_tokens \(7\) must be a multiple"):
+        both.check("bad.yaml")
 
 
 def test_teacher_mismatches() -> None:

@@ -29,7 +29,7 @@ from isolated import HIDE_HF_RECATTN, save_tiny_chat_recattn
 
 from hf_recattn import RecAttnForCausalLM
 from hf_recattn.cli import main as cli_main
-from hf_recattn.serve_command import serve_in_background
+from hf_recattn.cli.serve import serve_in_background
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'hf-recattn[serve]'")
 
@@ -186,11 +186,9 @@ def test_serve_refuses_options_recurrent_caches_cannot_take(checkpoint: tuple, o
 
 def test_serve_names_the_extra_without_the_server_dependencies(checkpoint: tuple, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture) -> None:
-    import transformers.utils.import_utils as import_utils
-
-    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the serve extra were not installed
     assert cli_main(["serve", str(checkpoint[0])]) == 2
-    assert "pip install 'hf-recattn[serve]'" in capsys.readouterr().err
+    assert capsys.readouterr().err == 'hf-recattn serve needs the serve extra: pip install "hf-recattn[serve]"\n'
 
 
 def test_model_refuses_continuous_batching(checkpoint: tuple) -> None:

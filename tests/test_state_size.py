@@ -235,10 +235,13 @@ def test_cli_json_and_inline_config(folder: Path, capsys: pytest.CaptureFixture[
     assert json.loads(capsys.readouterr().out)[0]["break_even_context"] == 1090
 
 
-def test_cli_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+def test_cli_missing_path_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nowhere"
-    with pytest.raises(SystemExit, match=r"no config at .*nowhere"):
-        main(["state-size", str(missing)])
+    assert main(["state-size", str(missing)]) == 2
+    assert f"error: {missing}: not a checkpoint folder (no config.json)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["state-size", str(tmp_path / "config.json")]) == 2
+    assert "model_type is 'llama', not 'recattn'" in capsys.readouterr().err
 
 
 def test_cli_bad_input_is_one_line_not_a_traceback(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,7 @@ from .checkpoints import (
     save_tensors,
     step_dir,
 )
-from .recipe import Stage1Settings
+from .settings import Stage1Settings
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..training.distill import BlockDataset, DistillTrainer, distill_loss_sum, finetune, training_arguments
-from ..training.settings import Stage2Settings
+from ..training.distill_settings import DistillSettings
 from ..training.trainable import merge_lora, wrap_lora
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
 ]
 
 
-def apply_lora(student: nn.Module, settings: Stage2Settings) -> nn.Module:
+def apply_lora(student: nn.Module, settings: DistillSettings) -> nn.Module:
     """Wrap ``student`` with LoRA adapters on ``settings.lora.targets`` (optionally training the mixers)."""
     return wrap_lora(student, settings.lora, settings.train_mixer, "stage2: lora.targets")

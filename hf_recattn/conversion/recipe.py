@@ -10,7 +10,8 @@ A recipe file holds the attention spec, base settings for each stage and named b
       full: {stage1: {tokens: 1000000}, stage2: {tokens: 2000000}}
 
 ``load_recipe(name_or_path, budget)`` merges the chosen budget over the base settings and validates the
-result. Packaged recipes live in ``hf_recattn/recipes/*.yaml``; list them with ``available_recipes()``.
+result (each section is a settings class of ``settings.py``). Packaged recipes live in
+``hf_recattn/recipes/*.yaml``; list them with ``available_recipes()``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,9 @@ from typing import Any
 import yaml
 
 from ..modeling.mixers import validate_spec
-from ..training.settings import (  # noqa: F401 (LoraSettings: re-exported beside Stage2Settings)
-    ATTENTION_PROJECTIONS,
-    LoraSettings,
-    Stage2Settings,
-    build_settings,
-    check_schedule,
-    positive,
-    typed,
-)
+from ..training.checks import build_settings, typed
 from .layer_selection import check_layers
+from .settings import EvalSettings, RetrievalHeadSettings, Stage1Settings, Stage2Settings
 
 #: teacher config fields a recipe may pin in ``expects``
 EXPECTABLE = (
@@ -47,85 +41,6 @@ EXPECTABLE = (
     "num_key_value_heads",
     "vocab_size",
 )
-
-
-@dataclass(frozen=True)
-class Stage1Settings:
-    """Attention transfer: train only the new mixer parameters to match each layer's softmax output (MSE)."""
-
-    tokens: int = 0  # training tokens in total; 0 skips the stage
-    lr: float = 1e-2
-    block_size: int = 512
-    batch_size: int = 4
-    warmup_fraction: float = 0.05
-    min_lr_fraction: float = 0.1  # cosine decay ends at lr * min_lr_fraction
-    max_grad_norm: float = 1.0  # per layer
-    save_every: int = 25  # optimizer steps between resumable checkpoints
-    #: attention projections also trained in stage 1 (for mixers without parameters of their own, e.g.
-    #: heinsen); the teacher stays frozen, only the student's copies move
-    projections: tuple[str, ...] = ()
-    projection_lr: float = 1e-4
-    #: weight of a second term, the KL divergence (nats) from each query's softmax attention weights in the
-    #: teacher to the student's (Hedgehog's objective; for mixers whose output is a weighted mean of the values,
-    #: see ``Mixer.attention_weights``), against the output MSE relative to the mean square of the teacher's
-    #: output (so one weight suits every layer): loss = MSE + attention_kl * mean(target^2) * KL; None or 0:
-    #: outputs only
-    attention_kl: float | None = None
-
-    def check(self, source: str, section: str = "stage1") -> None:
-        """Raise ValueError naming ``source: section.key`` for the first value out of range."""
-        at = f"{source}: {section}"
-        check_schedule(self, at)
-        positive(self.save_every, f"{at}.save_every")
-        positive(self.projection_lr, f"{at}.projection_lr")
-        if self.attention_kl is not None:
-            positive(self.attention_kl, f"{at}.attention_kl", allow_zero=True)
-        bad = sorted(set(self.projections) - set(ATTENTION_PROJECTIONS))
-        if bad:
-            raise ValueError(f"{at}.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}")
-        if not 0 <= self.min_lr_fraction <= 1:
-            raise ValueError(f"{at}.min_lr_fraction must be in [0, 1]")
-        if self.tokens and self.tokens < self.block_size * self.batch_size:
-            raise ValueError(
-                f"{at}.tokens ({self.tokens}) is less than one batch "
-                f"(block_size * batch_size = {self.block_size * self.batch_size})"
-            )
-
-
-@dataclass(frozen=True)
-class RetrievalHeadSettings:
-    """After stage 1, keep exact softmax on the KV heads recall needs (``conversion/retrieval_heads.py``)."""
-
-    max_heads: int = 0  # at most this many KV heads in the whole model; 0 turns the step off
-    context_length: int = 1024  # tokens of each recall prompt the heads are chosen on
-    prompts: int = 2  # prompts of each kind: a secret number, an associative-recall fact (in training text)
-    per_round: int = 2  # heads switched to exact softmax per round of the greedy search
-
-    def check(self, source: str, section: str = "retrieval_heads") -> None:
-        at = f"{source}: {section}"
-        positive(self.max_heads, f"{at}.max_heads", allow_zero=True)
-        for key in ("context_length", "prompts", "per_round"):
-            positive(getattr(self, key), f"{at}.{key}")
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """The built-in evaluation after conversion."""
-
-    quick: bool = True
-    heldout_fraction: float = 0.05
-    heldout_tokens: int = 8192  # held-out tokens scored by perplexity (teacher and student see the same)
-    block_size: int = 512
-    sample_prompt: str = "The key idea of attention is"
-    sample_tokens: int = 32
-
-    def check(self, source: str, section: str = "eval") -> None:
-        at = f"{source}: {section}"
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"{at}.heldout_fraction must be in (0, 1)")
-        for key in ("heldout_tokens", "block_size"):
-            positive(getattr(self, key), f"{at}.{key}")
-        positive(self.sample_tokens, f"{at}.sample_tokens", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -257,9 +172,8 @@ def find_recipe(name_or_path: str | Path) -> Path:
     return packaged
 
 
-def load_recipe(name_or_path: str | Path, budget: str = "quick", seed: int | None = None) -> Recipe:
-    """Read, merge (base settings + ``budgets[budget]``) and validate a recipe."""
-    path = find_recipe(name_or_path)
+def read_recipe_yaml(path: Path) -> dict[str, Any]:
+    """The parsed recipe file, its ``name`` defaulting to the file's stem; ValueError naming the file."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
@@ -267,13 +181,18 @@ def load_recipe(name_or_path: str | Path, budget: str = "quick", seed: int | Non
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
     data.setdefault("name", path.stem)
-    return recipe_from_dict(data, budget, source=str(path)).with_seed(seed)
+    return data
+
+
+def load_recipe(name_or_path: str | Path, budget: str = "quick", seed: int | None = None) -> Recipe:
+    """Read, merge (base settings + ``budgets[budget]``) and validate a recipe."""
+    path = find_recipe(name_or_path)
+    return recipe_from_dict(read_recipe_yaml(path), budget, source=str(path)).with_seed(seed)
 
 
 def budgets_of(name_or_path: str | Path) -> list[str]:
-    path = find_recipe(name_or_path)
-    data = yaml.safe_load(path.read_text()) or {}
-    return sorted((data.get("budgets") or {}).keys())
+    """The budget names of a recipe (packaged or a file)."""
+    return sorted((read_recipe_yaml(find_recipe(name_or_path)).get("budgets") or {}).keys())
 
 
 def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = "<dict>") -> Recipe:

@@ -32,6 +32,7 @@ from ..embedded_teachers import (
     gguf_tokenizer,
     unknown_teacher_error,
 )
+from ..extras import require
 from .families import check_teacher
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -129,6 +130,7 @@ def _load_gguf(
         except (OSError, ValueError):  # a damaged cache entry: rebuild it below
             shutil.rmtree(cached, ignore_errors=True)
     where = f"teacher {path}"
+    require("gguf", where)
     folder, name = str(path.parent), path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ..atomic import write_bytes, write_text
 from ..paths import cache_root
 from . import pinned
@@ -139,11 +141,10 @@ def source_documents(source: Source, members: Mapping[str, bytes]) -> list[Docum
     return docs
 
 
-def build_documents(sources: Sequence[Source], members: Mapping[str, Mapping[str, bytes]]) -> list[Document]:
-    """Every source's documents, duplicates of an earlier text dropped, in a fixed mixed order (a hash of the
-    id), the out-of-distribution texts last."""
-    docs = [d for source in sources for d in source_documents(source, members[source.name])]
-    docs.sort(key=lambda d: (d.split == "ood", hashlib.sha256(d.id.encode()).hexdigest()))
+def mixed_unique(docs: list[Document]) -> list[Document]:
+    """``docs`` (every source's) with duplicates of an earlier text dropped, in a fixed mixed order (a hash of
+    the id), the out-of-distribution texts last."""
+    docs = sorted(docs, key=lambda d: (d.split == "ood", hashlib.sha256(d.id.encode()).hexdigest()))
     seen: set[str] = set()
     unique = []
     for doc in docs:
@@ -280,6 +281,16 @@ def write_cache(path: Path, data: bytes) -> None:
         print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
 
 
+def _read_sources(sources: Sequence[Source], archives: Path | None) -> list[Document]:
+    """The documents of each source in turn (its archive fetched and read), with a progress bar on stderr."""
+    docs: list[Document] = []
+    with tqdm(sources, desc="building the embedded corpus", unit="archive", file=sys.stderr) as bar:
+        for source in bar:
+            bar.set_postfix_str(source.requirement)
+            docs += source_documents(source, read_members(archive(source, archives)))
+    return docs
+
+
 def build_corpus(
     sources: Sequence[Source], expected_sha256: str | None, cache_file: Path | None,
     archives: Path | None = None, version: int = pinned.CORPUS_VERSION,
@@ -292,8 +303,7 @@ def build_corpus(
         if expected_sha256 is None or got == expected_sha256:
             return Corpus(_parse(data, cache_file), got, version)
         print(f"hf_recattn: {cache_file} does not have the pinned sha256; rebuilding it", file=sys.stderr)
-    members = {s.name: read_members(archive(s, archives)) for s in sources}
-    docs = build_documents(sources, members)
+    docs = mixed_unique(_read_sources(sources, archives))
     data = canonical_bytes(docs)
     got = hashlib.sha256(data).hexdigest()
     if expected_sha256 is not None and got != expected_sha256:

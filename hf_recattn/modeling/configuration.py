@@ -1,8 +1,11 @@
-"""RecAttnConfig: a LlamaConfig whose attention is chosen per layer by mixer specs."""
+"""RecAttnConfig: a LlamaConfig whose attention is chosen per layer by mixer specs, and the reader of a
+checkpoint's config.json."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 from transformers import LlamaConfig
@@ -12,6 +15,8 @@ from .mixers import mixer_class, validate_spec
 from .serving import expose_architecture
 
 DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
+#: the fields the per-layer specs follow from: setting one drops the resolved specs
+SPEC_INPUTS = frozenset({"attention", "attention_overrides", "num_hidden_layers"})
 
 # transformers serve looks the model class up under this name on the transformers module (serving.py)
 expose_architecture("RecAttnForCausalLM")
@@ -102,6 +107,8 @@ class RecAttnConfig(LlamaConfig):
     """
 
     model_type = "recattn"
+    #: the resolved per-layer specs, kept out of ``__dict__`` so that config.json and ``==`` never see them
+    __slots__ = ("_resolved_specs",)
 
     attention: dict | list | str | None = None
     attention_overrides: dict | None = None
@@ -132,7 +139,7 @@ class RecAttnConfig(LlamaConfig):
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
             raise ValueError(f"prefill_block_size must be a positive int, 0 or None, got {block!r}")
         check_architecture(self)
-        specs = self.layer_specs()  # validate now, so that a bad spec fails at construction
+        specs = self._specs()  # validate now, so that a bad spec fails at construction
         if self.attn_logit_softcapping is not None:
             for i, spec in enumerate(specs):
                 if not mixer_class(spec["mixer"], f"layer {i}").applies_softcap:
@@ -147,9 +154,21 @@ class RecAttnConfig(LlamaConfig):
         """The keys of a nested ``rope_parameters`` (transformers' rope validation reads them here)."""
         return sorted(set(self.rope_layer_groups or ()))
 
+    def __setattr__(self, key: str, value: Any) -> None:
+        super().__setattr__(key, value)
+        if self.attribute_map.get(key, key) in SPEC_INPUTS:
+            super().__setattr__("_resolved_specs", None)
+
+    def _specs(self) -> list[dict[str, Any]]:
+        """Every layer's validated spec, resolved once until ``attention``, ``attention_overrides`` or
+        ``num_hidden_layers`` is set again (edit a spec list by assigning a new one, not in place)."""
+        if getattr(self, "_resolved_specs", None) is None:
+            self._resolved_specs = resolve_layer_specs(self.attention, self.attention_overrides, self.num_hidden_layers)
+        return self._resolved_specs
+
     def layer_specs(self) -> list[dict[str, Any]]:
-        """One validated spec (defaults filled in) per layer."""
-        return resolve_layer_specs(self.attention, self.attention_overrides, self.num_hidden_layers)
+        """One validated spec (defaults filled in) per layer: a copy the caller may change."""
+        return copy.deepcopy(self._specs())
 
     @property
     def output_bias(self) -> bool:
@@ -160,7 +179,7 @@ class RecAttnConfig(LlamaConfig):
     def layer_types(self) -> list[str]:
         """transformers' type of each layer, from its mixer: "full_attention" (softmax), "sliding_attention",
         "linear_attention" (a recurrent state), "hybrid_sliding" (a window beside a recurrent state) or "hybrid"."""
-        return [mixer_class(spec["mixer"], f"layer {i}").layer_type(spec) for i, spec in enumerate(self.layer_specs())]
+        return [mixer_class(spec["mixer"], f"layer {i}").layer_type(spec) for i, spec in enumerate(self._specs())]
 
     @layer_types.setter
     def layer_types(self, value: list[str] | None) -> None:
@@ -172,4 +191,26 @@ class RecAttnConfig(LlamaConfig):
             )
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
-        return self.layer_specs()[layer_idx]
+        """The validated spec of layer ``layer_idx``: a copy the caller may change."""
+        return copy.deepcopy(self._specs()[layer_idx])
+
+
+def read_checkpoint_config(path: str | Path) -> RecAttnConfig:
+    """The RecAttnConfig of a checkpoint folder (or of its config.json given as ``path``); ValueError naming the
+    file when there is none or it is not an hf_recattn config."""
+    file = Path(path)
+    if not file.is_file():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: not a checkpoint folder (no config.json)")
+    try:
+        values = json.loads(file.read_text())
+    except ValueError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    if values.get("model_type") != RecAttnConfig.model_type:
+        raise ValueError(f"{file}: model_type is {values.get('model_type')!r}, not {RecAttnConfig.model_type!r}: "
+                         "not an hf_recattn checkpoint")
+    values.pop("model_type")
+    return RecAttnConfig(**values)

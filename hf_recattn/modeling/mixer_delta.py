@@ -47,7 +47,26 @@ CONV_STATES = ("conv_q", "conv_k", "conv_v")
 
 
 class DeltaMixer(GatedMixer, FarPart):
-    """Delta-rule state S per key head, updated by `rule`, read by the queries."""
+    """Delta-rule state S per key head, updated by `rule`, read by the queries.
+
+    Paper: DeltaNet (``rule="delta"``), Schlag, Irie & Schmidhuber, "Linear Transformers Are Secretly Fast
+    Weight Programmers", arXiv:2102.11174, with the chunkwise (UT transform) training of Yang et al.,
+    "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", arXiv:2406.06484.
+
+    Options from other papers:
+
+    * ``rule="gated"`` (the default): Gated DeltaNet, Yang, Kautz & Hatamizadeh, "Gated Delta Networks:
+      Improving Mamba2 with Delta Rule", arXiv:2412.06464;
+    * ``rule="comba"``: Hu et al., "Comba: Improving Bilinear RNNs with Closed-loop Control",
+      arXiv:2506.02475;
+    * ``householder_steps`` > 1: Siems et al., "DeltaProduct: Improving State-Tracking in Linear RNNs via
+      Householder Products", arXiv:2502.10297;
+    * ``negative_eigenvalues``: Grazzi et al., "Unlocking State-Tracking in Linear RNNs Through Negative
+      Eigenvalues", arXiv:2411.12537;
+    * ``feature_map``: the maps of ``linear`` (e.g. Hedgehog, arXiv:2402.04347).
+
+    The equations follow Su, "A Brief History of Linear Attention", https://kexue.fm/archives/11033.
+    """
 
     name = "delta"
     options = {

@@ -43,7 +43,11 @@ def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest:
 
 
 class GatedLinearMixer(GatedMixer):
-    """Gated linear attention: a state per key head decayed per key dimension by a low-rank gate of the input."""
+    """Gated linear attention: a state per key head decayed per key dimension by a low-rank gate of the input.
+
+    Paper: Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient Training",
+    arXiv:2312.06635.
+    """
 
     name = "gated_linear"
     options = {

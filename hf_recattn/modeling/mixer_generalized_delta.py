@@ -81,7 +81,10 @@ def scratch_decay_bias(channels: int, layer: int, layers: int) -> torch.Tensor:
 
 
 class GeneralizedDeltaMixer(GatedMixer, FarPart):
-    """RWKV-7's generalized delta rule: a state per key head with a vector decay and an in-context learning rate."""
+    """RWKV-7's generalized delta rule: a state per key head with a vector decay and an in-context learning rate.
+
+    Paper: Peng et al., "RWKV-7 'Goose' with Expressive Dynamic State Evolution", arXiv:2503.14456.
+    """
 
     name = "generalized_delta"
     options = {

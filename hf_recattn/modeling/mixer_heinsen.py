@@ -26,7 +26,10 @@ from .options import Option
 
 class HeinsenMixer(Mixer):
     """Log-space attention with the kernel exp(q) . exp(k); states H^Z [D] (log space) and the value sums
-    relative to it, M [D, E], per KV head."""
+    relative to it, M [D, E], per KV head.
+
+    Paper: Heinsen, "Softmax Attention with Constant Cost per Token", arXiv:2404.05843.
+    """
 
     name = "heinsen"
     options = {

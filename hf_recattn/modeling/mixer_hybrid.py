@@ -104,7 +104,17 @@ def _far_state(state: State) -> State:
 
 
 class HybridMixer(Mixer):
-    """Sliding-window softmax + a recurrent far mixer, mixed per head by a learnable weight."""
+    """Sliding-window softmax + a recurrent far mixer, mixed per head by a learnable weight.
+
+    Paper: LoLCATs, Zhang et al., "LoLCATs: On Low-Rank Linearizing of Large Language Models",
+    arXiv:2410.10254 (the window + linear-attention layer and ``combine="shared"``).
+
+    Options from other papers:
+
+    * ``sink_tokens``: the attention sinks of StreamingLLM, Xiao et al., "Efficient Streaming Language Models
+      with Attention Sinks", arXiv:2309.17453;
+    * ``far``: any family declaring the far-part protocol; each names its own paper.
+    """
 
     name = "hybrid"
     options = {

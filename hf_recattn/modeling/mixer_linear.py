@@ -26,7 +26,26 @@ NONNEGATIVE_MAPS = ("elu", "relu", "exp", "hedgehog", "taylor2")
 
 
 class LinearMixer(Mixer, FarPart):
-    """Kernelized attention phi(q) . phi(k) with a fixed-size state S = sum phi(k) v^T (and z = sum phi(k))."""
+    """Kernelized attention phi(q) . phi(k) with a fixed-size state S = sum phi(k) v^T (and z = sum phi(k)).
+
+    Paper: Katharopoulos et al., "Transformers are RNNs: Fast Autoregressive Transformers with Linear
+    Attention", arXiv:2006.16236 (the default ``feature_map="elu"``, elu(x) + 1, is theirs).
+
+    Options from other papers:
+
+    * ``feature_map="hedgehog"``: Zhang et al., "The Hedgehog & the Porcupine: Expressive Linear Attentions
+      with Softmax Mimicry", arXiv:2402.04347;
+    * ``feature_map="taylor2"``: the second-order Taylor map of Based, Arora et al., "Simple linear attention
+      language models balance the recall-throughput tradeoff", arXiv:2402.18668;
+    * ``decay="retnet"``: Sun et al., "Retentive Network: A Successor to Transformer for Large Language
+      Models", arXiv:2307.08621;
+    * ``decay="gated"``: a scalar data-dependent decay as in Mamba-2, Dao & Gu, "Transformers are SSMs:
+      Generalized Models and Efficient Algorithms Through Structured State Space Duality", arXiv:2405.21060;
+    * ``sink``: a learned stand-in for the attention sinks of Xiao et al., "Efficient Streaming Language
+      Models with Attention Sinks", arXiv:2309.17453.
+
+    The equations follow Su, "A Brief History of Linear Attention", https://kexue.fm/archives/11033 (forget gates).
+    """
 
     name = "linear"
     options = {

@@ -54,7 +54,13 @@ def _inverse_softplus(y: float) -> float:
 
 
 class MesaMixer(GatedMixer):
-    """MesaNet: gated states G and H per key head, read as G (H + Lambda)^-1 q (conjugate gradients or exact)."""
+    """MesaNet: gated states G and H per key head, read as G (H + Lambda)^-1 q (conjugate gradients or exact).
+
+    Paper: von Oswald et al., "MesaNet: Sequence Modeling by Locally Optimal Test-Time Training",
+    arXiv:2506.05233.
+
+    The equations follow Su, "A Brief History of Linear Attention", https://kexue.fm/archives/11033 (eq. 35).
+    """
 
     name = "mesa"
     options = {

@@ -56,7 +56,12 @@ def _rest_keys(key_map: KeyMap) -> KeyMap:
 
 
 class RetrievalHeadsMixer(Mixer):
-    """Exact softmax on the KV heads in ``heads`` (whole context), the ``others`` mixer on the rest."""
+    """Exact softmax on the KV heads in ``heads`` (whole context), the ``others`` mixer on the rest.
+
+    Paper: DuoAttention, Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and
+    Streaming Heads", arXiv:2410.10819. Retrieval heads themselves: Wu et al., "Retrieval Head
+    Mechanistically Explains Long-Context Factuality", arXiv:2404.15574.
+    """
 
     name = "retrieval_heads"
     options = {

@@ -101,7 +101,19 @@ def _forget_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class SoftmaxMixer(Mixer):
-    """Exact softmax attention (optionally with ALiBi or FoX forgetting); eager or sdpa."""
+    """Exact softmax attention (optionally with ALiBi or FoX forgetting); eager or sdpa.
+
+    Paper: Vaswani et al., "Attention Is All You Need", arXiv:1706.03762.
+
+    Options from other papers:
+
+    * ``forget="alibi"``: Press, Smith & Lewis, "Train Short, Test Long: Attention with Linear Biases Enables
+      Input Length Extrapolation", arXiv:2108.12409;
+    * ``forget="fox"``: Lin et al., "Forgetting Transformer: Softmax Attention with a Forget Gate",
+      arXiv:2503.02130.
+
+    The forget bias follows Su, "A Brief History of Linear Attention", https://kexue.fm/archives/11033, eq. 22.
+    """
 
     name = "softmax"
     options: dict[str, Option] = dict(FORGET_OPTIONS)
@@ -313,7 +325,12 @@ class SoftmaxMixer(Mixer):
 
 
 class SlidingWindowMixer(SoftmaxMixer):
-    """Softmax over the last ``window`` tokens (the current one included), optionally with forgetting."""
+    """Softmax over the last ``window`` tokens (the current one included), optionally with forgetting.
+
+    Paper: sliding-window (local) attention as in Beltagy, Peters & Cohan, "Longformer: The Long-Document
+    Transformer", arXiv:2004.05150. ``forget`` as in ``softmax``: ALiBi (arXiv:2108.12409) or FoX
+    (arXiv:2503.02130).
+    """
 
     name = "sliding_window"
     options = {

@@ -26,7 +26,13 @@ WRITE_STRENGTHS = ("none", "sigmoid")
 
 
 class SoftmaxDeltaMixer(ContinuingMixer):
-    """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax."""
+    """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax.
+
+    Paper: Zhong et al., "Understanding Transformer from the Perspective of Associative Memory",
+    arXiv:2505.19488 (DeltaFormer; ``write_strength="sigmoid"`` is its beta).
+
+    The equations follow Su, "A Brief History of Linear Attention", https://kexue.fm/archives/11033 (eq. 23).
+    """
 
     name = "softmax_delta"
     options = {

@@ -30,7 +30,13 @@ from .options import Option
 
 
 class SoftmaxHouseholderMixer(ContinuingMixer):
-    """PaTH: softmax attention with data-dependent Householder transports between query and key positions."""
+    """PaTH: softmax attention with data-dependent Householder transports between query and key positions.
+
+    Paper: Yang et al., "PaTH Attention: Position Encoding via Accumulating Householder Transformations",
+    arXiv:2505.16381.
+
+    The equations follow Su, "A Brief History of Linear Attention", https://kexue.fm/archives/11033 (eqs. 25-29).
+    """
 
     name = "softmax_householder"
     options = {

@@ -57,7 +57,11 @@ def _clamp_norm(x: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 class TaylorMixer(Mixer, FarPart):
-    """Softmax attention with exp replaced by its order-N Taylor polynomial (or exact), any denominator."""
+    """Softmax attention with exp replaced by its order-N Taylor polynomial (or exact), any denominator.
+
+    Paper: Mongaras & Larson, "On the Expressiveness of Softmax Attention: A Recurrent Neural Network
+    Perspective", arXiv:2507.23632 (``denominator`` options: its eqs. 5-6).
+    """
 
     name = "taylor"
     options = {

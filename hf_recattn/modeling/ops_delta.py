@@ -81,7 +81,28 @@ def delta_parallel(
     state: torch.Tensor | None = None,
     steps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole sequence as one block: returns (o [B, Hk, G, T, E], final state [B, Hk, D, E])."""
+    """The whole sequence as one block: returns (o [B, Hk, G, T, E], final state [B, Hk, D, E]).
+
+    Args:
+        q: ``[B, Hk, G, T, D]`` queries, G query heads per key head.
+        k: ``[B, Hk, T * n, D]`` keys, n = ``steps`` per token (token-major).
+        v: ``[B, Hk, T * n, E]`` values.
+        log_alpha: ``[B, Hk, T * n]`` log decay of the state (<= 0; 0 keeps it).
+        beta: ``[B, Hk, T * n]`` write strength of the value.
+        erase: ``[B, Hk, T * n]`` strength of the removal of what the state recalls for the key.
+        state: ``[B, Hk, D, E]`` start state (the inputs are cast to its dtype), or None for zeros.
+        steps: updates per token (DeltaProduct's n); each query reads the state after its token's last one.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hk, G, T, E]`` and the final state ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 1, 5, 4), F.normalize(torch.randn(1, 2, 5, 4), dim=-1), torch.randn(1, 2, 5, 3)
+        >>> b = torch.full((1, 2, 5), 0.5)
+        >>> o, s = delta_parallel(q, k, v, torch.zeros(1, 2, 5), b, b)  # DeltaNet: alpha = 1, erase = beta = b
+        >>> o.shape, s.shape
+        (torch.Size([1, 2, 1, 5, 3]), torch.Size([1, 2, 4, 3]))
+    """
     if state is not None:  # computed in the state's dtype (float32 states of a half-precision model)
         q, k, v = q.to(state.dtype), k.to(state.dtype), v.to(state.dtype)
         log_alpha, beta, erase = log_alpha.to(state.dtype), beta.to(state.dtype), erase.to(state.dtype)
@@ -276,6 +297,28 @@ def delta_chunked(
     O(T * chunk) time. The [C, C] terms exist for one group of chunks at a time (about GROUP_ELEMENTS elements);
     with autograd, checkpointing per group keeps them out of the saved activations. ``o`` is a permuted view of
     memory laid out [B, T, Hk, G, E].
+
+    Args:
+        q: ``[B, Hk, G, T, D]`` queries, G query heads per key head.
+        k: ``[B, Hk, T * n, D]`` keys, n = ``steps`` per token (token-major).
+        v: ``[B, Hk, T * n, E]`` values.
+        log_alpha: ``[B, Hk, T * n]`` log decay of the state (<= 0).
+        beta: ``[B, Hk, T * n]`` write strength of the value.
+        erase: ``[B, Hk, T * n]`` strength of the removal of what the state recalls for the key.
+        state: ``[B, Hk, D, E]`` start state; the inputs are cast to its dtype.
+        chunk_size: tokens per chunk (any T works: the last chunk is padded).
+        steps: updates per token (DeltaProduct's n).
+
+    Returns:
+        ``(o, state)``: o ``[B, Hk, G, T, E]`` and the final state ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 6, 4), F.normalize(torch.randn(1, 1, 6, 4), dim=-1), torch.randn(1, 1, 6, 3)
+        >>> log_a, b, s0 = -torch.rand(1, 1, 6), torch.rand(1, 1, 6), torch.zeros(1, 1, 4, 3)
+        >>> o, s = delta_chunked(q, k, v, log_a, b, b * log_a.exp(), s0, chunk_size=4)  # Gated DeltaNet
+        >>> o_ref, s_ref = delta_parallel(q, k, v, log_a, b, b * log_a.exp(), s0)
+        >>> torch.allclose(o, o_ref, atol=1e-5), torch.allclose(s, s_ref, atol=1e-5)
+        (True, True)
     """
     (q, k, v, log_alpha, beta, erase), kernel = _operands(
         "chunk_delta", (q, k, v, log_alpha, beta, erase), state, several_updates=steps > 1
@@ -321,7 +364,26 @@ def delta_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (T == 1, its ``steps`` updates in a row): returns (o [B, Hk, G, 1, E], new state).
 
-    ``in_place`` writes the new state into ``state``'s buffer."""
+    Args:
+        q: ``[B, Hk, G, 1, D]`` the token's queries.
+        k: ``[B, Hk, n, D]`` its keys, one per update (n = 1 but for DeltaProduct).
+        v: ``[B, Hk, n, E]`` its values.
+        log_alpha: ``[B, Hk, n]`` log decay of the state.
+        beta: ``[B, Hk, n]`` write strength of the value.
+        erase: ``[B, Hk, n]`` strength of the removal of what the state recalls for the key.
+        state: ``[B, Hk, D, E]`` the state before the token.
+        in_place: write the new state into ``state``'s buffer.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hk, G, 1, E]`` and the new state ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 3, 1, 4), F.normalize(torch.randn(1, 2, 1, 4), dim=-1), torch.randn(1, 2, 1, 5)
+        >>> b = torch.full((1, 2, 1), 0.5)
+        >>> o, s = delta_step(q, k, v, torch.zeros(1, 2, 1), b, b, torch.zeros(1, 2, 4, 5))
+        >>> o.shape, s.shape
+        (torch.Size([1, 2, 3, 1, 5]), torch.Size([1, 2, 4, 5]))
+    """
     (q, k, v, log_alpha, beta, erase), kernel = _operands(
         "delta_step", (q, k, v, log_alpha, beta, erase), state, several_updates=k.shape[2] > 1
     )

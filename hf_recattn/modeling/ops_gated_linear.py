@@ -34,7 +34,22 @@ def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
 
 
 def gla_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
-    """Quadratic form from a zero state: [B, Hkv, G, T, E] (O(T^2 D) memory for the pairwise decays)."""
+    """Quadratic form from a zero state: [B, Hkv, G, T, E] (O(T^2 D) memory for the pairwise decays).
+
+    Args:
+        q: ``[B, Hkv, G, T, D]`` queries (already scaled), G query heads per key head.
+        k: ``[B, Hkv, T, D]`` keys.
+        v: ``[B, Hkv, T, E]`` values.
+        log_a: ``[B, Hkv, T, D]`` log forget gates per key dimension (<= 0).
+
+    Returns:
+        ``[B, Hkv, G, T, E]`` outputs.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 1, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+        >>> gla_parallel(q, k, v, -torch.rand(1, 2, 5, 4)).shape
+        torch.Size([1, 2, 1, 5, 3])
+    """
     decay = _pairwise_decay(log_a.cumsum(-2))  # [B, Hkv, T, T, D]
     scores = torch.einsum("bhgtd,bhsd,bhtsd->bhgts", q, k, decay)
     return scores @ v.unsqueeze(2)
@@ -75,6 +90,24 @@ def gla_chunked(
     """Chunkwise form from the state ``S``: exact inside a chunk, the state carried across chunks.
 
     Returns (output [B, Hkv, G, T, E], final S), computed in S's dtype (float32 states of a half-precision model).
+
+    Args:
+        q: ``[B, Hkv, G, T, D]`` queries (already scaled).
+        k: ``[B, Hkv, T, D]`` keys.
+        v: ``[B, Hkv, T, E]`` values.
+        log_a: ``[B, Hkv, T, D]`` log forget gates per key dimension (<= 0).
+        S: ``[B, Hkv, D, E]`` start state.
+        chunk_size: tokens per chunk (each split into sub-chunks of ``SUB_CHUNK``).
+
+    Returns:
+        ``(o, S)``: o ``[B, Hkv, G, T, E]`` and the final state ``[B, Hkv, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 7, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 3)
+        >>> log_a = -torch.rand(1, 1, 7, 4)
+        >>> o, S = gla_chunked(q, k, v, log_a, torch.zeros(1, 1, 4, 3), chunk_size=4)
+        >>> torch.allclose(o, gla_parallel(q, k, v, log_a), atol=1e-5), S.shape
+        (True, torch.Size([1, 1, 4, 3]))
     """
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
     kernel = pick("chunk_linear", q, k, v, log_a, S, unsupported=too_wide("chunk_linear", k, v))
@@ -104,7 +137,28 @@ def gla_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor, S: torch.Tensor, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (T == 1): decay the state per key dimension, add k v^T, read it with q (``in_place``: in S's
-    buffer)."""
+    buffer).
+
+    Args:
+        q: ``[B, Hkv, G, 1, D]`` the token's queries (already scaled).
+        k: ``[B, Hkv, 1, D]`` its key.
+        v: ``[B, Hkv, 1, E]`` its value.
+        log_a: ``[B, Hkv, 1, D]`` its log forget gates.
+        S: ``[B, Hkv, D, E]`` state before the token.
+        in_place: update S in its buffer.
+
+    Returns:
+        ``(o, S)``: o ``[B, Hkv, G, 1, E]`` and the new state.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 2)
+        >>> log_a, S, outs = -torch.rand(1, 1, 3, 4), torch.zeros(1, 1, 4, 2), []
+        >>> for t in range(3):
+        ...     o, S = gla_step(q[..., t:t + 1, :], k[:, :, t:t + 1], v[:, :, t:t + 1], log_a[:, :, t:t + 1], S)
+        ...     outs.append(o)
+        >>> torch.allclose(torch.cat(outs, dim=3), gla_parallel(q, k, v, log_a), atol=1e-5)
+        True
+    """
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
     kernel = pick("linear_step", q, k, v, log_a, S, unsupported=too_wide("linear_step", k, v))
     if kernel is not None:

@@ -46,7 +46,22 @@ def mask_padding(
     k: Tensor, log_w: Tensor, a: Tensor, token_mask: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """k, log_w and a [B, Hk, T, D] with padded tokens (``token_mask`` [B, T] False) made no-ops: no write (k = 0),
-    no decay (log w = 0), no correction (a = 0)."""
+    no decay (log w = 0), no correction (a = 0).
+
+    Args:
+        k: ``[B, Hk, T, D]`` written keys.
+        log_w: ``[B, Hk, T, D]`` log decays.
+        a: ``[B, Hk, T, D]`` in-context learning rates.
+        token_mask: ``[B, T]`` bool (True = real token), or None.
+
+    Returns:
+        ``(k, log_w, a)``, each ``[B, Hk, T, D]``.
+
+    Example:
+        >>> k, log_w, a = mask_padding(*torch.ones(3, 1, 1, 2, 2).unbind(0), torch.tensor([[False, True]]))
+        >>> k[0, 0, :, 0], log_w[0, 0, :, 0], a[0, 0, :, 0]
+        (tensor([0., 1.]), tensor([0., 1.]), tensor([0., 1.]))
+    """
     if token_mask is None:
         return k, log_w, a
     keep = token_mask[:, None, :, None]
@@ -120,7 +135,28 @@ def _cast(state: Tensor, *tensors: Tensor) -> list[Tensor]:
 def rwkv7_parallel(
     q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """The whole sequence as one chunk from ``state``: (o [B, Hk, G, T, E], final state)."""
+    """The whole sequence as one chunk from ``state``: (o [B, Hk, G, T, E], final state).
+
+    Args:
+        q: ``[B, Hk, G, T, D]`` queries (receptance; already scaled), G query heads per key head.
+        k: ``[B, Hk, T, D]`` written keys.
+        v: ``[B, Hk, T, E]`` values.
+        log_w: ``[B, Hk, T, D]`` log decays, in [-e^{-1/2}, 0].
+        kk: ``[B, Hk, T, D]`` unit removal keys k^.
+        a: ``[B, Hk, T, D]`` in-context learning rates in [0, 1].
+        state: ``[B, Hk, D, E]`` start state (keys x values); the inputs are cast to its dtype.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hk, G, T, E]`` and the final state ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 1, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+        >>> kk = torch.randn(1, 2, 5, 4)
+        >>> log_w, kk, a = -0.6 * torch.rand(1, 2, 5, 4), kk / kk.norm(dim=-1, keepdim=True), torch.rand(1, 2, 5, 4)
+        >>> o, s = rwkv7_parallel(q, k, v, log_w, kk, a, torch.zeros(1, 2, 4, 3))
+        >>> o.shape, s.shape
+        (torch.Size([1, 2, 1, 5, 3]), torch.Size([1, 2, 4, 3]))
+    """
     return _chunk(*_cast(state, q, k, v, log_w, kk, a), state)
 
 
@@ -128,7 +164,30 @@ def rwkv7_chunked(
     q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
     """Chunks of ``chunk_size`` tokens (the last may be shorter), the state passed from one to the next:
-    (o [B, Hk, G, T, E], final state). O(T * chunk_size * D) time."""
+    (o [B, Hk, G, T, E], final state). O(T * chunk_size * D) time.
+
+    Args:
+        q: ``[B, Hk, G, T, D]`` queries (already scaled).
+        k: ``[B, Hk, T, D]`` written keys.
+        v: ``[B, Hk, T, E]`` values.
+        log_w: ``[B, Hk, T, D]`` log decays, in [-e^{-1/2}, 0].
+        kk: ``[B, Hk, T, D]`` unit removal keys k^.
+        a: ``[B, Hk, T, D]`` in-context learning rates in [0, 1].
+        state: ``[B, Hk, D, E]`` start state.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hk, G, T, E]`` and the final state ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 7, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 3)
+        >>> kk = torch.randn(1, 1, 7, 4)
+        >>> log_w, kk, a = -0.6 * torch.rand(1, 1, 7, 4), kk / kk.norm(dim=-1, keepdim=True), torch.rand(1, 1, 7, 4)
+        >>> s0 = torch.zeros(1, 1, 4, 3)
+        >>> o, s = rwkv7_chunked(q, k, v, log_w, kk, a, s0, chunk_size=3)
+        >>> torch.allclose(o, rwkv7_parallel(q, k, v, log_w, kk, a, s0)[0], atol=1e-5)
+        True
+    """
     q, k, v, log_w, kk, a = _cast(state, q, k, v, log_w, kk, a)
     # split() (not slicing): the backward joins the chunks' gradients once
     pieces = zip(q.split(chunk_size, dim=3), *(y.split(chunk_size, dim=2) for y in (k, v, log_w, kk, a)), strict=True)
@@ -143,7 +202,29 @@ def rwkv7_step(
     q: Tensor, k: Tensor, v: Tensor, log_w: Tensor, kk: Tensor, a: Tensor, state: Tensor, in_place: bool = False
 ) -> tuple[Tensor, Tensor]:
     """One token (T == 1): M <- diag(w) M - b^T (k^ M) + k^T v, then o = q M. Returns (o [B, Hk, G, 1, E], new
-    state); ``in_place`` writes the new state into ``state``'s buffer."""
+    state); ``in_place`` writes the new state into ``state``'s buffer.
+
+    Args:
+        q: ``[B, Hk, G, 1, D]`` the token's queries (already scaled).
+        k: ``[B, Hk, 1, D]`` its written key.
+        v: ``[B, Hk, 1, E]`` its value.
+        log_w: ``[B, Hk, 1, D]`` its log decay.
+        kk: ``[B, Hk, 1, D]`` its unit removal key k^.
+        a: ``[B, Hk, 1, D]`` its in-context learning rate.
+        state: ``[B, Hk, D, E]`` state before the token.
+        in_place: update the state in its buffer.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hk, G, 1, E]`` and the new state.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 3, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 5)
+        >>> kk = torch.randn(1, 2, 1, 4)
+        >>> log_w, kk, a = -0.6 * torch.rand(1, 2, 1, 4), kk / kk.norm(dim=-1, keepdim=True), torch.rand(1, 2, 1, 4)
+        >>> o, s = rwkv7_step(q, k, v, log_w, kk, a, torch.zeros(1, 2, 4, 5))
+        >>> o.shape, s.shape
+        (torch.Size([1, 2, 3, 1, 5]), torch.Size([1, 2, 4, 5]))
+    """
     q, k, v, log_w, kk, a = _cast(state, q, k, v, log_w, kk, a)
     recalled = kk @ state  # u = k^ M: [B, Hk, 1, E]
     decay = log_w.exp().transpose(-1, -2)  # [B, Hk, D, 1]

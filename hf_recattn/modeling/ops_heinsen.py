@@ -42,24 +42,72 @@ State = dict[str, torch.Tensor]
 
 
 def log_zero(dtype: torch.dtype) -> float:
-    """The finite stand-in for log 0: two of them still add up to a finite number."""
+    """The finite stand-in for log 0: two of them still add up to a finite number.
+
+    Args:
+        dtype: the floating-point dtype the logs live in.
+
+    Returns:
+        A quarter of the most negative finite number of ``dtype``.
+
+    Example:
+        >>> zero = torch.tensor(log_zero(torch.float32))
+        >>> bool(torch.isfinite(zero + zero)), torch.exp(zero).item()
+        (True, 0.0)
+    """
     return -torch.finfo(dtype).max / 4
 
 
 def signed_logs(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log a, log b) for the positive parts a - b = v (see the module docstring)."""
+    """(log a, log b) for the positive parts a - b = v (see the module docstring).
+
+    Args:
+        v: values of any sign and shape.
+
+    Returns:
+        ``(log a, log b)``, each shaped like ``v``, with a, b > 0 and a - b = v.
+
+    Example:
+        >>> pos, neg = signed_logs(torch.tensor([2.0, -3.0]))
+        >>> pos.exp() - neg.exp()
+        tensor([ 2., -3.])
+    """
     delta = torch.finfo(v.dtype).tiny ** 0.5
     magnitude = v.abs()
     return torch.log((magnitude + v) * 0.5 + delta), torch.log((magnitude - v) * 0.5 + delta)
 
 
 def shift_queries(q: torch.Tensor) -> torch.Tensor:
-    """q_t - max_i q_ti: scales every weight of query t by the same factor, which cancels."""
+    """q_t - max_i q_ti: scales every weight of query t by the same factor, which cancels.
+
+    Args:
+        q: ``[..., D]`` queries.
+
+    Returns:
+        ``[..., D]`` the queries less their largest entry (no gradient through the shift).
+
+    Example:
+        >>> shift_queries(torch.tensor([[1.0, 3.0]]))
+        tensor([[-2.,  0.]])
+    """
     return q - q.amax(dim=-1, keepdim=True).detach()
 
 
 def mask_keys(k: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-    """Set the keys of padded tokens to log_zero (key_mask: [B, T], True / 1 = real)."""
+    """Set the keys of padded tokens to log_zero (key_mask: [B, T], True / 1 = real).
+
+    Args:
+        k: ``[B, Hkv, T, D]`` keys.
+        key_mask: ``[B, T]`` (True / 1 = real token), or None.
+
+    Returns:
+        ``[B, Hkv, T, D]``: padded tokens' keys at ``log_zero``, so that they add nothing to any sum.
+
+    Example:
+        >>> k = mask_keys(torch.zeros(1, 1, 2, 3), torch.tensor([[0, 1]]))
+        >>> bool((k[0, 0, 0] == log_zero(torch.float32)).all()), bool((k[0, 0, 1] == 0).all())
+        (True, True)
+    """
     if key_mask is None:
         return k
     real = key_mask.bool()[:, None, :, None]
@@ -73,7 +121,24 @@ def _key_value_logs(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def read_out(q: torch.Tensor, hz: torch.Tensor, hs_pos: torch.Tensor, hs_neg: torch.Tensor) -> torch.Tensor:
-    """o = exp(LSE_i(q_i + H+_i) - LSE_i(q_i + Hz_i)) - (same with H-); states broadcast against [G, T]."""
+    """o = exp(LSE_i(q_i + H+_i) - LSE_i(q_i + Hz_i)) - (same with H-); states broadcast against [G, T].
+
+    Args:
+        q: ``[..., T, D]`` queries.
+        hz: ``[..., T or 1, D]`` log-sums over keys of exp(k) (H^Z).
+        hs_pos: ``[..., T or 1, D, E]`` log-sums of exp(k) times the positive parts of the values (H^S+).
+        hs_neg: ``[..., T or 1, D, E]`` the same for the negative parts (H^S-).
+
+    Returns:
+        ``[..., T, E]`` the weighted averages of the values.
+
+    Example:
+        >>> k, v = torch.randn(1, 4), torch.randn(1, 3)
+        >>> pos, neg = signed_logs(v)
+        >>> o = read_out(torch.randn(1, 4), k, k[..., None] + pos[:, None], k[..., None] + neg[:, None])
+        >>> torch.allclose(o, v, atol=1e-5)  # one key: its value
+        True
+    """
     log_z = torch.logsumexp(q + hz, dim=-1)[..., None]  # [..., T, 1]
     log_pos = torch.logsumexp(q[..., None] + hs_pos, dim=-2)  # [..., T, E]
     log_neg = torch.logsumexp(q[..., None] + hs_neg, dim=-2)
@@ -84,6 +149,21 @@ def heinsen_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     """Heinsen's eqs. 3 / 4: log-(cumulative-)sums over keys of all the states, then one read-out per query.
 
     Memory is O(T * D * E) per head (the paper's parallel-scan form); the chunked form avoids it.
+
+    Args:
+        q: ``[B, Hkv, G, T, D]`` queries (already scaled), G query heads per key head.
+        k: ``[B, Hkv, T, D]`` keys (already scaled; padded tokens at ``log_zero``).
+        v: ``[B, Hkv, T, E]`` values.
+        causal: each query reads only keys up to its own position.
+
+    Returns:
+        ``[B, Hkv, G, T, E]`` outputs.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 2)
+        >>> w = (q.exp() @ k.exp().transpose(-1, -2)).tril()  # exp(q_t) . exp(k_s), causal
+        >>> torch.allclose(heinsen_parallel(q, k, v), (w / w.sum(-1, keepdim=True)) @ v[:, :, None], atol=1e-5)
+        True
     """
     kv_pos, kv_neg = _key_value_logs(k, v)
     if causal:
@@ -95,7 +175,21 @@ def heinsen_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 def read_state(q: torch.Tensor, hz: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What queries q [..., T, D] read from a state hz [..., D], mean [..., D, E] (leading dims alike): log Z_t
-    [..., T] and the state's weighted average of values [..., T, E] = softmax_i(q_ti + H^Z_i) @ M."""
+    [..., T] and the state's weighted average of values [..., T, E] = softmax_i(q_ti + H^Z_i) @ M.
+
+    Args:
+        q: ``[..., T, D]`` queries.
+        hz: ``[..., D]`` the state's log key sums H^Z.
+        mean: ``[..., D, E]`` the state's value sums relative to them, M.
+
+    Returns:
+        ``(log_z, average)``: ``[..., T]`` and ``[..., T, E]``.
+
+    Example:
+        >>> log_z, average = read_state(torch.randn(2, 3, 4), torch.zeros(2, 4), torch.ones(2, 4, 5))
+        >>> log_z.shape, average.shape
+        (torch.Size([2, 3]), torch.Size([2, 3, 5]))
+    """
     logits = q + hz[..., None, :]
     return torch.logsumexp(logits, dim=-1), torch.softmax(logits, dim=-1) @ mean
 
@@ -104,7 +198,25 @@ def heinsen_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, in_place: bool = False
 ) -> tuple[torch.Tensor, State]:
     """Heinsen's eqs. 5-6 for one token: fold it into H^Z and M, then read them (``in_place``: into the state's
-    buffers). With d = k - H^Z the new key's share of dimension i is sigmoid(d_i), the old sums keep the rest."""
+    buffers). With d = k - H^Z the new key's share of dimension i is sigmoid(d_i), the old sums keep the rest.
+
+    Args:
+        q: ``[B, Hkv, G, 1, D]`` the token's queries.
+        k: ``[B, Hkv, 1, D]`` its key.
+        v: ``[B, Hkv, 1, E]`` its value.
+        state: ``{"hz": [B, Hkv, D], "mean": [B, Hkv, D, E]}`` before the token (see ``init_heinsen_state``).
+        in_place: update the state's buffers.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hkv, G, 1, E]`` and the new state.
+
+    Example:
+        >>> state = init_heinsen_state(1, 2, 4, 3, torch.device("cpu"), torch.float32)
+        >>> v = torch.randn(1, 2, 1, 3)
+        >>> o, state = heinsen_step(torch.randn(1, 2, 1, 1, 4), torch.randn(1, 2, 1, 4), v, state)
+        >>> torch.allclose(o[:, :, 0], v, atol=1e-6)  # one key so far: its value
+        True
+    """
     hz, mean = state["hz"], state["mean"]
     q, k, v = q.to(hz.dtype), k[:, :, 0].to(hz.dtype), v[:, :, 0].to(hz.dtype)
     gap = k - hz
@@ -133,7 +245,22 @@ def chunk_log_weights(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -
     w_ts = exp(a_t + b_s) sum_i exp(q_ti - a_t) exp(k_si - b_s), every factor in (0, 1] and the sum at least
     the product of the two factors at any one i. Where a visible pair's sum falls below 1e-30 (entries hundreds
     apart, far beyond trained models) the exact all-pairs log-sum-exp replaces the product, one query block
-    at a time."""
+    at a time.
+
+    Args:
+        q: ``[..., C, D]`` queries.
+        k: ``[..., C, D]`` keys.
+        visible: ``[C, C]`` bool (broadcast): the pairs whose precision counts.
+
+    Returns:
+        ``[..., C, C]`` log-weights.
+
+    Example:
+        >>> q, k = torch.randn(3, 4), torch.randn(3, 4)
+        >>> exact = torch.logsumexp(q[:, None] + k[None], dim=-1)
+        >>> torch.allclose(chunk_log_weights(q, k, torch.ones(3, 3, dtype=torch.bool)), exact, atol=1e-5)
+        True
+    """
     query_max = q.amax(dim=-1, keepdim=True).detach()
     key_max = k.amax(dim=-1, keepdim=True).detach()
     sums = torch.exp(q - query_max) @ torch.exp(k - key_max).transpose(-1, -2)
@@ -170,7 +297,25 @@ def heinsen_chunked(
     """Chunkwise causal form: exact pairwise weights inside a chunk (``chunk_log_weights``), the state across
     chunks. Both parts are brought to a common per-query offset m_t (the largest log-weight) before leaving
     log space, so nothing overflows however large the logits are. A padded tail (keys log 0, values and
-    queries 0) completes the last chunk and is dropped."""
+    queries 0) completes the last chunk and is dropped.
+
+    Args:
+        q: ``[B, Hkv, G, T, D]`` queries (already scaled).
+        k: ``[B, Hkv, T, D]`` keys (padded tokens at ``log_zero``).
+        v: ``[B, Hkv, T, E]`` values.
+        state: ``{"hz": [B, Hkv, D], "mean": [B, Hkv, D, E]}`` start state; the inputs are cast to its dtype.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``(o, state)``: o ``[B, Hkv, G, T, E]`` and the final state.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 5, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 3)
+        >>> state = init_heinsen_state(1, 1, 4, 3, torch.device("cpu"), torch.float32)
+        >>> o, state = heinsen_chunked(q, k, v, state, chunk_size=2)
+        >>> torch.allclose(o, heinsen_parallel(q, k, v), atol=1e-5)
+        True
+    """
     hz, mean = state["hz"], state["mean"]
     q, k, v = q.to(hz.dtype), k.to(hz.dtype), v.to(hz.dtype)  # float32 states of a half-precision model
     b, hk, g, t, d = q.shape
@@ -200,7 +345,24 @@ def heinsen_chunked(
 def init_heinsen_state(
     batch: int, kv_heads: int, d_k: int, d_v: int, device: torch.device, dtype: torch.dtype
 ) -> State:
-    """Empty sums: H^Z = log 0 and M = 0."""
+    """Empty sums: H^Z = log 0 and M = 0.
+
+    Args:
+        batch: B.
+        kv_heads: Hkv, the key heads (one state each).
+        d_k: D, the key width.
+        d_v: E, the value width.
+        device: where the state lives.
+        dtype: its dtype.
+
+    Returns:
+        ``{"hz": [B, Hkv, D], "mean": [B, Hkv, D, E]}``.
+
+    Example:
+        >>> state = init_heinsen_state(1, 2, 4, 3, torch.device("cpu"), torch.float32)
+        >>> state["hz"].shape, state["mean"].shape
+        (torch.Size([1, 2, 4]), torch.Size([1, 2, 4, 3]))
+    """
     return {
         "hz": torch.full((batch, kv_heads, d_k), log_zero(dtype), device=device, dtype=dtype),
         "mean": torch.zeros((batch, kv_heads, d_k, d_v), device=device, dtype=dtype),

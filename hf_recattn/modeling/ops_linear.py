@@ -31,7 +31,20 @@ def _causal(scores: torch.Tensor) -> torch.Tensor:
 
 
 def decay_weights(log_g: torch.Tensor) -> torch.Tensor:
-    """[B, Hkv, T] log factors -> [B, Hkv, 1, T, T] causal weights exp(L_t - L_s) (zero above the diagonal)."""
+    """[B, Hkv, T] log factors -> [B, Hkv, 1, T, T] causal weights exp(L_t - L_s) (zero above the diagonal).
+
+    Args:
+        log_g: ``[B, Hkv, T]`` log forget factors (<= 0); L is their inclusive cumulative sum.
+
+    Returns:
+        ``[B, Hkv, 1, T, T]``: the factor by which key s reaches query t (s <= t), zero for s > t.
+
+    Example:
+        >>> decay_weights(torch.log(torch.full((1, 1, 3), 0.5)))[0, 0, 0]
+        tensor([[1.0000, 0.0000, 0.0000],
+                [0.5000, 1.0000, 0.0000],
+                [0.2500, 0.5000, 1.0000]])
+    """
     cum = log_g.cumsum(-1)
     diff = cum[..., :, None] - cum[..., None, :]
     t = log_g.shape[-1]
@@ -42,7 +55,25 @@ def decay_weights(log_g: torch.Tensor) -> torch.Tensor:
 def linear_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, log_g: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quadratic form: returns (numerator [B,Hkv,G,T,E], denominator [B,Hkv,G,T])."""
+    """Quadratic form: returns (numerator [B,Hkv,G,T,E], denominator [B,Hkv,G,T]).
+
+    Args:
+        q: ``[B, Hkv, G, T, F]`` feature-mapped queries, G query heads per key head.
+        k: ``[B, Hkv, T, F]`` feature-mapped keys (zero for padded tokens).
+        v: ``[B, Hkv, T, E]`` values.
+        causal: each query reads only keys up to its own position.
+        log_g: ``[B, Hkv, T]`` log forget factors (<= 0) of a decayed state, or None (causal only).
+
+    Returns:
+        ``(num, den)``: ``sum_s w_ts v_s`` ``[B, Hkv, G, T, E]`` and ``sum_s w_ts`` ``[B, Hkv, G, T]``, with
+        w_ts = q_t . k_s times the decay between s and t.
+
+    Example:
+        >>> q, k, v = torch.rand(1, 2, 1, 4, 3), torch.rand(1, 2, 4, 3), torch.randn(1, 2, 4, 5)
+        >>> num, den = linear_parallel(q, k, v)
+        >>> (num / den[..., None]).shape  # linear attention's output
+        torch.Size([1, 2, 1, 4, 5])
+    """
     scores = linear_scores(q, k, causal, log_g)
     return torch.einsum("bhgts,bhse->bhgte", scores, v), scores.sum(-1)
 
@@ -51,7 +82,22 @@ def linear_scores(
     q: torch.Tensor, k: torch.Tensor, causal: bool = True, log_g: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[B, Hkv, G, T, S]: what key s contributes to query t's numerator and denominator, q_t . k_s times the
-    decay between them (zero above the diagonal when causal)."""
+    decay between them (zero above the diagonal when causal).
+
+    Args:
+        q: ``[B, Hkv, G, T, F]`` feature-mapped queries.
+        k: ``[B, Hkv, S, F]`` feature-mapped keys.
+        causal: zero the scores of keys after the query (the last T of S positions are the queries').
+        log_g: ``[B, Hkv, T]`` log forget factors (only with ``causal``), or None.
+
+    Returns:
+        ``[B, Hkv, G, T, S]`` scores.
+
+    Example:
+        >>> linear_scores(torch.ones(1, 1, 1, 2, 3), torch.ones(1, 1, 2, 3))[0, 0, 0]
+        tensor([[3., 0.],
+                [3., 3.]])
+    """
     scores = torch.einsum("bhgtf,bhsf->bhgts", q, k)
     if log_g is not None:
         if not causal:
@@ -71,7 +117,25 @@ def linear_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunkwise causal form, O(T * chunk): exact inside a chunk, state across chunks.
 
-    Returns (numerator, denominator, final S, final z).
+    Args:
+        q: ``[B, Hkv, G, T, F]`` feature-mapped queries.
+        k: ``[B, Hkv, T, F]`` feature-mapped keys (zero for padded tokens).
+        v: ``[B, Hkv, T, E]`` values.
+        S: ``[B, Hkv, F, E]`` start state, sum of k v^T (the inputs are cast to its dtype).
+        z: ``[B, Hkv, F]`` start key sum.
+        chunk_size: tokens per chunk.
+        log_g: ``[B, Hkv, T]`` log forget factors (<= 0), or None.
+
+    Returns:
+        ``(num, den, S, z)``: numerator ``[B, Hkv, G, T, E]``, denominator ``[B, Hkv, G, T]`` and the final S and z.
+
+    Example:
+        >>> q, k, v = torch.rand(1, 1, 2, 5, 3), torch.rand(1, 1, 5, 3), torch.randn(1, 1, 5, 4)
+        >>> log_g = -torch.rand(1, 1, 5)
+        >>> num, den, S, z = linear_chunked(q, k, v, torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3), 2, log_g)
+        >>> ref_num, ref_den = linear_parallel(q, k, v, log_g=log_g)
+        >>> torch.allclose(num, ref_num, atol=1e-5), torch.allclose(den, ref_den, atol=1e-5), S.shape
+        (True, True, torch.Size([1, 1, 3, 4]))
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     log_g = None if log_g is None else log_g.to(S.dtype)
@@ -127,6 +191,24 @@ def linear_step(
 
     Written with addcmul / matmul rather than einsum: a decode step runs this once per layer per token, and
     einsum's reshapes cost more than the arithmetic at these sizes.
+
+    Args:
+        q: ``[B, Hkv, G, 1, F]`` the token's feature-mapped queries.
+        k: ``[B, Hkv, 1, F]`` its feature-mapped key.
+        v: ``[B, Hkv, 1, E]`` its value.
+        S: ``[B, Hkv, F, E]`` state before the token.
+        z: ``[B, Hkv, F]`` key sum before the token.
+        log_g: ``[B, Hkv, 1]`` the token's log forget factor, or None.
+        in_place: update S and z in their buffers.
+
+    Returns:
+        ``(num, den, S, z)``: numerator ``[B, Hkv, G, 1, E]``, denominator ``[B, Hkv, G, 1]``, the new S and z.
+
+    Example:
+        >>> q, k, v = torch.rand(1, 2, 3, 1, 4), torch.rand(1, 2, 1, 4), torch.randn(1, 2, 1, 5)
+        >>> num, den, S, z = linear_step(q, k, v, torch.zeros(1, 2, 4, 5), torch.zeros(1, 2, 4))
+        >>> torch.allclose(num / den[..., None], v[:, :, None].expand(1, 2, 3, 1, 5))  # one key: its value
+        True
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     kernel = pick("linear_step", q, k, v, S, z, log_g,
@@ -152,7 +234,22 @@ def linear_step(
 
 
 def noncausal_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bidirectional form in O(T): every query reads the state of the whole sequence."""
+    """Bidirectional form in O(T): every query reads the state of the whole sequence.
+
+    Args:
+        q: ``[B, Hkv, G, T, F]`` feature-mapped queries.
+        k: ``[B, Hkv, T, F]`` feature-mapped keys.
+        v: ``[B, Hkv, T, E]`` values.
+
+    Returns:
+        ``(num, den)``: numerator ``[B, Hkv, G, T, E]`` and denominator ``[B, Hkv, G, T]``.
+
+    Example:
+        >>> q, k, v = torch.rand(1, 1, 1, 4, 3), torch.rand(1, 1, 4, 3), torch.randn(1, 1, 4, 2)
+        >>> num, den = noncausal_linear(q, k, v)
+        >>> torch.allclose(num, linear_parallel(q, k, v, causal=False)[0], atol=1e-6)
+        True
+    """
     S = torch.einsum("bhsf,bhse->bhfe", k, v)
     z = k.sum(2)
     return torch.einsum("bhgtf,bhfe->bhgte", q, S), torch.einsum("bhgtf,bhf->bhgt", q, z)

@@ -60,7 +60,23 @@ def conjugate_gradient(
     shrinking by the recurrence until the dot products' terms are subnormal floats, which a CPU computes one to
     two orders of magnitude slower (it halved MesaNet's fp32 prefill); what it would still add to x lies far
     below x's own rounding. Once every system of the batch has stopped, the loop ends (where
-    ``_may_stop_early``): the steps it skips would add exact zeros, so x is the same, bit for bit."""
+    ``_may_stop_early``): the steps it skips would add exact zeros, so x is the same, bit for bit.
+
+    Args:
+        matvec: maps ``[..., D]`` vectors p to A p (A symmetric positive definite).
+        rhs: ``[..., D]`` right-hand sides.
+        diag: ``[..., D]`` A's diagonal (broadcast against ``rhs``).
+        steps: CG iterations (0: the preconditioned start alone).
+
+    Returns:
+        ``[..., D]`` the approximate solutions x.
+
+    Example:
+        >>> a = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> x = conjugate_gradient(lambda p: p @ a, torch.tensor([[1.0, 2.0]], dtype=torch.float64), a.diagonal(), 2)
+        >>> torch.allclose(x @ a, torch.tensor([[1.0, 2.0]], dtype=torch.float64))  # 2 steps solve a 2 x 2 system
+        True
+    """
     tiny = torch.finfo(rhs.dtype).tiny
     inv = diag.reciprocal()
     x = rhs * inv
@@ -116,7 +132,23 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def solve_dense(h: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, solver: str, cg_steps: int) -> torch.Tensor:
     """x = (H + Lambda)^-1 q for explicit matrices: h [B, Hk, T, D, D] (symmetric), q [B, Hk, T, G, D],
-    lam [Hk, G, D]. Returns x [B, Hk, T, G, D]."""
+    lam [Hk, G, D]. Returns x [B, Hk, T, G, D].
+
+    Args:
+        h: ``[B, Hk, T, D, D]`` symmetric positive semi-definite states H_t.
+        q: ``[B, Hk, T, G, D]`` right-hand sides, G query heads per key head.
+        lam: ``[Hk, G, D]`` Lambda, a positive diagonal per query head.
+        solver: ``"exact"`` (Cholesky) or ``"cg"``.
+        cg_steps: conjugate-gradient steps when ``solver="cg"``.
+
+    Returns:
+        ``[B, Hk, T, G, D]`` the solutions x.
+
+    Example:
+        >>> h, q, lam = torch.eye(3).expand(1, 1, 2, 3, 3), torch.ones(1, 1, 2, 1, 3), torch.ones(1, 1, 3)
+        >>> solve_dense(h, q, lam, "exact", 0)[0, 0, 0]  # (I + I)^-1 1
+        tensor([[0.5000, 0.5000, 0.5000]])
+    """
     lam = lam[:, None]  # [Hk, 1, G, D]: broadcasts over B and T
     if solver == "exact":
         chol = torch.linalg.cholesky(h[..., None, :, :] + torch.diag_embed(lam))
@@ -147,7 +179,26 @@ def mesa_parallel(
     solver: str = "exact",
     cg_steps: int = 30,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole sequence at once: returns (o [B, Hk, G, T, E], final H, final G)."""
+    """The whole sequence at once: returns (o [B, Hk, G, T, E], final H, final G).
+
+    Args:
+        operands: ``MesaOperands``: q ``[B, Hk, G, T, D]``, k ``[B, Hk, T, D]``, v ``[B, Hk, T, E]``, log_gamma and
+            beta ``[B, Hk, T]``, lam ``[Hk, G, D]``.
+        h0: ``[B, Hk, D, D]`` start state H, or None for zeros.
+        g0: ``[B, Hk, D, E]`` start state G, or None for zeros.
+        solver: ``"exact"`` or ``"cg"``.
+        cg_steps: conjugate-gradient steps when ``solver="cg"``.
+
+    Returns:
+        ``(o, H, G)``: o ``[B, Hk, G, T, E]``, the final H ``[B, Hk, D, D]`` and G ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 1, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+        >>> operands = MesaOperands(q, k, v, -torch.rand(1, 2, 5), torch.rand(1, 2, 5), torch.ones(2, 1, 4))
+        >>> o, h, g = mesa_parallel(operands)
+        >>> o.shape, h.shape, g.shape
+        (torch.Size([1, 2, 1, 5, 3]), torch.Size([1, 2, 4, 4]), torch.Size([1, 2, 4, 3]))
+    """
     q, k, v, log_gamma, beta, lam = operands
     b, hk, groups, t, d = q.shape
     w, cum = _decay_weights(log_gamma, beta)  # [B, Hk, T, T]
@@ -179,6 +230,25 @@ def mesa_chunked(
     leaves H_{i+1} = e^{g_C} H_i + sum_s w_Cs k_s k_s^T. The start states are passed first (a loop of one small
     product per chunk), then the chunks are solved a few at a time (CG's vectors small enough to stay in cache)
     and read at once.
+
+    Args:
+        operands: ``MesaOperands`` (q, k, v, log_gamma, beta, lam), shaped as for ``mesa_parallel``.
+        h0: ``[B, Hk, D, D]`` start state H.
+        g0: ``[B, Hk, D, E]`` start state G.
+        chunk_size: tokens per chunk (any T works: the last chunk is padded).
+        solver: ``"cg"`` or ``"exact"``.
+        cg_steps: conjugate-gradient steps when ``solver="cg"``.
+
+    Returns:
+        ``(o, H, G)``: o ``[B, Hk, G, T, E]``, the final H ``[B, Hk, D, D]`` and G ``[B, Hk, D, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 5, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 3)
+        >>> operands = MesaOperands(q, k, v, -torch.rand(1, 1, 5), torch.rand(1, 1, 5), torch.ones(1, 2, 4))
+        >>> h0, g0 = torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 3)
+        >>> o, h, g = mesa_chunked(operands, h0, g0, chunk_size=2, solver="exact")
+        >>> torch.allclose(o, mesa_parallel(operands, h0, g0, solver="exact")[0], atol=1e-5)
+        True
     """
     q, k, v, log_gamma, beta, lam = operands
     b, hk, groups, t, d = q.shape
@@ -262,7 +332,27 @@ def mesa_step(
     cg_steps: int = 30,
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token (T == 1): returns (o [B, Hk, G, 1, E], new H, new G); ``in_place`` writes them into h and g."""
+    """One token (T == 1): returns (o [B, Hk, G, 1, E], new H, new G); ``in_place`` writes them into h and g.
+
+    Args:
+        operands: ``MesaOperands`` of one token: q ``[B, Hk, G, 1, D]``, k ``[B, Hk, 1, D]``, v ``[B, Hk, 1, E]``,
+            log_gamma and beta ``[B, Hk, 1]``, lam ``[Hk, G, D]``.
+        h: ``[B, Hk, D, D]`` state H before the token.
+        g: ``[B, Hk, D, E]`` state G before the token.
+        solver: ``"exact"`` or ``"cg"``.
+        cg_steps: conjugate-gradient steps when ``solver="cg"``.
+        in_place: update h and g in their buffers.
+
+    Returns:
+        ``(o, H, G)``: o ``[B, Hk, G, 1, E]`` and the new states.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 3, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 5)
+        >>> operands = MesaOperands(q, k, v, torch.zeros(1, 2, 1), torch.ones(1, 2, 1), torch.ones(2, 3, 4))
+        >>> o, h, g = mesa_step(operands, torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 5))
+        >>> o.shape, h.shape, g.shape
+        (torch.Size([1, 2, 3, 1, 5]), torch.Size([1, 2, 4, 4]), torch.Size([1, 2, 4, 5]))
+    """
     q, k, v, log_gamma, beta, lam = operands
     gamma = log_gamma.exp()[..., None]  # [B, Hk, 1, 1]
     written = (k * beta[..., None]).transpose(-1, -2)  # beta k as a column: [B, Hk, D, 1]

@@ -23,7 +23,20 @@ from .triangular import unit_lower_solve
 
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the allowed entries of the last dim; a row with no allowed entry is all zeros."""
+    """Softmax over the allowed entries of the last dim; a row with no allowed entry is all zeros.
+
+    Args:
+        logits: ``[..., S]`` scores.
+        allowed: bool, broadcastable to ``logits``: True where an entry takes part.
+
+    Returns:
+        ``[..., S]`` probabilities, zero where not allowed.
+
+    Example:
+        >>> masked_softmax(torch.zeros(2, 3), torch.tensor([[True, True, False], [False, False, False]]))
+        tensor([[0.5000, 0.5000, 0.0000],
+                [0.0000, 0.0000, 0.0000]])
+    """
     filled = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
     return torch.softmax(filled, dim=-1) * allowed.to(logits.dtype)
 
@@ -31,7 +44,23 @@ def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 def key_visibility(
     num_past: int, num_new: int, key_real: torch.Tensor | None, strict: bool, device: torch.device
 ) -> torch.Tensor:
-    """[B or 1, 1, T, P + T] bool: the keys each new token sees (j < i if ``strict`` else j <= i; real keys)."""
+    """[B or 1, 1, T, P + T] bool: the keys each new token sees (j < i if ``strict`` else j <= i; real keys).
+
+    Args:
+        num_past: P, the cached tokens before the new ones.
+        num_new: T, the new tokens.
+        key_real: ``[B, P + T]`` (True / 1 = real token), or None when every token is real.
+        strict: only earlier keys (j < i) rather than j <= i.
+        device: where the mask is built.
+
+    Returns:
+        ``[B or 1, 1, T, P + T]`` bool, True where new token i sees key j.
+
+    Example:
+        >>> key_visibility(1, 2, None, False, torch.device("cpu"))[0, 0]
+        tensor([[ True,  True, False],
+                [ True,  True,  True]])
+    """
     query_pos = torch.arange(num_past, num_past + num_new, device=device)[:, None]
     key_pos = torch.arange(num_past + num_new, device=device)[None, :]
     seen = (key_pos < query_pos) if strict else (key_pos <= query_pos)
@@ -55,6 +84,27 @@ def deltaformer_attention(
     [B, Hk, P + T, D], every u).
 
     O((P + T) T D) for the scores plus one [T, T] unit lower triangular solve per key head.
+
+    Args:
+        q: ``[B, Hk, G, T, D]`` queries, G query heads per key head.
+        k: ``[B, Hk, T, D]`` keys of the new tokens.
+        v: ``[B, Hk, T, E]`` their values.
+        write: ``[B, Hk, T]`` write strength b of the new tokens, or None for b = 1 (Su's form).
+        cache: (keys ``[B, Hk, P, D]``, u ``[B, Hk, P, E]``) of the P cached tokens (P may be 0).
+        key_real: ``[B, P + T]`` (True = real token), or None.
+        scale: query-key scale of the output softmax.
+        key_scale: key-key scale of the feedback softmax.
+
+    Returns:
+        ``(o, keys, u)``: o ``[B, Hk, G, T, E]``, and the grown cache: keys ``[B, Hk, P + T, D]``, u
+        ``[B, Hk, P + T, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 1, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+        >>> empty = (torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0, 8))
+        >>> o, keys, u = deltaformer_attention(q, k, v, None, empty, None, 8**-0.5, 8**-0.5)
+        >>> o.shape, keys.shape, u.shape
+        (torch.Size([1, 2, 1, 4, 8]), torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4, 8]))
     """
     past_keys, past_u = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
@@ -85,7 +135,27 @@ def deltaformer_step(
     The new key's feedback row (keys j < t) and the G query rows (keys j <= t) share the score product with the
     cached keys and the read of the cached u's; the query rows then add the new token's own term, whose u is
     only known after the feedback row is read. Same result as :func:`deltaformer_attention` up to rounding.
-    ``cache``: the cached keys and u's; ``scales``: (scale, key_scale).
+
+    Args:
+        q: ``[B, Hk, G, 1, D]`` the token's queries.
+        k: ``[B, Hk, 1, D]`` its key.
+        v: ``[B, Hk, 1, E]`` its value.
+        write: ``[B, Hk, 1]`` its write strength b, or None for b = 1.
+        cache: (keys ``[B, Hk, P, D]``, u ``[B, Hk, P, E]``) of the cached tokens.
+        key_real: ``[B, P + 1]`` (True = real token), or None.
+        scales: (scale, key_scale), as in :func:`deltaformer_attention`.
+
+    Returns:
+        ``(o, keys, u)``: o ``[B, Hk, G, 1, E]``, keys ``[B, Hk, P + 1, D]``, u ``[B, Hk, P + 1, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+        >>> empty = (torch.zeros(1, 1, 0, 8), torch.zeros(1, 1, 0, 8))
+        >>> _, keys, u = deltaformer_attention(q[..., :3, :], k[:, :, :3], v[:, :, :3], None, empty, None, 0.3, 0.3)
+        >>> o, keys, u = deltaformer_step(q[..., 3:, :], k[:, :, 3:], v[:, :, 3:], None, (keys, u), None, (0.3, 0.3))
+        >>> whole, _, _ = deltaformer_attention(q, k, v, None, empty, None, 0.3, 0.3)
+        >>> torch.allclose(o, whole[..., 3:, :], atol=1e-5)
+        True
     """
     (past_keys, past_u), (scale, key_scale) = cache, scales
     rows = torch.cat([k * key_scale, q[:, :, :, 0] * scale], dim=2)  # [B, Hk, 1 + G, D]

@@ -54,7 +54,29 @@ def path_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """New tokens after ``P`` cached ones (``cache``: their keys and values), in blocks of ``chunk_size``.
 
-    Returns (o [B, Hk, G, T, E], every key transported to the last token [B, Hk, P + T, D], every value).
+    Args:
+        q: ``[B, Hk, G, T, D]`` queries, G query heads per key head.
+        k: ``[B, Hk, T, D]`` keys of the new tokens.
+        v: ``[B, Hk, T, E]`` their values.
+        w: ``[B, Hk, T, D]`` Householder directions (unit rows).
+        b: ``[B, Hk, T]`` Householder strengths in [0, 2] (0 on padded tokens: no Householder).
+        cache: (keys ``[B, Hk, P, D]`` carried to the latest cached token, values ``[B, Hk, P, E]``); P may be 0.
+        key_real: ``[B, P + T]`` (True = real token), or None.
+        scale: query-key scale.
+        chunk_size: tokens per block.
+
+    Returns:
+        ``(o, keys, values)``: o ``[B, Hk, G, T, E]``, every key carried to the last token ``[B, Hk, P + T, D]``,
+        every value ``[B, Hk, P + T, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 1, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+        >>> w, b = torch.randn(1, 2, 5, 4), torch.zeros(1, 2, 5)  # b = 0: no Householder, softmax attention
+        >>> w = w / w.norm(dim=-1, keepdim=True)
+        >>> o, keys, values = path_attention(q, k, v, w, b, (k[:, :, :0], v[:, :, :0]), None, 0.5, chunk_size=2)
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention
+        >>> torch.allclose(o, sdpa(q, k[:, :, None], v[:, :, None], is_causal=True, scale=0.5), atol=1e-5)
+        True
     """
     past_keys, past_values = cache
     num_past, num_new = past_keys.shape[2], k.shape[2]
@@ -88,7 +110,32 @@ def path_step(
     """One new token after ``P >= 1`` cached ones: one product of [w; queries] with the cached keys gives both
     ``K~ w`` (for carrying the keys over H_t) and the queries' scores, ``q . H_t k~_j = q . k~_j - b (q . w)
     (k~_j . w)``; the carried keys are written straight into the grown cache. Same result as the block form.
-    ``householder``: (w, b) of the token; ``cache``: the cached keys and values."""
+
+    Args:
+        q: ``[B, Hk, G, 1, D]`` the token's queries.
+        k: ``[B, Hk, 1, D]`` its key.
+        v: ``[B, Hk, 1, E]`` its value.
+        householder: (w ``[B, Hk, 1, D]``, b ``[B, Hk, 1]``) of the token.
+        cache: (keys ``[B, Hk, P, D]`` carried to the previous token, values ``[B, Hk, P, E]``).
+        key_real: ``[B, P + 1]`` (True = real token), or None.
+        scale: query-key scale.
+
+    Returns:
+        ``(o, keys, values)``: o ``[B, Hk, G, 1, E]``, keys ``[B, Hk, P + 1, D]`` carried to this token, values
+        ``[B, Hk, P + 1, E]``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+        >>> w, b = torch.randn(1, 1, 4, 8), torch.rand(1, 1, 4) * 2
+        >>> w = w / w.norm(dim=-1, keepdim=True)
+        >>> empty = (k[:, :, :0], v[:, :, :0])
+        >>> _, keys, values = path_attention(q[..., :3, :], k[:, :, :3], v[:, :, :3], w[:, :, :3], b[..., :3], empty,
+        ...                                  None, 0.3, chunk_size=2)
+        >>> o, _, _ = path_step(q[..., 3:, :], k[:, :, 3:], v[:, :, 3:], (w[:, :, 3:], b[..., 3:]), (keys, values),
+        ...                     None, 0.3)
+        >>> torch.allclose(o, path_attention(q, k, v, w, b, empty, None, 0.3, chunk_size=2)[0][..., 3:, :], atol=1e-5)
+        True
+    """
     (w, b), (past_keys, past_values) = householder, cache
     bsz, hk, num_past, d = past_keys.shape
     wt, qt = w[:, :, 0], q[:, :, :, 0]  # [B, Hk, D], [B, Hk, G, D]

@@ -27,7 +27,19 @@ State = dict[str, torch.Tensor]
 
 
 def taylor_poly(x: torch.Tensor, order: int) -> torch.Tensor:
-    """T_N(x) by Horner's rule: 1 + x(1 + x/2(1 + x/3(... (1 + x/N))))."""
+    """T_N(x) by Horner's rule: 1 + x(1 + x/2(1 + x/3(... (1 + x/N)))).
+
+    Args:
+        x: any tensor.
+        order: N >= 0.
+
+    Returns:
+        T_N(x) = sum_{n <= N} x^n / n!, shaped like ``x``.
+
+    Example:
+        >>> taylor_poly(torch.tensor([0.0, 1.0, 2.0]), 2)
+        tensor([1.0000, 2.5000, 5.0000])
+    """
     out = torch.ones_like(x)
     for n in range(order, 0, -1):
         out = 1.0 + out * x / n
@@ -35,7 +47,19 @@ def taylor_poly(x: torch.Tensor, order: int) -> torch.Tensor:
 
 
 def packed_dim(head_dim: int, order: int) -> int:
-    """Entries of Phi for orders 0..N: sum_n C(d+n-1, n) = C(d+N, N)."""
+    """Entries of Phi for orders 0..N: sum_n C(d+n-1, n) = C(d+N, N).
+
+    Args:
+        head_dim: d, the width of the vectors Phi maps.
+        order: N.
+
+    Returns:
+        C(d + N, N), the width of Phi.
+
+    Example:
+        >>> packed_dim(64, 2)
+        2145
+    """
     return math.comb(head_dim + order, order)
 
 
@@ -80,7 +104,20 @@ def _tables_on(
 
 
 def packed_powers(x: torch.Tensor, order: int) -> torch.Tensor:
-    """Phi(x) = [1, phi_1(x), ..., phi_N(x)] over the last dim: ``[..., D] -> [..., C(D+N, N)]``."""
+    """Phi(x) = [1, phi_1(x), ..., phi_N(x)] over the last dim: ``[..., D] -> [..., C(D+N, N)]``.
+
+    Args:
+        x: ``[..., D]`` vectors.
+        order: N.
+
+    Returns:
+        ``[..., C(D+N, N)]`` features with Phi(q) . Phi(k) = T_N(q . k).
+
+    Example:
+        >>> q, k = torch.randn(3), torch.randn(3)
+        >>> torch.allclose(packed_powers(q, 3) @ packed_powers(k, 3), taylor_poly(q @ k, 3), atol=1e-5)
+        True
+    """
     if order <= 2:
         return _packed_squares(x, order)
     parts = [torch.ones_like(x[..., :1])]
@@ -153,6 +190,28 @@ def taylor_chunked(
     the denominator / count are computed when the state holds ``z`` / ``n``. The denominator rides along as one
     more value column (of ones) and padded keys get zero value rows, so one product per chunk reads both and one
     updates both; the G query heads of a key head are stacked into one [G * C, P] block.
+
+    Args:
+        q: ``[B, Hkv, G, T, D]`` queries (already scaled).
+        k: ``[B, Hkv, T, D]`` keys.
+        v: ``[B, Hkv, T, E]`` values.
+        state: ``{"S": [B, Hkv, P, E]}``, optionally with ``"z": [B, Hkv, P]`` and ``"n": [B, Hkv]`` (P =
+            ``packed_dim(D, order)``); the inputs are cast to S's dtype.
+        order: N.
+        chunk_size: tokens per chunk.
+        key_mask: ``[B, T]`` (1 = real token, 0 = padding), or None.
+
+    Returns:
+        ``(num, den, count, state)``: numerator ``[B, Hkv, G, T, E]``, denominator ``[B, Hkv, G, T]`` (with z, else
+        None), real keys seen ``[B, Hkv, G, T]`` (with n, else None) and the final state.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 1, 2, 5, 3) / 2, torch.randn(1, 1, 5, 3) / 2, torch.randn(1, 1, 5, 4)
+        >>> state = {"S": torch.zeros(1, 1, packed_dim(3, 2), 4), "z": torch.zeros(1, 1, packed_dim(3, 2))}
+        >>> num, den, _, state = taylor_chunked(q, k, v, state, 2, chunk_size=2, key_mask=None)
+        >>> w = taylor_poly(q @ k[:, :, None].transpose(-1, -2), 2).tril()
+        >>> torch.allclose(num, w @ v[:, :, None], atol=1e-5), torch.allclose(den, w.sum(-1), atol=1e-5)
+        (True, True)
     """
     S, z, n = state["S"], state.get("z"), state.get("n")
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)  # float32 states of a half-precision model
@@ -206,6 +265,26 @@ def taylor_step(
 
     ``in_place`` adds to the state buffers instead of allocating new ones: at order 2 the state is 2,145 x 64
     floats per key head, and a fresh copy per token costs more than the arithmetic.
+
+    Args:
+        q: ``[B, Hkv, G, 1, D]`` the token's queries (already scaled).
+        k: ``[B, Hkv, 1, D]`` its key.
+        v: ``[B, Hkv, 1, E]`` its value.
+        state: ``{"S": [B, Hkv, P, E]}``, optionally with ``"z"`` and ``"n"`` (see ``taylor_chunked``).
+        order: N.
+        key_mask: ``[B, 1]`` (1 = real token), or None.
+        in_place: add to the state's buffers.
+
+    Returns:
+        ``(num, den, count, state)``: numerator ``[B, Hkv, G, 1, E]``, denominator ``[B, Hkv, G, 1]`` or None,
+        count ``[B, Hkv, G, 1]`` or None, and the new state.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 3, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 5)
+        >>> state = {"S": torch.zeros(1, 2, packed_dim(4, 2), 5), "z": torch.zeros(1, 2, packed_dim(4, 2))}
+        >>> num, den, _, state = taylor_step(q, k, v, state, 2, key_mask=None)
+        >>> torch.allclose(num / den[..., None], v[:, :, None].expand(1, 2, 3, 1, 5), atol=1e-5)  # one key: its value
+        True
     """
     S = state["S"]
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
@@ -234,7 +313,22 @@ def taylor_step(
 def quadratic_weights(
     scores: torch.Tensor, visible: torch.Tensor, order: int | str, stabilize: bool
 ) -> torch.Tensor:
-    """Parallel-form weights: T_N(x) or exp(x) (minus the row max when ``stabilize``), zero where hidden."""
+    """Parallel-form weights: T_N(x) or exp(x) (minus the row max when ``stabilize``), zero where hidden.
+
+    Args:
+        scores: ``[..., T, S]`` scaled scores q . k.
+        visible: ``[..., T, S]`` bool (broadcast): the pairs that count.
+        order: N, or ``"exp"`` for the exponential.
+        stabilize: with ``"exp"``, subtract each row's largest visible score first (a factor that cancels in a ratio).
+
+    Returns:
+        ``[..., T, S]`` weights, zero where not visible.
+
+    Example:
+        >>> quadratic_weights(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool).tril(), 2, False)
+        tensor([[2.5000, 0.0000],
+                [2.5000, 2.5000]])
+    """
     if order == "exp":
         if stabilize:
             row_max = scores.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True)

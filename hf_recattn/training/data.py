@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..embedded_teachers import embedded_gguf_path, gguf_tokenizer
-from .settings import DataSettings
+from .run_config import DataSettings
 
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _HUB_ID = re.compile(r"^(hub:)?[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

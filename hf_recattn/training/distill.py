@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
+from .arguments import build_training_arguments
+from .distill_settings import DistillSettings
 from .forms import fastest_forms
 from .parallel import local_share
 from .runner import (
@@ -34,7 +36,6 @@ from .runner import (
     quiet_gradient_checkpointing_notice,
     train_with_resume,
 )
-from .settings import Stage2Settings, build_training_arguments
 from .trainable import finished_model, is_mixer_parameter, set_trainable
 
 
@@ -232,7 +233,7 @@ class _StopAfter(TrainerCallback):
 
 
 def training_arguments(
-    settings: Stage2Settings, output_dir: str | Path, seed: int, steps: int, progress: bool, **overrides: Any
+    settings: DistillSettings, output_dir: str | Path, seed: int, steps: int, progress: bool, **overrides: Any
 ) -> TrainingArguments:
     """Trainer's arguments for a distillation finetune of ``steps`` optimizer steps (``overrides`` win)."""
     values: dict[str, Any] = {
@@ -261,13 +262,13 @@ def training_arguments(
     return build_training_arguments(values, "stage 2", has_eval=False, output_dir=str(output_dir))
 
 
-def trainable_student(student: nn.Module, settings: Stage2Settings) -> nn.Module:
+def trainable_student(student: nn.Module, settings: DistillSettings) -> nn.Module:
     """The model Trainer trains: ``student`` itself with every weight trainable (``method: full``), or wrapped
     with LoRA adapters."""
     return set_trainable(student, settings.method or "lora", settings.lora, settings.train_mixer, "stage2")
 
 
-def finished_student(trained: nn.Module, settings: Stage2Settings) -> nn.Module:
+def finished_student(trained: nn.Module, settings: DistillSettings) -> nn.Module:
     """The plain model after training: adapters merged (LoRA), frozen and in eval mode."""
     return finished_model(trained, settings.method or "lora")
 
@@ -276,7 +277,7 @@ def finetune(
     teacher: nn.Module | None,
     student: nn.Module,
     blocks: torch.Tensor,
-    settings: Stage2Settings,
+    settings: DistillSettings,
     output_dir: str | Path,
     seed: int = 0,
     progress: bool = True,
@@ -301,7 +302,7 @@ def _finetune(
     teacher: nn.Module | None,
     student: nn.Module,
     blocks: torch.Tensor,
-    settings: Stage2Settings,
+    settings: DistillSettings,
     output_dir: str | Path,
     seed: int,
     progress: bool,

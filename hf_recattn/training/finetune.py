@@ -15,6 +15,7 @@ import torch
 from transformers import DataCollatorForSeq2Seq, default_data_collator, set_seed
 
 from .data import chat_examples, load_documents, packed_blocks
+from .run_config import FINETUNE_KEYS, block_size, lora_section, read_training_yaml, run_arguments
 from .runner import (
     CausalLMTrainer,
     RunResult,
@@ -23,8 +24,7 @@ from .runner import (
     summarize,
     train_with_resume,
 )
-from .settings import FINETUNE_KEYS, METHODS, LoraSettings, block_size, read_config, run_arguments
-from .trainable import merge_lora, set_trainable
+from .trainable import METHODS, merge_lora, set_trainable
 
 DEFAULT_BLOCK_SIZE = 1024
 
@@ -57,7 +57,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
              output_dir: str | None = None, callbacks: list[Any] | None = None) -> RunResult:
     """Finetune the checkpoint ``model`` on ``data`` (both override the YAML's ``model`` / ``data.source``);
     the merged model is written to ``OUTPUT_DIR/model``. Rerun to resume."""
-    run = read_config(config_or_path, FINETUNE_KEYS)
+    run = read_training_yaml(config_or_path, FINETUNE_KEYS)
     where, values = run.where, run.values
     if data is not None:
         run.data.source = data
@@ -67,7 +67,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     method = values.get("method", "lora")
     if method not in METHODS:
         raise ValueError(f"{where}: method: {method!r} is not one of {list(METHODS)}")
-    lora, train_mixers = LoraSettings.parse(values.get("lora"), where)
+    lora, train_mixers = lora_section(values.get("lora"), where)
     if values.get("lora") and method != "lora":
         raise ValueError(f"{where}: lora: only used with method: lora (method is {method!r})")
     streaming = run.data.streaming

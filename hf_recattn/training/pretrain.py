@@ -8,8 +8,9 @@ from typing import Any
 from transformers import default_data_collator, set_seed
 
 from .data import load_documents, load_tokenizer, packed_blocks
+from .model_presets import model_values
+from .run_config import PRETRAIN_KEYS, block_size, read_training_yaml, run_arguments
 from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
-from .settings import PRETRAIN_KEYS, block_size, model_values, read_config, run_arguments
 
 DEFAULT_BLOCK_SIZE = 512
 
@@ -24,7 +25,7 @@ def pretrain(config_or_path: str | Path | dict[str, Any], output_dir: str | None
     from ..modeling.configuration import RecAttnConfig
     from ..modeling.modeling import RecAttnForCausalLM
 
-    run = read_config(config_or_path, PRETRAIN_KEYS)
+    run = read_training_yaml(config_or_path, PRETRAIN_KEYS)
     where, values = run.where, run.values
     model_kwargs = model_values(values.get("model"), where)
     streaming = run.data.streaming

@@ -1,10 +1,38 @@
-"""What a finetune trains: LoRA adapters through peft (merged at the end), every weight, or the mixers alone."""
+"""What a finetune trains: LoRA adapters through peft (merged at the end), every weight, or the mixers alone; and
+the LoRA adapters' settings."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-from .settings import LoraSettings
+from .checks import positive
+
+#: what a finetune trains: LoRA adapters merged at the end, every weight, or only the mixers' own parameters
+METHODS = ("lora", "full", "mixers")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_LORA_TARGETS = ATTENTION_PROJECTIONS
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (peft's LoraConfig), merged into the weights at the end. ``targets``: module-name suffixes
+    (a finetune YAML's ``target_modules``; there a string is peft's regular expression)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+    def check(self, source: str, section: str) -> None:
+        at = f"{source}: {section}"
+        if not self.targets:
+            raise ValueError(f"{at}.targets must name at least one module")
+        positive(self.r, f"{at}.r")
+        positive(self.alpha, f"{at}.alpha")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{at}.dropout must be in [0, 1)")
 
 
 def is_mixer_parameter(name: str) -> bool:

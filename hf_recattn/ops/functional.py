@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from .ops_delta import delta_chunked, delta_step
-from .ops_linear import linear_chunked
+from ..modeling.ops_delta import delta_chunked, delta_step
+from ..modeling.ops_linear import linear_chunked
 
 __all__ = [
     "chunk_delta_rule",
@@ -110,7 +110,20 @@ def _check_chunk_size(fn: str, chunk_size: int) -> None:
 
 # ----- layout -------------------------------------------------------------------------------------------------
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """x * rsqrt(sum(x^2) + eps) over the last dim."""
+    """x * rsqrt(sum(x^2) + eps) over the last dim.
+
+    Args:
+        x: ``[..., D]`` vectors.
+        eps: added under the root.
+
+    Returns:
+        ``[..., D]`` the normalized vectors.
+
+    Example:
+        >>> from hf_recattn.ops import l2norm
+        >>> l2norm(torch.tensor([[3.0, 4.0]]), eps=0.0)
+        tensor([[0.6000, 0.8000]])
+    """
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -243,7 +256,33 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule, chunkwise (O(T * chunk)): S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T."""
+    """Gated delta rule, chunkwise (O(T * chunk)): S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T.
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (each query / key head serves HV // H value heads).
+        g: ``[B, T, HV]`` log decay (<= 0, not checked).
+        beta: ``[B, T, HV]`` write strength.
+        scale: multiplies q (None: ``K ** -0.5``).
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), or None for zeros.
+        output_final_state: return the final state.
+        use_qk_l2norm_in_kernel: L2-normalize q and k (``x * rsqrt(sum(x^2) + 1e-6)``) before ``scale``.
+        cu_seqlens: ``[N + 1]`` integer boundaries ``[0, ..., T]`` of N sequences packed along T (B = 1), or None.
+        chunk_size: tokens per chunk (any T works).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[B, HV, K, V]`` (``[N, HV, K, V]`` with
+        ``cu_seqlens``) in the compute dtype (float32 for 16-bit inputs) if ``output_final_state``, else None.
+
+    Example:
+        >>> from hf_recattn.ops import chunk_gated_delta_rule
+        >>> q, k, v = torch.randn(1, 6, 2, 4), torch.randn(1, 6, 2, 4), torch.randn(1, 6, 4, 3)  # 2 value heads per key
+        >>> g, beta = -torch.rand(1, 6, 4), torch.rand(1, 6, 4)
+        >>> o, s = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        >>> o.shape, s.shape
+        (torch.Size([1, 6, 4, 3]), torch.Size([1, 4, 4, 3]))
+    """
     fn = "chunk_gated_delta_rule"
     _check_qkv(fn, q, k, v)
     _check_gate(fn, "g", g, v)
@@ -265,7 +304,34 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule, one token at a time (the decode form; same result as the chunked one)."""
+    """Gated delta rule, one token at a time (the decode form; same result as the chunked one).
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (each query / key head serves HV // H value heads).
+        g: ``[B, T, HV]`` log decay (<= 0, not checked).
+        beta: ``[B, T, HV]`` write strength.
+        scale: multiplies q (None: ``K ** -0.5``).
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), or None for zeros.
+        output_final_state: return the final state.
+        use_qk_l2norm_in_kernel: L2-normalize q and k (``x * rsqrt(sum(x^2) + 1e-6)``) before ``scale``.
+        cu_seqlens: ``[N + 1]`` integer boundaries ``[0, ..., T]`` of N sequences packed along T (B = 1), or None.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[B, HV, K, V]`` (``[N, HV, K, V]`` with
+        ``cu_seqlens``) in the compute dtype (float32 for 16-bit inputs) if ``output_final_state``, else None.
+
+    Example:
+        >>> from hf_recattn.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        >>> q, k, v = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 3)
+        >>> g, beta, s0 = -torch.rand(1, 5, 2), torch.rand(1, 5, 2), torch.randn(1, 2, 4, 3)
+        >>> args = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        >>> o, s = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **args)
+        >>> o_ref, s_ref = chunk_gated_delta_rule(q, k, v, g, beta, **args)
+        >>> torch.allclose(o, o_ref, atol=1e-5), torch.allclose(s, s_ref, atol=1e-5)
+        (True, True)
+    """
     fn = "fused_recurrent_gated_delta_rule"
     _check_qkv(fn, q, k, v)
     _check_gate(fn, "g", g, v)
@@ -286,7 +352,34 @@ def chunk_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Delta rule (DeltaNet), chunkwise: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T."""
+    """Delta rule (DeltaNet), chunkwise: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T.
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (each query / key head serves HV // H value heads).
+        beta: ``[B, T, HV]`` write strength.
+        scale: multiplies q (None: ``K ** -0.5``).
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), or None for zeros.
+        output_final_state: return the final state.
+        use_qk_l2norm_in_kernel: L2-normalize q and k (``x * rsqrt(sum(x^2) + 1e-6)``) before ``scale``.
+        cu_seqlens: ``[N + 1]`` integer boundaries ``[0, ..., T]`` of N sequences packed along T (B = 1), or None.
+        chunk_size: tokens per chunk (any T works).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[B, HV, K, V]`` (``[N, HV, K, V]`` with
+        ``cu_seqlens``) in the compute dtype (float32 for 16-bit inputs) if ``output_final_state``, else None.
+
+    Example:
+        >>> from hf_recattn.ops import chunk_delta_rule
+        >>> q, k, v = torch.randn(1, 7, 2, 4), torch.randn(1, 7, 2, 4), torch.randn(1, 7, 2, 3)
+        >>> beta = torch.rand(1, 7, 2)
+        >>> cu_seqlens = torch.tensor([0, 3, 7])  # two sequences packed along T
+        >>> o, s = chunk_delta_rule(q, k, v, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        ...                         cu_seqlens=cu_seqlens)
+        >>> o.shape, s.shape
+        (torch.Size([1, 7, 2, 3]), torch.Size([2, 2, 4, 3]))
+    """
     fn = "chunk_delta_rule"
     _check_qkv(fn, q, k, v)
     _check_gate(fn, "beta", beta, v)
@@ -306,7 +399,31 @@ def fused_recurrent_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Delta rule (DeltaNet), one token at a time."""
+    """Delta rule (DeltaNet), one token at a time.
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (each query / key head serves HV // H value heads).
+        beta: ``[B, T, HV]`` write strength.
+        scale: multiplies q (None: ``K ** -0.5``).
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), or None for zeros.
+        output_final_state: return the final state.
+        use_qk_l2norm_in_kernel: L2-normalize q and k (``x * rsqrt(sum(x^2) + 1e-6)``) before ``scale``.
+        cu_seqlens: ``[N + 1]`` integer boundaries ``[0, ..., T]`` of N sequences packed along T (B = 1), or None.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[B, HV, K, V]`` (``[N, HV, K, V]`` with
+        ``cu_seqlens``) in the compute dtype (float32 for 16-bit inputs) if ``output_final_state``, else None.
+
+    Example:
+        >>> from hf_recattn.ops import fused_recurrent_delta_rule
+        >>> q, k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 5)
+        >>> beta = torch.rand(2, 3, 1)
+        >>> o, s = fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        >>> o.shape, s.shape
+        (torch.Size([2, 3, 1, 5]), torch.Size([2, 1, 4, 5]))
+    """
     fn = "fused_recurrent_delta_rule"
     _check_qkv(fn, q, k, v)
     _check_gate(fn, "beta", beta, v)
@@ -330,6 +447,29 @@ def chunk_linear_attn(
     ``normalize=True`` divides by ``sum_{s<=t} q_t . k_s`` (of this call's keys, so ``scale`` cancels): the
     classic linear attention ratio, meaningful for positive feature-mapped ``q``/``k``. The state carries no key
     sum, so ``normalize=True`` cannot continue from an ``initial_state``.
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (each query / key head serves HV // H value heads).
+        scale: multiplies q (None: ``K ** -0.5``).
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), or None for zeros.
+        output_final_state: return the final state.
+        normalize: divide by the sum of the scores (needs ``initial_state=None``).
+        cu_seqlens: ``[N + 1]`` integer boundaries ``[0, ..., T]`` of N sequences packed along T (B = 1), or None.
+        chunk_size: tokens per chunk (any T works).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[B, HV, K, V]`` (``[N, HV, K, V]`` with
+        ``cu_seqlens``) in the compute dtype (float32 for 16-bit inputs) if ``output_final_state``, else None.
+
+    Example:
+        >>> from hf_recattn.ops import chunk_linear_attn
+        >>> q, k, v = torch.rand(1, 4, 1, 3), torch.rand(1, 4, 1, 3), torch.randn(1, 4, 1, 2)
+        >>> o, _ = chunk_linear_attn(q, k, v, normalize=True, chunk_size=2)
+        >>> w = (q[0, :, 0] @ k[0, :, 0].T).tril()
+        >>> torch.allclose(o[0, :, 0], (w / w.sum(-1, keepdim=True)) @ v[0, :, 0], atol=1e-6)
+        True
     """
     fn = "chunk_linear_attn"
     _check_qkv(fn, q, k, v)
@@ -351,7 +491,30 @@ def chunk_simple_gla(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Linear attention with a scalar log decay per head and token, chunkwise: S_t = e^{g_t} S_{t-1} + k_t v_t^T."""
+    """Linear attention with a scalar log decay per head and token, chunkwise: S_t = e^{g_t} S_{t-1} + k_t v_t^T.
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (each query / key head serves HV // H value heads).
+        g: ``[B, T, HV]`` log decay (<= 0, not checked).
+        scale: multiplies q (None: ``K ** -0.5``).
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), or None for zeros.
+        output_final_state: return the final state.
+        cu_seqlens: ``[N + 1]`` integer boundaries ``[0, ..., T]`` of N sequences packed along T (B = 1), or None.
+        chunk_size: tokens per chunk (any T works).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[B, HV, K, V]`` (``[N, HV, K, V]`` with
+        ``cu_seqlens``) in the compute dtype (float32 for 16-bit inputs) if ``output_final_state``, else None.
+
+    Example:
+        >>> from hf_recattn.ops import chunk_simple_gla
+        >>> q, k, v, g = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 3), -torch.rand(1, 5, 2)
+        >>> o, s = chunk_simple_gla(q, k, v, g, output_final_state=True)
+        >>> o.shape, s.shape
+        (torch.Size([1, 5, 2, 3]), torch.Size([1, 2, 4, 3]))
+    """
     fn = "chunk_simple_gla"
     _check_qkv(fn, q, k, v)
     _check_gate(fn, "g", g, v)

@@ -1,12 +1,16 @@
-"""A tiny random model per mixer, generating through the recurrent cache, checked against no-cache decoding."""
+"""``hf-recattn demo``: a tiny random model per mixer, generating through the recurrent cache, checked against
+no-cache decoding."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from .modeling.cache import cache_of
-from .modeling.configuration import RecAttnConfig
-from .modeling.modeling import RecAttnForCausalLM
+from ..modeling.cache import cache_of
+from ..modeling.configuration import RecAttnConfig
+from ..modeling.modeling import RecAttnForCausalLM
+from .common import SubParsers, add_command
 
 DEMO_SPECS: list[dict] = [
     {"mixer": "softmax"},
@@ -53,3 +57,14 @@ def run_demo(new_tokens: int = 16) -> None:
         print(
             f"{label:<44} {cache_of(out).nbytes():>11}  {str(same):<16}  {out.sequences[0, -6:].tolist()}"
         )
+
+
+def add_demo(sub: SubParsers) -> None:
+    p = add_command(sub, "demo", "build a tiny random model per mixer and generate from it through the cache")
+    p.add_argument("--tokens", type=int, default=16)
+
+    def run(args: argparse.Namespace) -> int:
+        run_demo(args.tokens)
+        return 0
+
+    p.set_defaults(handler=run)

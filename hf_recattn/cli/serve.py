@@ -10,12 +10,15 @@ is not a list of objects with a string ``role``). The server keeps serving.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
 
-from .modeling.serving import CONTINUOUS_BATCHING_REFUSED
+from ..extras import require
+from ..modeling.serving import CONTINUOUS_BATCHING_REFUSED
+from .common import SubParsers, add_command
 
 #: transformers serve options refused for RecAttn models, with the reason
 REFUSED = {
@@ -25,11 +28,9 @@ REFUSED = {
     "hf_recattn models decode with their own RecAttnCache (model.compile_decode() compiles its steps)",
 }
 
-SERVE_EXTRA = "pip install 'hf-recattn[serve]' (fastapi, uvicorn, openai: transformers' serving dependencies)"
-
 
 class ServeError(ValueError):
-    """An option or a missing dependency that stops ``hf-recattn serve`` before it starts."""
+    """An option that stops ``hf-recattn serve`` before it starts."""
 
 
 def check_options(options: list[str]) -> None:
@@ -39,13 +40,6 @@ def check_options(options: list[str]) -> None:
         for refused, reason in REFUSED.items():
             if name == refused or (refused.endswith("-") and name.startswith(refused)):
                 raise ServeError(f"{name}: {reason}")
-
-
-def check_dependencies() -> None:
-    from transformers.utils.import_utils import is_serve_available
-
-    if not is_serve_available():
-        raise ServeError(f"transformers serve needs its serving dependencies: {SERVE_EXTRA}")
 
 
 def chat_fault(body: Any) -> str | None:
@@ -111,13 +105,13 @@ def request_checks() -> Iterator[None]:
 
 
 def _prepare(options: list[str]) -> Any:
-    """Check the options and dependencies; return transformers' command line app with the class resolvable."""
+    """Check the options and the serve extra; return transformers' command line app with the class resolvable."""
     check_options(options)
-    check_dependencies()
+    require("serve", "hf-recattn serve")
     import transformers.cli.serving.model_manager  # noqa: F401  (the module that looks the class up)
     from transformers.cli.transformers import app
 
-    from .modeling.serving import expose_architecture
+    from ..modeling.serving import expose_architecture
 
     expose_architecture("RecAttnForCausalLM")
     return app
@@ -139,3 +133,14 @@ def serve_in_background(model: str, options: list[str]) -> Any:
     app = _prepare(options)
     with request_checks():
         return app(["serve", model, *options, "--non-blocking"], prog_name="hf-recattn", standalone_mode=False)
+
+
+def add_serve(sub: SubParsers) -> None:
+    p = add_command(sub, "serve", "an OpenAI-compatible endpoint for a checkpoint: transformers serve, with "
+                    "hf_recattn's classes", "Run transformers' own server (`transformers serve MODEL OPTIONS`) in "
+                    "this process with hf_recattn registered. OPTIONS are transformers serve's (--host, --port, "
+                    "--device, --dtype, ...); --continuous-batching, --cb-* and --compile are refused. See "
+                    "docs/serving.md.")
+    p.add_argument("model", help="a checkpoint folder or Hub id, served for every request")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve options")
+    p.set_defaults(handler=lambda args: serve(args.model, args.options))

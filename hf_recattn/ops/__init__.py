@@ -3,9 +3,9 @@
     from hf_recattn.ops import chunk_gated_delta_rule
     o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
 
-See :mod:`hf_recattn.modeling.functional` for the arguments shared by every function; this module exports
+See :mod:`hf_recattn.ops.functional` for the arguments shared by every function; this package exports
 exactly its ``__all__``.
 """
 
-from .modeling.functional import *  # noqa: F403
-from .modeling.functional import __all__  # noqa: F401
+from .functional import *  # noqa: F403
+from .functional import __all__  # noqa: F401

@@ -9,11 +9,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 
-EVAL_EXTRA = "pip install 'hf-recattn[eval]'"
-
-
-class MissingLmEval(ImportError):
-    """lm-evaluation-harness is not installed."""
+from ..extras import require
 
 
 def lm_eval_argv(checkpoint: str, tasks: str, extra: str = "") -> list[str]:
@@ -40,11 +36,10 @@ def _argv(argv: list[str]) -> Iterator[None]:
 def run_lm_eval(checkpoint: str, tasks: str, extra: str = "") -> None:
     """Run lm_eval's command line on ``checkpoint`` (see the module docstring)."""
     argv = lm_eval_argv(checkpoint, tasks, extra)
-    try:
-        from lm_eval._cli import HarnessCLI
-        from lm_eval.utils import setup_logging
-    except ImportError as err:
-        raise MissingLmEval(f"--lm-eval needs lm-evaluation-harness ({err}): {EVAL_EXTRA}") from None
+    require("eval", "hf-recattn eval --lm-eval")
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
     setup_logging()
     cli = HarnessCLI()
     with _argv(["lm_eval", *argv]):

@@ -1,15 +1,12 @@
-"""``hf-recattn corpus``: the embedded corpus's version, checksum, sources and split sizes, and an export of its
-splits so that others can train or evaluate on exactly the same text."""
+"""The embedded corpus's report: version, checksum (actual and pinned), sources, and per split its documents,
+characters, tokens and checksum; as text (``hf-recattn corpus``) or as the table of docs/corpus.md."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 from typing import Any
 
-from .data import pinned
-from .data.embedded import SPLITS, Corpus, embedded_corpus, write_splits
+from . import pinned
+from .embedded import SPLITS, Corpus
 
 
 def corpus_report(corpus: Corpus, tokenizer: Any = None) -> dict[str, Any]:
@@ -37,6 +34,7 @@ def corpus_report(corpus: Corpus, tokenizer: Any = None) -> dict[str, Any]:
 
 
 def format_corpus_report(report: dict[str, Any]) -> str:
+    """The report as the text ``hf-recattn corpus`` prints."""
     lines = [f"embedded corpus v{report['version']}, sha256 {report['sha256']} "
              f"({'matches the pin' if report['sha256'] == report['pinned_sha256'] else 'DIFFERS from the pin'})",
              "", "sources (source archives on the package index, sha256-pinned):"]
@@ -68,26 +66,3 @@ def render_markdown(report: dict[str, Any]) -> str:
         tokens = f" {row['tokens']:,} |" if with_tokens else ""
         lines.append(f"| {split} | {row['documents']:,} | {row['characters']:,} |{tokens} `{row['sha256'][:16]}…` |")
     return "\n".join(lines)
-
-
-def run_corpus(args: argparse.Namespace) -> int:
-    corpus = embedded_corpus(refresh=args.rebuild)
-    tokenizer = None
-    if not args.no_tokens:
-        from .conversion.teacher import teacher_tokenizer
-
-        tokenizer = teacher_tokenizer(args.tokenizer)
-    report = corpus_report(corpus, tokenizer)
-    if args.out:
-        from .atomic import write_json
-        from .provenance import provenance
-
-        write_json(Path(args.out), {**report, "benchmark": "corpus", "provenance": provenance()})
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_corpus_report(report))
-    if args.write:
-        written = write_splits(corpus, Path(args.write), args.format)
-        print("wrote " + ", ".join(str(p) for p in written))
-    return 0

@@ -1,4 +1,5 @@
-"""The ``hf-recattn eval`` and ``hf-recattn generate`` commands (argument parsing lives in cli.py)."""
+"""``hf-recattn eval`` and ``hf-recattn generate``: evaluate a checkpoint (or run lm-evaluation-harness on it, see
+``lm_eval.py``), stream a continuation through its cache."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .modeling.cache import cache_of
+from ..modeling.cache import cache_of
+from .common import SubParsers, add_command
 
 if TYPE_CHECKING:
-    from .evaluation import RecallSizes
+    from ..evaluation import RecallSizes
 
 
 def _label(spec: str) -> str:
@@ -30,7 +32,7 @@ RECALL_OPTIONS = ("passkey_lengths", "passkey_depths", "passkey_trials", "recall
 def recall_sizes(args: argparse.Namespace) -> RecallSizes:
     """The recall probes' sizes: ``--quick``'s or the full defaults, overridden by the options given; a bad
     value is a ValueError naming its option."""
-    from .evaluation import RecallSizes
+    from ..evaluation import RecallSizes
 
     given = {name: tuple(value) if isinstance(value, list) else value
              for name in RECALL_OPTIONS if (value := getattr(args, name, None)) is not None}
@@ -45,10 +47,10 @@ def recall_sizes(args: argparse.Namespace) -> RecallSizes:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
-    from .conversion.teacher import load_causal_lm, load_teacher
-    from .data.corpus import is_embedded, load_splits, token_blocks
-    from .evaluation import comparison_table, evaluate, write_report
-    from .provenance import provenance
+    from ..conversion.teacher import load_causal_lm, load_teacher
+    from ..data.corpus import is_embedded, load_splits, token_blocks
+    from ..evaluation import comparison_table, evaluate, write_report
+    from ..provenance import provenance
 
     sizes = recall_sizes(args)  # bad sizes fail before any model is loaded
     torch.manual_seed(args.seed)
@@ -86,8 +88,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of one prompt through the model's cache."""
     from transformers import TextStreamer
 
-    from .conversion.teacher import load_causal_lm
-    from .evaluation import cache_nbytes, pad_id, prompt_ids
+    from ..conversion.teacher import load_causal_lm
+    from ..evaluation import cache_nbytes, pad_id, prompt_ids
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -114,3 +116,63 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"[{ids.shape[1]} prompt + {new} new tokens in {seconds:.1f} s; "
           f"cache {cache_nbytes(cache_of(out)) / 2**20:.2f} MiB]", file=sys.stderr)
     return 0
+
+
+_CHECKPOINT_HELP = "hf_recattn checkpoint folder, or a teacher spec (embedded, gemma3-270m, .gguf, folder, Hub id)"
+
+
+#: the eval options that size the recall probes (unset: ``RecallSizes.for_mode``): flag, type, nargs, metavar, help
+_PROBE_SIZE_OPTIONS: tuple[tuple[str, type, str | None, str, str], ...] = (
+    ("--passkey-lengths", int, "+", "TOKENS", "passkey context lengths (default 1024 4096 8192; --quick: 1024)"),
+    ("--passkey-depths", float, "+", "DEPTH", "positions of the key in the context, 0 to 1 (default 0.1 0.5 0.9)"),
+    ("--passkey-trials", int, None, "N",
+     "passkey prompts per length, cycling through the depths (default 6; --quick: 3)"),
+    ("--recall-lengths", int, "+", "TOKENS", "associative recall context lengths (default 1024 4096; --quick: 1024)"),
+    ("--recall-pairs", int, "+", "N", "numbers of facts planted per associative recall prompt (default 1 4 16)"),
+    ("--recall-trials", int, None, "N",
+     "associative recall prompts per length and number of facts (default 3; --quick: 1)"),
+)
+
+
+def add_eval(sub: SubParsers) -> None:
+    p = add_command(sub, "eval", "held-out perplexity, passkey, associative recall, samples and decode cost of a "
+                    "checkpoint")
+    p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
+                   "folder, or a saved datasets folder; its held-out split is used")
+    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for perplexity")
+    p.add_argument("--block-size", type=int, default=1024, help="tokens per perplexity block")
+    p.add_argument("--teacher", default=None, help="also evaluate this teacher on the same tokens")
+    p.add_argument("--quick", action="store_true", help="smaller passkey / recall / sample / decode probes")
+    for flag, kind, nargs, metavar, help in _PROBE_SIZE_OPTIONS:
+        p.add_argument(flag, type=kind, nargs=nargs, default=None, metavar=metavar, help=help)
+    p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lm-eval", default=None, metavar="TASKS", help="run lm-evaluation-harness instead: lm_eval run "
+                   "--model hf --model_args pretrained=CHECKPOINT --tasks TASKS (comma-separated; needs the eval "
+                   "extra); the options above are then unused")
+    p.add_argument("--lm-eval-args", default="", metavar="OPTIONS", help="with --lm-eval: more lm_eval run "
+                   "options in one string, e.g. \"--num_fewshot 5 --batch_size 8 --output_path results\"")
+
+    def run(args: argparse.Namespace) -> int:
+        if args.lm_eval:
+            from .lm_eval import run_lm_eval
+
+            run_lm_eval(args.checkpoint, args.lm_eval, args.lm_eval_args)
+            return 0
+        return run_eval(args)
+
+    p.set_defaults(handler=run)
+
+
+def add_generate(sub: SubParsers) -> None:
+    p = add_command(sub, "generate", "generate from a checkpoint through its (recurrent) cache")
+    p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=run_generate)

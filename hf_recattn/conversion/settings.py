@@ -1,0 +1,128 @@
+"""The settings sections of a conversion recipe, each a frozen dataclass that checks its own values
+(``check(source, section)``, the messages naming ``source: section.key``): stage 1 (attention transfer), stage 2
+(the training package's distillation finetune plus the data only conversion gives it), the retrieval heads and
+the evaluation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..training.checks import check_schedule, positive
+from ..training.distill_settings import DistillSettings
+from ..training.trainable import ATTENTION_PROJECTIONS
+
+
+@dataclass(frozen=True)
+class Stage1Settings:
+    """Attention transfer: train only the new mixer parameters to match each layer's softmax output (MSE)."""
+
+    tokens: int = 0  # training tokens in total; 0 skips the stage
+    lr: float = 1e-2
+    block_size: int = 512
+    batch_size: int = 4
+    warmup_fraction: float = 0.05
+    min_lr_fraction: float = 0.1  # cosine decay ends at lr * min_lr_fraction
+    max_grad_norm: float = 1.0  # per layer
+    save_every: int = 25  # optimizer steps between resumable checkpoints
+    #: attention projections also trained in stage 1 (for mixers without parameters of their own, e.g.
+    #: heinsen); the teacher stays frozen, only the student's copies move
+    projections: tuple[str, ...] = ()
+    projection_lr: float = 1e-4
+    #: weight of a second term, the KL divergence (nats) from each query's softmax attention weights in the
+    #: teacher to the student's (Hedgehog's objective; for mixers whose output is a weighted mean of the values,
+    #: see ``Mixer.attention_weights``), against the output MSE relative to the mean square of the teacher's
+    #: output (so one weight suits every layer): loss = MSE + attention_kl * mean(target^2) * KL; None or 0:
+    #: outputs only
+    attention_kl: float | None = None
+
+    def check(self, source: str, section: str = "stage1") -> None:
+        """Raise ValueError naming ``source: section.key`` for the first value out of range."""
+        at = f"{source}: {section}"
+        check_schedule(self, at)
+        positive(self.save_every, f"{at}.save_every")
+        positive(self.projection_lr, f"{at}.projection_lr")
+        if self.attention_kl is not None:
+            positive(self.attention_kl, f"{at}.attention_kl", allow_zero=True)
+        bad = sorted(set(self.projections) - set(ATTENTION_PROJECTIONS))
+        if bad:
+            raise ValueError(f"{at}.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}")
+        if not 0 <= self.min_lr_fraction <= 1:
+            raise ValueError(f"{at}.min_lr_fraction must be in [0, 1]")
+        if self.tokens and self.tokens < self.block_size * self.batch_size:
+            raise ValueError(
+                f"{at}.tokens ({self.tokens}) is less than one batch "
+                f"(block_size * batch_size = {self.block_size * self.batch_size})"
+            )
+
+
+@dataclass(frozen=True)
+class Stage2Settings(DistillSettings):
+    """Stage 2: a distillation finetune (``tokens`` 0 skips it) on blocks of the training corpus, some of which may
+    hide facts and ask for them."""
+
+    #: training tokens of the corpus order passed over before stage 2's blocks begin (a run that continues from
+    #: ``init`` skips the tokens the first run trained on, so that it sees fresh text)
+    skip_tokens: int | None = None
+    # share of the stage-2 blocks that hide facts in training text and ask for them (``retrieval_data.py``)
+    retrieval_share: float | None = None
+    answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
+
+    def check(self, source: str, section: str = "stage2") -> None:
+        """Raise ValueError naming ``source: section.key`` for the first value out of range."""
+        at = f"{source}: {section}"
+        self._check_training(source, section)
+        if self.skip_tokens is not None:
+            positive(self.skip_tokens, f"{at}.skip_tokens", allow_zero=True)
+            if self.skip_tokens % self.block_size:
+                raise ValueError(f"{at}.skip_tokens ({self.skip_tokens}) must be a multiple of {section}.block_size "
+                                 f"({self.block_size}): whole blocks are skipped")
+        self._check_retrieval(at, section)
+        self._check_loss(at)
+
+    def _check_retrieval(self, at: str, section: str) -> None:
+        share, weight = self.retrieval_share, self.answer_weight
+        if share is not None and not 0 <= share < 1:
+            raise ValueError(f"{at}.retrieval_share must be in [0, 1), got {share!r}")
+        if weight is None:
+            return
+        if not share:
+            raise ValueError(f"{at}.answer_weight needs {section}.retrieval_share > 0 (it weights those blocks)")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{at}.answer_weight must be a finite number > 0, got {weight!r}")
+
+
+@dataclass(frozen=True)
+class RetrievalHeadSettings:
+    """After stage 1, keep exact softmax on the KV heads recall needs (``conversion/retrieval_heads.py``)."""
+
+    max_heads: int = 0  # at most this many KV heads in the whole model; 0 turns the step off
+    context_length: int = 1024  # tokens of each recall prompt the heads are chosen on
+    prompts: int = 2  # prompts of each kind: a secret number, an associative-recall fact (in training text)
+    per_round: int = 2  # heads switched to exact softmax per round of the greedy search
+
+    def check(self, source: str, section: str = "retrieval_heads") -> None:
+        at = f"{source}: {section}"
+        positive(self.max_heads, f"{at}.max_heads", allow_zero=True)
+        for key in ("context_length", "prompts", "per_round"):
+            positive(getattr(self, key), f"{at}.{key}")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The built-in evaluation after conversion."""
+
+    quick: bool = True
+    heldout_fraction: float = 0.05
+    heldout_tokens: int = 8192  # held-out tokens scored by perplexity (teacher and student see the same)
+    block_size: int = 512
+    sample_prompt: str = "The key idea of attention is"
+    sample_tokens: int = 32
+
+    def check(self, source: str, section: str = "eval") -> None:
+        at = f"{source}: {section}"
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"{at}.heldout_fraction must be in (0, 1)")
+        for key in ("heldout_tokens", "block_size"):
+            positive(getattr(self, key), f"{at}.{key}")
+        positive(self.sample_tokens, f"{at}.sample_tokens", allow_zero=True)
