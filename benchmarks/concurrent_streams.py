@@ -67,6 +67,7 @@ from transformers import LlamaForCausalLM
 from transformers.cache_utils import Cache
 
 from hf_recattn import RecAttnCache, RecAttnForCausalLM, from_llama
+from hf_recattn.atomic import write_text
 from hf_recattn.conversion.recipe import load_recipe
 from hf_recattn.provenance import provenance
 
@@ -436,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate_check": check,
         "seconds": time.time() - start,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    write_text(args.output, json.dumps(results, indent=1) + "\n")
     print()
     print(render_markdown(results))
     print(plot(results, args.plot))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,8 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from hf_recattn import from_llama
+from hf_recattn.atomic import atomic_folder, write_json
 from hf_recattn.conversion.attention_transfer import attention_transfer, fastest_forms
-from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.finetune import finetune
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
@@ -74,6 +75,80 @@ def ood_blocks(paths: list[str], tokenizer: Any, block_size: int, max_tokens: in
     return token_blocks(tokenizer, texts, block_size, max_tokens=max_tokens, seed=0)
 
 
+@dataclasses.dataclass
+class RecipeRun:
+    """One recipe's curve: ``record`` measures a model, adds a row to the recipe's entry and rewrites ``out``."""
+
+    name: str
+    args: argparse.Namespace
+    teacher: torch.nn.Module
+    tokenizer: Any
+    train_texts: list[str]
+    evals: dict[str, tuple[torch.Tensor, float]]
+    results: dict[str, Any]
+    out: Path
+    entry: dict[str, Any]
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    measuring: float = 0.0  # seconds spent measuring, taken out of the stage throughputs
+
+    def record(self, model: torch.nn.Module, stage: str, step: int, s1_tokens: int, s2_tokens: int) -> None:
+        t0 = time.perf_counter()
+        measured = {}
+        for key, (blocks, teacher_ppl) in self.evals.items():
+            with fastest_forms(model, blocks.shape[1]):
+                measured[key] = perplexity(model, blocks, batch_size=2)
+            measured[f"{key}_ratio"] = measured[key] / teacher_ppl
+        self.measuring += time.perf_counter() - t0
+        ppl = measured.pop("heldout")
+        row = {"stage": stage, "step": step, "stage1_tokens": s1_tokens, "stage2_tokens": s2_tokens,
+               "total_tokens": s1_tokens + s2_tokens, "perplexity": ppl, "ratio": measured.pop("heldout_ratio"),
+               **measured, "elapsed_s": round(time.perf_counter() - self.began, 1)}
+        self.entry["rows"].append(row)
+        write_json(self.out, self.results)
+        ood = f"  ood {row['ood']:8.2f} x{row['ood_ratio']:.3f}" if "ood" in row else ""
+        print(f"  {self.name}: {stage:6s} step {step:5d}  tokens {row['total_tokens']:8d}  ppl {ppl:10.2f}  "
+              f"x{row['ratio']:.3f}{ood}  ({row['elapsed_s']:.0f} s)", flush=True)
+
+    def stage1(self, student: torch.nn.Module, s1: Any, seed: int) -> int:
+        """Attention transfer, measured at ``--points`` steps; returns the tokens it trained on."""
+        if s1.tokens <= 0:
+            return 0
+        s1_per_step = s1.batch_size * s1.block_size
+        blocks = token_blocks(self.tokenizer, self.train_texts, s1.block_size, max_tokens=s1.tokens, seed=seed)
+        marks = _points(max(1, s1.tokens // s1_per_step), self.args.points)
+
+        def on_step(step: int, model: torch.nn.Module) -> None:
+            if step in marks:
+                self.record(model, "stage1", step, step * s1_per_step, 0)
+
+        t0, m0 = time.perf_counter(), self.measuring
+        result = attention_transfer(self.teacher, student, blocks, s1, seed=seed, progress=not self.args.no_progress,
+                                    on_step=on_step)
+        train_s = result.seconds - (self.measuring - m0)
+        self.entry["stage1_tokens_per_second"] = result.tokens / max(train_s, 1e-9)
+        self.entry["stage1_seconds"] = time.perf_counter() - t0
+        return result.tokens
+
+    def stage2(self, student: torch.nn.Module, s2: Any, seed: int, s1_done: int) -> torch.nn.Module:
+        """LoRA + KL/CE distillation, measured at ``--points`` steps; returns the trained student."""
+        if s2.tokens <= 0:
+            return student
+        s2_per_step = s2.batch_size * s2.grad_accum * s2.block_size
+        blocks = token_blocks(self.tokenizer, self.train_texts, s2.block_size, max_tokens=s2.tokens, seed=seed + 1)
+        marks = _points(max(1, s2.tokens // s2_per_step), self.args.points)
+        callback = _PerplexityCallback(
+            marks, lambda model, step: self.record(model, "stage2", step, s1_done, step * s2_per_step))
+        work = self.out.parent / f".trainer-{self.name}"
+        t0, m0 = time.perf_counter(), self.measuring
+        student, result = finetune(self.teacher, student, blocks, s2, work, seed=seed,
+                                   progress=not self.args.no_progress, callbacks=[callback])
+        train_s = result.seconds - (self.measuring - m0)
+        self.entry["stage2_tokens_per_second"] = result.tokens / max(train_s, 1e-9)
+        self.entry["stage2_seconds"] = time.perf_counter() - t0
+        shutil.rmtree(work, ignore_errors=True)
+        return student
+
+
 def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, tokenizer: Any,
                train_texts: list[str], evals: dict[str, tuple[torch.Tensor, float]], results: dict[str, Any],
                out: Path) -> None:
@@ -84,73 +159,21 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
     s2 = dataclasses.replace(recipe.stage2, tokens=args.stage2_tokens if args.stage2_tokens is not None
                              else recipe.stage2.tokens)
     check_against_teacher(recipe, teacher.config, tokenizer)
-    rows: list[dict[str, Any]] = []
     entry = {"recipe": name, "attention": recipe.attention, "budget": args.budget, "stage1": dataclasses.asdict(s1),
-             "stage2": dataclasses.asdict(s2), "rows": rows}
+             "stage2": dataclasses.asdict(s2), "rows": []}
     results["recipes"][name] = entry
-    began = time.perf_counter()
-    measuring = {"seconds": 0.0}  # time spent measuring, taken out of the stage throughputs
-
-    def record(model: torch.nn.Module, stage: str, step: int, s1_tokens: int, s2_tokens: int) -> None:
-        t0 = time.perf_counter()
-        measured = {}
-        for key, (blocks, teacher_ppl) in evals.items():
-            with fastest_forms(model, blocks.shape[1]):
-                measured[key] = perplexity(model, blocks, batch_size=2)
-            measured[f"{key}_ratio"] = measured[key] / teacher_ppl
-        measuring["seconds"] += time.perf_counter() - t0
-        ppl = measured.pop("heldout")
-        row = {"stage": stage, "step": step, "stage1_tokens": s1_tokens, "stage2_tokens": s2_tokens,
-               "total_tokens": s1_tokens + s2_tokens, "perplexity": ppl, "ratio": measured.pop("heldout_ratio"),
-               **measured, "elapsed_s": round(time.perf_counter() - began, 1)}
-        rows.append(row)
-        atomic_write_json(out, results)
-        ood = f"  ood {row['ood']:8.2f} x{row['ood_ratio']:.3f}" if "ood" in row else ""
-        print(f"  {name}: {stage:6s} step {step:5d}  tokens {row['total_tokens']:8d}  ppl {ppl:10.2f}  "
-              f"x{row['ratio']:.3f}{ood}  ({row['elapsed_s']:.0f} s)", flush=True)
-
+    run = RecipeRun(name, args, teacher, tokenizer, train_texts, evals, results, out, entry)
     set_seed(recipe.seed)
     student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
-    record(student, "swap", 0, 0, 0)
-    s1_per_step = s1.batch_size * s1.block_size
-    s1_done = 0
-    if s1.tokens > 0:
-        blocks = token_blocks(tokenizer, train_texts, s1.block_size, max_tokens=s1.tokens, seed=recipe.seed)
-        total = max(1, s1.tokens // s1_per_step)
-        marks = _points(total, args.points)
-
-        def on_step(step: int, model: torch.nn.Module) -> None:
-            if step in marks:
-                record(model, "stage1", step, step * s1_per_step, 0)
-
-        t0, m0 = time.perf_counter(), measuring["seconds"]
-        result = attention_transfer(teacher, student, blocks, s1, seed=recipe.seed, progress=not args.no_progress,
-                                    on_step=on_step)
-        s1_done = result.tokens
-        train_s = result.seconds - (measuring["seconds"] - m0)
-        entry["stage1_tokens_per_second"] = result.tokens / max(train_s, 1e-9)
-        entry["stage1_seconds"] = time.perf_counter() - t0
-    if s2.tokens > 0:
-        s2_per_step = s2.batch_size * s2.grad_accum * s2.block_size
-        blocks = token_blocks(tokenizer, train_texts, s2.block_size, max_tokens=s2.tokens, seed=recipe.seed + 1)
-        marks = _points(max(1, s2.tokens // s2_per_step), args.points)
-        callback = _PerplexityCallback(
-            marks, lambda model, step: record(model, "stage2", step, s1_done, step * s2_per_step))
-        work = out.parent / f".trainer-{name}"
-        t0, m0 = time.perf_counter(), measuring["seconds"]
-        student, result = finetune(teacher, student, blocks, s2, work, seed=recipe.seed, progress=not args.no_progress,
-                             callbacks=[callback])
-        train_s = result.seconds - (measuring["seconds"] - m0)
-        entry["stage2_tokens_per_second"] = result.tokens / max(train_s, 1e-9)
-        entry["stage2_seconds"] = time.perf_counter() - t0
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
-    entry["seconds"] = time.perf_counter() - began
-    atomic_write_json(out, results)
+    run.record(student, "swap", 0, 0, 0)
+    s1_done = run.stage1(student, s1, recipe.seed)
+    student = run.stage2(student, s2, recipe.seed, s1_done)
+    entry["seconds"] = time.perf_counter() - run.began
+    write_json(out, results)
     if args.save:
-        student.save_pretrained(Path(args.save) / name)
-        tokenizer.save_pretrained(Path(args.save) / name)
+        with atomic_folder(Path(args.save) / name) as tmp:
+            student.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
 
 
 def _ood_name(files: list[str]) -> str:

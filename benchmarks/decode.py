@@ -334,6 +334,88 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Bench:
+    """What ``main`` measures: the rows, every step to time (floors first, in the order they interleave) and the
+    models those steps need kept alive."""
+
+    args: argparse.Namespace
+    contexts: list[int]
+    max_positions: int
+    notes: list[str]
+    steppers: dict[str, Step]
+    rows: list[Row] = field(default_factory=list)
+    keep_alive: list[object] = field(default_factory=list)
+
+    def add_row(self, label: str, kind: str, model: torch.nn.Module, cache_for: Callable[[int], object],
+                dtype: str) -> None:
+        row = Row(label, kind, dtype)
+        for c in self.contexts:
+            cache = cache_for(c)
+            row.nbytes[c] = cache.nbytes() if isinstance(cache, RecAttnCache) else dynamic_cache_bytes(cache)
+            self.steppers[f"{label}@{c}"] = decode_step(model, cache, cache.get_seq_length)
+        self.rows.append(row)
+
+    def add_dtype(self, name: str, llama: LlamaForCausalLM, weights: dict[str, torch.Tensor],
+                  labels: list[str]) -> None:
+        """The baseline and every mixer row in the dtype ``name``, all models sharing the Llama's weights."""
+        dtype, tag = DTYPES[name], "" if name == "fp32" else f" [{name}]"
+        base = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
+        with torch.inference_mode(False), torch.no_grad():  # views of inference tensors cannot be weights
+            plain = {key: value.to(dtype) for key, value in weights.items()}
+            # the layout is what generate() applies to a float32 model; bfloat16 models keep the usual storage
+            shared = laid_out_weights(plain, self.max_positions) if dtype == torch.float32 else plain
+        self.keep_alive.append(base)
+        if not self.args.no_baseline:
+            self.add_row(BASELINE + tag, "kv", base, lambda c, base=base: llama_cache(base, c), name)
+        for label in labels:
+            self.add_mixer(label, name, tag, (plain, shared), first=label == labels[0])
+
+    def add_mixer(self, label: str, name: str, tag: str, weights: tuple[dict[str, torch.Tensor], ...],
+                  first: bool) -> None:
+        """The row of ``label`` in the dtype ``name`` and its [row-major] / [compiled] twins (``weights``: the plain
+        and the laid-out copies); ``first`` also times the layout floor on its model."""
+        args, (plain, shared) = self.args, weights
+        spec = MIXER_SPECS[label]
+        if spec["mixer"] not in MIXERS and spec["mixer"] not in PRESETS:
+            self.notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
+            return
+        model = recattn_model(spec, self.max_positions, shared).to(DTYPES[name])  # the mixers' own parameters too
+        if first:
+            self.steppers[f"floor:layout@{name}"] = layout_pass(model)
+        self.keep_alive.append(model)
+        kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
+        if args.fill == "synthetic" and any(b.self_attn.mixer.name == "mesa" for b in model.model.layers):
+            self.notes.append(f"{label}{tag}: its solver's work depends on the state; these rows hold a "
+                              f"{args.prefill_tokens}-token state (--fill real for a real one)")
+        self.add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args), name)
+        twins = {"[row-major]": args.row_major and shared is not plain, "[compiled]": args.compiled and kinds != ["kv"]}
+        for suffix in (key for key, wanted in twins.items() if wanted):
+            twin = recattn_model(spec, self.max_positions, plain if suffix == "[row-major]" else shared,
+                                 row_major=suffix == "[row-major]").to(DTYPES[name])
+            if suffix == "[compiled]":
+                twin.compile_decode()
+            self.keep_alive.append(twin)
+            self.add_row(f"{label}{tag} {suffix}", "/".join(kinds), twin,
+                         lambda c, twin=twin: filled_cache(twin, c, args), name)
+        print(f"filled {label}{tag}", flush=True)
+
+    def results(self, weight_bytes: int, medians: dict[str, float]) -> dict[str, object]:
+        """The results file's measurements (``write_results`` adds the record)."""
+        return {
+            "settings": {key: value for key, value in vars(self.args).items() if key != "out"},
+            "contexts": self.contexts,
+            "weight_bytes": weight_bytes,
+            "floors": {"read": medians["floor:read"], "gemv": medians["floor:gemv"],
+                       "layout": {key.split("@")[1]: ms for key, ms in medians.items()
+                                  if key.startswith("floor:layout@")}},
+            "rows": [{"label": row.label, "kind": row.kind, "dtype": row.dtype,
+                      "ms": [medians[f"{row.label}@{c}"] for c in self.contexts],
+                      "cache_bytes": [row.nbytes[c] for c in self.contexts]} for row in self.rows],
+            "notes": self.notes,
+        }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tiny:
@@ -357,67 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     llama = llama_model(max_positions)
     weights = llama.state_dict()
     floors, weight_bytes = weight_passes(llama)
-    rows: list[Row] = []
-    steppers: dict[str, Step] = dict(floors)
-    keep_alive: list[object] = []
-
-    def add_row(label: str, kind: str, model: torch.nn.Module, cache_for: Callable[[int], object],
-                dtype: str) -> None:
-        row = Row(label, kind, dtype)
-        for c in contexts:
-            cache = cache_for(c)
-            row.nbytes[c] = cache.nbytes() if isinstance(cache, RecAttnCache) else dynamic_cache_bytes(cache)
-            steppers[f"{label}@{c}"] = decode_step(model, cache, cache.get_seq_length)
-        rows.append(row)
-
+    bench = Bench(args, contexts, max_positions, notes, dict(floors))
     with torch.inference_mode():
         for name in args.dtypes:
-            dtype, tag = DTYPES[name], "" if name == "fp32" else f" [{name}]"
-            base = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
-            with torch.inference_mode(False), torch.no_grad():  # views of inference tensors cannot be weights
-                plain = {key: value.to(dtype) for key, value in weights.items()}
-                # the layout is what generate() applies to a float32 model; bfloat16 models keep the usual storage
-                shared = laid_out_weights(plain, max_positions) if dtype == torch.float32 else plain
-            keep_alive.append(base)
-            if not args.no_baseline:
-                add_row(BASELINE + tag, "kv", base, lambda c, base=base: llama_cache(base, c), name)
-            for label in labels:
-                spec = MIXER_SPECS[label]
-                if spec["mixer"] not in MIXERS and spec["mixer"] not in PRESETS:
-                    notes.append(f"skipped {label}: mixer {spec['mixer']!r} is not registered")
-                    continue
-                model = recattn_model(spec, max_positions, shared).to(dtype)  # the mixers' own parameters too
-                if label == labels[0]:
-                    steppers[f"floor:layout@{name}"] = layout_pass(model)
-                keep_alive.append(model)
-                kinds = sorted({block.self_attn.mixer.state_kind for block in model.model.layers})
-                if args.fill == "synthetic" and any(b.self_attn.mixer.name == "mesa" for b in model.model.layers):
-                    notes.append(f"{label}{tag}: its solver's work depends on the state; these rows hold a "
-                                 f"{args.prefill_tokens}-token state (--fill real for a real one)")
-                add_row(label + tag, "/".join(kinds), model, lambda c, model=model: filled_cache(model, c, args), name)
-                twins = {"[row-major]": args.row_major and shared is not plain,
-                         "[compiled]": args.compiled and kinds != ["kv"]}
-                for suffix in (key for key, wanted in twins.items() if wanted):
-                    twin = recattn_model(spec, max_positions, plain if suffix == "[row-major]" else shared,
-                                         row_major=suffix == "[row-major]").to(dtype)
-                    if suffix == "[compiled]":
-                        twin.compile_decode()
-                    keep_alive.append(twin)
-                    add_row(f"{label}{tag} {suffix}", "/".join(kinds), twin,
-                            lambda c, twin=twin: filled_cache(twin, c, args), name)
-                print(f"filled {label}{tag}", flush=True)
-        medians = round_robin(steppers, args.repeats, args.warmup, args.rounds)
-    results = write_results(args.out, "decode", record, {
-        "settings": {key: value for key, value in vars(args).items() if key != "out"},
-        "contexts": contexts,
-        "weight_bytes": weight_bytes,
-        "floors": {"read": medians["floor:read"], "gemv": medians["floor:gemv"],
-                   "layout": {key.split("@")[1]: ms for key, ms in medians.items() if key.startswith("floor:layout@")}},
-        "rows": [{"label": row.label, "kind": row.kind, "dtype": row.dtype,
-                  "ms": [medians[f"{row.label}@{c}"] for c in contexts],
-                  "cache_bytes": [row.nbytes[c] for c in contexts]} for row in rows],
-        "notes": notes,
-    })
+            bench.add_dtype(name, llama, weights, labels)
+        medians = round_robin(bench.steppers, args.repeats, args.warmup, args.rounds)
+    results = write_results(args.out, "decode", record, bench.results(weight_bytes, medians))
     print()
     print(render_markdown(results))
     return 0

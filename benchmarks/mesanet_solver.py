@@ -1,6 +1,6 @@
 """How many conjugate-gradient steps MesaNet's solves run before their loop ends, in prefill and in decode.
 
-The solver (``hf_recattn/modeling/ops_mesanet.py``) runs at most ``cg_steps`` steps and, on a CPU, ends its loop once
+The solver (``hf_recattn/modeling/ops_mesa.py``) runs at most ``cg_steps`` steps and, on a CPU, ends its loop once
 every system of the batch has converged (the skipped steps would add exact zeros). How early that happens depends
 on how well conditioned the systems are, which the forget gates set: this script measures it. A SmolLM2-shaped
 model (benchmarks/decode.py's shape, random weights) with MesaNet in every layer, for each ``--inits`` (``scratch``:
@@ -26,7 +26,7 @@ from results_file import add_out_argument, run_record, write_results
 
 from hf_recattn import RecAttnForCausalLM
 from hf_recattn.data.corpus import embedded_texts, token_blocks
-from hf_recattn.modeling import ops_mesanet
+from hf_recattn.modeling import ops_mesa
 
 
 def counting_solver(solve: Callable, record: list[int]) -> Callable:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     record = run_record()
     max_positions = max(args.contexts) + args.decode_steps
-    solver = ops_mesanet.conjugate_gradient
+    solver = ops_mesa.conjugate_gradient
     rows = []
     for label, (model, all_ids) in models(args, max_positions).items():
         for context in args.contexts:
@@ -113,15 +113,15 @@ def main(argv: list[str] | None = None) -> int:
             ids = all_ids[:, :context]
             try:
                 with torch.inference_mode():
-                    ops_mesanet.conjugate_gradient = counting_solver(solver, prefill_steps)
+                    ops_mesa.conjugate_gradient = counting_solver(solver, prefill_steps)
                     for block in ids.split(args.block, dim=1):
                         model(input_ids=block, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    ops_mesanet.conjugate_gradient = counting_solver(solver, decode_steps)
+                    ops_mesa.conjugate_gradient = counting_solver(solver, decode_steps)
                     for i in range(args.decode_steps):
                         model(input_ids=all_ids[:, context + i, None], position_ids=torch.tensor([[context + i]]),
                               past_key_values=cache, use_cache=True, logits_to_keep=1)
             finally:
-                ops_mesanet.conjugate_gradient = solver
+                ops_mesa.conjugate_gradient = solver
             rows.append({"model": label, "context": context, "prefill": summary(prefill_steps),
                          "decode": summary(decode_steps)})
             print(table_row(rows[-1]), flush=True)

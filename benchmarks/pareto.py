@@ -34,8 +34,8 @@ import torch
 from convert_smollm2 import ood_blocks
 
 from hf_recattn import from_llama
+from hf_recattn.atomic import write_json
 from hf_recattn.conversion.attention_transfer import fastest_forms
-from hf_recattn.conversion.checkpoints import atomic_write_json
 from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
@@ -205,14 +205,14 @@ def merge(paths: list[str], out: Path, plot_path: str | None) -> int:
         raise SystemExit("pareto.py --merge: no file holds the teacher's row")
     results = {**holders[0], "models": {name: row for part in parts for name, row in part["models"].items()}}
     results["parts"] = [part["provenance"]["command"] for part in parts]
-    atomic_write_json(out, results)
+    write_json(out, results)
     print(table(results))
     if plot_path:
         print(plot(results, plot_path))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default="embedded")
     parser.add_argument("--swap", nargs="*", default=[], metavar="NAME=SPEC",
@@ -235,22 +235,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure only the swaps and checkpoints given (a part of a run split over processes)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="measure nothing: join result files of one setting (one holding the teacher) into --out")
-    args = parser.parse_args(argv)
-    if args.merge:
-        return merge(args.merge, Path(args.out), args.plot)
-    swaps = dict(parse_swap(s) for s in args.swap)
-    converted = [converted_folder(path) for path in args.converted]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args(argv)
+
+
+def start_results(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The results of this setting: the models ``out`` already holds for the same settings, none otherwise."""
     results: dict[str, Any] = {"settings": settings(args), "models": {}}
     if out.is_file():
         earlier = json.loads(out.read_text())
         if earlier.get("settings") == results["settings"]:
             results["models"] = earlier.get("models", {})
     results.update(benchmark="pareto", provenance=provenance(["python", *sys.argv]))
+    return results
 
+
+def measure_models(args: argparse.Namespace, results: dict[str, Any], out: Path, swaps: dict[str, dict[str, Any]],
+                   converted: list[tuple[str, Path, dict[str, Any]]]) -> None:
+    """Measure the teacher (unless ``--no-teacher``), the swaps and the converted checkpoints not measured yet,
+    rewriting ``out`` after each."""
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.requires_grad_(False)
     _, heldout_texts = load_splits()
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"cache_mib": cache_mib(config, args.context), **facts}
         row.update(measure(model.eval(), tokenizer, evals, heldout_texts, args))
         results["models"][name] = row
-        atomic_write_json(out, results)
+        write_json(out, results)
         ppl = ", ".join(f"{k.removeprefix('perplexity_')} {v:.2f}" for k, v in row.items() if k.startswith("perp"))
         print(f"{name}: cache {row['cache_mib']:.2f} MiB, {ppl}, passkey {row['passkey']}, "
               f"recall {row['associative_recall_mean']:.2f} ({row['seconds']:.0f} s)", flush=True)
@@ -281,7 +283,21 @@ def main(argv: list[str] | None = None) -> int:
         student = RecAttnForCausalLM.from_pretrained(model_dir)
         record(name, student, student.config, facts)
         del student
-    atomic_write_json(out, results)  # this command, even when every model was measured earlier
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out), args.plot)
+    swaps = dict(parse_swap(s) for s in args.swap)
+    converted = [converted_folder(path) for path in args.converted]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = start_results(args, out)
+    measure_models(args, results, out, swaps, converted)
+    write_json(out, results)  # this command, even when every model was measured earlier
     if "teacher" not in results["models"]:  # a part of a split run: the table needs the teacher's row
         print(f"results: {out} (join the parts with --merge for the table)")
         return 0

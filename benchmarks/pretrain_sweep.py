@@ -159,10 +159,10 @@ def pending_runs(requested: Sequence[str], results: dict[str, Any]) -> list[str]
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
-    from hf_recattn.data.embedded import write_atomic
+    """Write ``data`` to ``path`` (indented by 1, keys in their order) through a temporary file and a rename."""
+    from hf_recattn.atomic import write_json
 
-    write_atomic(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+    write_json(path, data, indent=1, sort_keys=False)
 
 
 def parse_labels(labels: Iterable[str] | None) -> list[str]:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hf_recattn.conversion.checkpoints import atomic_write_json
+from hf_recattn.atomic import write_json
 from hf_recattn.provenance import provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -31,6 +31,6 @@ def run_record() -> dict[str, Any]:
 def write_results(path: Path, benchmark: str, record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """Write ``data`` with ``"benchmark"`` and ``"provenance"`` to ``path`` (atomically); returns the results."""
     results = {"benchmark": benchmark, "provenance": record, **data}
-    atomic_write_json(path, results)
+    write_json(path, results)
     print(f"wrote {path}", file=sys.stderr)
     return results

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from hf_recattn import from_llama
+from hf_recattn.atomic import write_text
 from hf_recattn.conversion.retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import embedded_texts
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         path = Path(args.out)
         earlier = json.loads(path.read_text()) if path.is_file() else []
-        path.write_text(json.dumps(earlier + rows, indent=1, default=str) + "\n")
+        write_text(path, json.dumps(earlier + rows, indent=1, default=str) + "\n")
     return 0
 
 

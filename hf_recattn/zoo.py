@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .atomic import write_text
 from .conversion.recipe import report_training_tokens
 from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
-from .evaluation import write_text
 from .model_card import BYTES_PER_ELEMENT, build_model_card
 from .modeling.configuration import read_checkpoint_config
 from .provenance import provenance_line

@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             stale.append(where)
             if not args.check:
-                path.write_text(new)
+                from hf_recattn.atomic import write_text
+
+                write_text(path, new)
     for error in errors:
         print(f"render_docs: error: {error}", file=sys.stderr)
     if errors:

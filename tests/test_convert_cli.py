@@ -333,21 +333,6 @@ def test_missing_teacher_fails_before_taking_the_folder(tmp_path: Path, capsys: 
     assert not out.exists()  # a corrected rerun is not refused as "another conversion"
 
 
-def test_atomic_writes_keep_the_usual_permissions(tmp_path: Path) -> None:
-    import os
-
-    from hf_recattn.conversion.checkpoints import atomic_dir, atomic_write_json
-
-    mask = os.umask(0)
-    os.umask(mask)
-    atomic_write_json(tmp_path / "a.json", {"x": 1})
-    with atomic_dir(tmp_path / "d") as tmp:
-        (tmp / "f").write_text("y")
-    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~mask
-    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o777 & ~mask
-    assert (tmp_path / "d" / "f").read_text() == "y" and not list(tmp_path.glob(".tmp-*"))
-
-
 # ----- several processes, bfloat16 teachers -------------------------------------------------------------------
 QUIET = ("--no-eval", "--threads", "1")
 

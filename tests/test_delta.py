@@ -22,6 +22,7 @@ from reference_delta import DeltaParams, delta_reference
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
+from hf_recattn.modeling.triangular import unit_lower_solve
 
 REL_FP32 = 1e-5
 REL_GRAD = 1e-8
@@ -271,3 +272,14 @@ def test_hybrid_with_delta_far_matches_reference(sinks: int) -> None:
 def test_hybrid_delta_far_needs_sum() -> None:
     with pytest.raises(ValueError, match=r"layer 4: option 'far' a delta far mixer needs combine='sum'"):
         validate_spec({"mixer": "hybrid", "far": {"mixer": "delta"}}, "layer 4")
+
+
+def test_unit_lower_solve_reads_only_the_strict_lower_part_and_solves_half_precision_in_float32() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lower, rhs = torch.randn(2, 6, 6, generator=gen, dtype=torch.float64), torch.randn(2, 6, 3, generator=gen,
+                                                                                       dtype=torch.float64)
+    expected = torch.linalg.solve(torch.eye(6, dtype=torch.float64) + lower.tril(-1), rhs)
+    torch.testing.assert_close(unit_lower_solve(lower, rhs), expected)
+    half = unit_lower_solve(lower.bfloat16(), rhs.bfloat16())
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, unit_lower_solve(lower.bfloat16().float(), rhs.bfloat16().float()).bfloat16())

@@ -3,7 +3,8 @@ public op documents its arguments and results and shows an example, and the exam
 The README's reference list names each paper a family cites, under the same arXiv id and title.
 
 Families come from the registry, ops from the modules of ``hf_recattn.modeling`` and ``hf_recattn.ops`` whose name
-starts with ``ops`` (and ``hf_recattn.ops.__all__``), so modules can move or be renamed without this test knowing.
+starts with ``ops`` (and ``hf_recattn.ops.__all__``), so modules can move or be renamed without this test knowing,
+plus the modules of plain-tensor functions the ops share (``OP_HELPERS``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ DOC_CITATION = re.compile(r'"([^"]+)",\s+(arXiv:\d{4}\.\d{4,5})')
 MD_CITATION = re.compile(r"\*([^*]+)\*,\s+(arXiv:\d{4}\.\d{4,5})")
 #: fewer public ops than this means the search below lost a module (moved where it does not look)
 MIN_OPS = 50
+#: modeling modules that are no op family but hold functions the ops share (documented like the ops)
+OP_HELPERS = ("kernel_adapters", "triangular")
 
 
 def _family_doc(cls: type) -> str:
@@ -40,11 +43,12 @@ def _family_doc(cls: type) -> str:
 
 
 def _op_modules() -> list[ModuleType]:
-    """Modules named ``ops*`` in the modeling package and in ``hf_recattn.ops`` (when that is a package)."""
+    """Modules named ``ops*`` or in ``OP_HELPERS`` in the modeling package and in ``hf_recattn.ops`` (when that is a
+    package)."""
     found = []
     for package in (hf_recattn.modeling, hf_recattn.ops):
         for info in pkgutil.walk_packages(getattr(package, "__path__", []), package.__name__ + "."):
-            if info.name.rsplit(".", 1)[-1].startswith("ops"):
+            if info.name.rsplit(".", 1)[-1].startswith("ops") or info.name.rsplit(".", 1)[-1] in OP_HELPERS:
                 found.append(importlib.import_module(info.name))
     return found
 

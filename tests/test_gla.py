@@ -1,4 +1,5 @@
-"""Gated linear attention (the ``gated_linear`` mixer) against the float64 per-token reference (tests/reference_gla.py).
+"""Gated linear attention (the ``gated_linear`` mixer) against the float64 per-token reference
+(tests/reference_gated_linear.py).
 
 The reference keeps one state per key head and applies the gate, the write, the read, the RMSNorm and the swish
 gate token by token; no cumulative sums, no chunks, no pairwise decays. Tolerances: fp32 mixer vs float64 reference
@@ -16,7 +17,7 @@ import torch
 from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import real_rows, rel_err
-from reference_gla import GLAParams, gla_reference
+from reference_gated_linear import GLAParams, gla_reference
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec

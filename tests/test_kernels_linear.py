@@ -1,7 +1,7 @@
 """Triton chunked linear attention (plain, scalar decay ``g``, per-key decay ``gk``) against the torch forms.
 
 The kernels run through Triton's interpreter on machines without a GPU (``conftest.py``). References are the
-chunked torch forms (``ops_linear.linear_chunked``, ``ops_gla.gla_chunked``) and an independent per-token loop,
+chunked torch forms (``ops_linear.linear_chunked``, ``ops_gated_linear.gla_chunked``) and an independent per-token loop,
 all in float64, differentiated with autograd on random upstream gradients of ``o`` and of the final state.
 
 Tolerances: float32 values and gradients agree with the float64 references within 1e-5 times the largest
@@ -19,7 +19,7 @@ import torch
 
 from hf_recattn.kernels import linear as kernel
 from hf_recattn.kernels.linear import chunk_linear_attention
-from hf_recattn.modeling.ops_gla import gla_chunked
+from hf_recattn.modeling.ops_gated_linear import gla_chunked
 from hf_recattn.modeling.ops_linear import linear_chunked
 
 Tensor = torch.Tensor

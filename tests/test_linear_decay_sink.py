@@ -4,7 +4,7 @@ float64 reference.
 The reference (tests/reference.py) weighs key s at query t by kappa(q_t, k_s) times the product of the forget
 factors g_{s+1} ... g_t, each computed one token at a time; no cumulative sums, no chunks, no state. The sink
 is one more key/value pair that every query sees, with weight e^w kappa(q_t, k*), never decayed. RetNet's fixed
-factors (``decay: retnet``) come from tests/reference_gla.py's ``retnet_gammas``, written from the formula.
+factors (``decay: retnet``) come from tests/reference_gated_linear.py's ``retnet_gammas``, written from the formula.
 Tolerances: fp32 mixer vs float64 reference ``REL_FP32``; float64 gradients (q, k, v, the layer input and
 every parameter) vs the reference's ``REL_GRAD``; fp32 chunked / steps / prefill vs fp32 parallel
 ``REL_FORMS``.
@@ -20,7 +20,7 @@ import torch
 from mixer_checks import HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded
 from reference import forget_factors, linear_attention, real_rows, rel_err
-from reference_gla import retnet_forget, retnet_gammas
+from reference_gated_linear import retnet_forget, retnet_gammas
 
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec

@@ -1,6 +1,6 @@
 """The MesaNet mixer (family ``mesa``, preset ``mesanet``) against the float64 reference.
 
-tests/reference_mesanet.py updates G and H per key head token by token in Su's form and solves every read
+tests/reference_mesa.py updates G and H per key head token by token in Su's form and solves every read
 with torch.linalg.solve; no cumulative sum, no chunk, no Cholesky, no conjugate gradients.
 Tolerances: fp32 mixer (exact solve) vs float64 reference ``REL_FP32`` = 1e-5, as for the other families. The
 solve needs no looser bound here: H_t + Lambda has its eigenvalues in [Lambda_min, Lambda_max + sum of beta]
@@ -21,9 +21,9 @@ import torch
 from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_steps
 from reference import real_rows, rel_err
-from reference_mesanet import MesaParams, mesa_reference
+from reference_mesa import MesaParams, mesa_reference
 
-from hf_recattn.modeling import ops_mesanet
+from hf_recattn.modeling import ops_mesa
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
 
@@ -169,7 +169,7 @@ def test_converged_systems_stop_before_their_residuals_underflow(monkeypatch, st
     subnormal floats, which CPUs compute 10-100x slower. Either way both solutions are within 1e-5 of the float64
     solve: the check changes nothing visible."""
     if not stop_converged:
-        monkeypatch.setattr(ops_mesanet, "_CHECK_EVERY", 1000)
+        monkeypatch.setattr(ops_mesa, "_CHECK_EVERY", 1000)
     d = 16
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 3 * d, d, generator=gen, dtype=torch.float64) / d**0.5
@@ -185,7 +185,7 @@ def test_converged_systems_stop_before_their_residuals_underflow(monkeypatch, st
         terms.append(p[0] * ap[0])  # the easy system's terms of p . Ap
         return ap
 
-    x = ops_mesanet.conjugate_gradient(matvec, rhs.float(), a32.diagonal(dim1=-2, dim2=-1)[:, None], 30)
+    x = ops_mesa.conjugate_gradient(matvec, rhs.float(), a32.diagonal(dim1=-2, dim2=-1)[:, None], 30)
     exact = torch.linalg.solve(systems, rhs.transpose(1, 2)).transpose(1, 2)
     assert rel_err(x[0], exact[0]) < 1e-5 and rel_err(x[1], exact[1]) < 1e-5
     easy = torch.stack(terms)
@@ -218,14 +218,14 @@ def test_solver_ends_once_every_system_has_stopped(monkeypatch, with_hard_system
         calls.append(1)
         return p @ a32
 
-    x = ops_mesanet.conjugate_gradient(matvec, rhs, diag, 30)
+    x = ops_mesa.conjugate_gradient(matvec, rhs, diag, 30)
     ended_after = len(calls) - 1  # the first product is the start's residual
-    monkeypatch.setattr(ops_mesanet, "_may_stop_early", lambda t: False)
-    assert torch.equal(x, ops_mesanet.conjugate_gradient(lambda p: p @ a32, rhs, diag, 30))
+    monkeypatch.setattr(ops_mesa, "_may_stop_early", lambda t: False)
+    assert torch.equal(x, ops_mesa.conjugate_gradient(lambda p: p @ a32, rhs, diag, 30))
     if with_hard_system:
         assert ended_after == 30
     else:
-        assert ended_after < 30 and ended_after % ops_mesanet._CHECK_EVERY == 0, ended_after
+        assert ended_after < 30 and ended_after % ops_mesa._CHECK_EVERY == 0, ended_after
         exact = torch.linalg.solve(systems, rhs.double().transpose(1, 2)).transpose(1, 2)
         assert rel_err(x, exact) < 1e-5
 
@@ -242,7 +242,7 @@ def test_a_traced_solve_keeps_every_step() -> None:
         return scale * keys.transpose(1, 2) @ keys + torch.eye(d)
 
     def solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-        return ops_mesanet.conjugate_gradient(lambda p: p @ a, rhs, a.diagonal(dim1=-2, dim2=-1)[:, None], 30)
+        return ops_mesa.conjugate_gradient(lambda p: p @ a, rhs, a.diagonal(dim1=-2, dim2=-1)[:, None], 30)
 
     easy, hard, rhs = system(0.02), system(50.0), torch.randn(1, 1, d, generator=gen)
     traced = torch.jit.trace(solve, (easy, rhs), check_trace=False)

@@ -54,9 +54,10 @@ RUNTIME_CORE = {
     "options.py",
     "mixer_delta.py",
     "ops_delta.py",
+    "triangular.py",
     "delta_gates.py",
     "short_conv.py",
-    "mixer_retrieval.py",
+    "mixer_retrieval_heads.py",
     "mixer_hybrid.py",
 }
 

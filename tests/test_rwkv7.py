@@ -1,5 +1,5 @@
 """RWKV-7's generalized delta rule (the ``generalized_delta`` mixer, preset ``rwkv7``) against the float64 per-token
-reference (tests/reference_rwkv7.py).
+reference (tests/reference_generalized_delta.py).
 
 The reference keeps the paper's values x keys state per key head and applies the decay, the rank-1 removal, the
 write, the read and the output LayerNorm token by token: no cumulative sums, no chunks, no triangular solve.
@@ -20,8 +20,8 @@ from generation_cases import Case, left_padded_batch, one_thread, tiny_model
 from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import real_rows, rel_err
+from reference_generalized_delta import RWKV7Params, rwkv7_reference
 from reference_recurrent_softmax import hybrid_attention
-from reference_rwkv7 import RWKV7Params, rwkv7_reference
 from transformers import initialization as init
 
 from hf_recattn import RecAttnForCausalLM

@@ -24,10 +24,10 @@ def run_corpus(args: argparse.Namespace) -> int:
     corpus = embedded_corpus(refresh=args.rebuild)
     report = corpus_report(corpus, tokenizer)
     if args.out:
-        from ..conversion.checkpoints import atomic_write_json
+        from ..atomic import write_json
         from ..provenance import provenance
 
-        atomic_write_json(Path(args.out), {**report, "benchmark": "corpus", "provenance": provenance()})
+        write_json(Path(args.out), {**report, "benchmark": "corpus", "provenance": provenance()})
     if args.json:
         print(json.dumps(report, indent=2))
     else:

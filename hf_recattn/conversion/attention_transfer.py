@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_folder
 from ..modeling.mixer_base import MixerInputs
 from ..modeling.modeling import rotate_queries_and_keys
 from ..training import parallel
@@ -33,7 +34,6 @@ from ..training.forms import decoder_layers as _decoder_layers
 from ..training.forms import fastest_forms
 from ..training.runner import NonFiniteLossError
 from .checkpoints import (
-    atomic_dir,
     latest_step_dir,
     load_tensors,
     prune_step_dirs,
@@ -485,7 +485,7 @@ def _save(
     keep: int,
     projections: tuple[str, ...],
 ) -> None:
-    with atomic_dir(step_dir(folder, step)) as tmp:
+    with atomic_folder(step_dir(folder, step)) as tmp:
         save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, projections))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, "history": history}, indent=1))

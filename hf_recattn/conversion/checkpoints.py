@@ -1,91 +1,26 @@
-"""Crash-safe files for the conversion pipeline: atomic writes, step checkpoints, the run identity.
+"""Crash-safe files for the conversion pipeline: step checkpoints and the run identity.
 
-Everything the pipeline leaves in its output folder is written to a temporary sibling first and moved into
-place with ``os.replace``, so an interrupt leaves either the old state or the new one, never half a file.
+Everything the pipeline leaves in its output folder is written through ``hf_recattn.atomic`` (a temporary sibling
+moved into place), so an interrupt leaves either the old state or the new one, never half a file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import clean_temporaries, write_json
 from ..training.runner import latest_trainer_checkpoint  # noqa: F401 (its home before the training package)
 
 RUN_FILE = "run.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
-    atomic_write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
-@contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary folder; on success it replaces ``final`` (any old content is discarded)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders
-        if final.exists():  # os.replace cannot replace a non-empty folder: move the old one aside first
-            old = final.parent / f".old-{final.name}-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def clean_temporaries(folder: str | os.PathLike) -> None:
-    """Remove leftovers of interrupted atomic writes (``.tmp-*`` / ``.old-*``) directly inside ``folder``."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return
-    for child in folder.iterdir():
-        if child.name.startswith((".tmp-", ".old-")):
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
 
 
 # ----- tensors ----------------------------------------------------------------------------------------------
@@ -167,7 +102,7 @@ def claim_output_folder(output: str | os.PathLike, identity: dict[str, Any], dec
     elif decision == "resume":
         clean_temporaries(output)
     output.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(output / RUN_FILE, identity)
+    write_json(output / RUN_FILE, identity)
 
 
 def _refuse_dangerous(output: Path) -> None:

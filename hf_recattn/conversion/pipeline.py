@@ -32,6 +32,7 @@ import torch
 from transformers import set_seed
 
 from .. import evaluation
+from ..atomic import atomic_folder, write_json
 from ..data.corpus import is_embedded, load_splits, token_blocks
 from ..model_card import write_model_card
 from ..modeling.cache import CACHE_NAME
@@ -49,8 +50,6 @@ from .attention_transfer import (
     mixer_state_dict,
 )
 from .checkpoints import (
-    atomic_dir,
-    atomic_write_json,
     check_output_folder,
     claim_output_folder,
     load_tensors,
@@ -239,7 +238,7 @@ def _load_teacher(run: Run, label: str) -> None:
     run.timings["load_teacher"] = time.perf_counter() - t0
     if parallel.is_main():  # teacher and recipe are fine: now take the folder
         claim_output_folder(run.output, run.identity, run.decision)
-        atomic_write_json(run.output / "recipe.json", run.recipe.as_dict())
+        write_json(run.output / "recipe.json", run.recipe.as_dict())
 
 
 def _prepare_data(run: Run, label: str) -> None:
@@ -309,12 +308,12 @@ def _stage2(run: Run, label: str) -> None:
         run.stage2 = result.as_dict()
         run.stage2["tokens_per_second"] = tokens_per_second(result)
         if parallel.is_main():
-            atomic_write_json(run.output / "stage2" / "summary.json", run.stage2)
+            write_json(run.output / "stage2" / "summary.json", run.stage2)
         run.timings["stage2"] = result.seconds
     else:
         run.log(f"{label} stage 2: skipped (stage2.tokens is 0)")
     if parallel.is_main():
-        with atomic_dir(run.model_dir) as tmp:
+        with atomic_folder(run.model_dir) as tmp:
             run.student.save_pretrained(tmp)
             run.tokenizer.model_max_length = run.student.config.max_position_embeddings  # not "unbounded" 1e30
             run.tokenizer.save_pretrained(tmp)
@@ -433,7 +432,7 @@ def _stage1(
             f"{summary['tokens_per_second']:.0f} tokens/s"
         )
     if parallel.is_main():
-        with atomic_dir(result_dir) as tmp:
+        with atomic_folder(result_dir) as tmp:
             save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, s1.projections))
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
         shutil.rmtree(output / "stage1" / "progress", ignore_errors=True)
@@ -462,7 +461,7 @@ def _keep_retrieval_heads(recipe: Recipe, student: torch.nn.Module, tokenizer: A
                                            log=lambda line: log("  " + line))
         heads = selection.heads
         if parallel.is_main():
-            atomic_write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
+            write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
                                      "answered": selection.answered, "prompts": selection.prompts,
                                      "rounds": selection.rounds})
     log("  exact softmax on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))

@@ -15,9 +15,10 @@ mixer's per-head parameters split between the parts).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 from ..evaluation.prompts import fill_tokens, plant
 from ..evaluation.recall import Haystack, RecallPrompt, fact_ids, recall_prompt
 from ..modeling.mixer_base import Mixer, MixerInputs
-from ..modeling.mixer_retrieval import FULL_SPEC, RetrievalHeadsMixer
+from ..modeling.mixer_retrieval_heads import FULL_SPEC, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
 
 HeadSet = dict[int, list[int]]
@@ -124,6 +125,83 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
+@contextlib.contextmanager
+def _blending(model: nn.Module, alpha: torch.Tensor) -> Iterator[None]:
+    """The model in eval mode with frozen parameters, each layer's mixer blended with exact softmax by ``alpha``;
+    mixers, ``requires_grad`` flags and training mode are restored on exit."""
+    layers = _layers(model)
+    originals = [layer.self_attn.mixer for layer in layers]
+    trainable = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    try:
+        model.eval()
+        for p in trainable:
+            p.requires_grad_(False)
+        for i, layer in enumerate(layers):
+            layer.self_attn.mixer = _Blend(originals[i], alpha, i)
+        yield
+    finally:
+        for layer, mixer in zip(layers, originals, strict=True):
+            layer.self_attn.mixer = mixer
+        for p, flag in trainable.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+
+
+def _score(model: nn.Module, prompts: Sequence[RecallPrompt], alpha: torch.Tensor, grad: bool) -> tuple[float, int]:
+    """Mean answer log-probability over ``prompts`` and how many are answered; with ``grad``, its gradient with
+    respect to ``alpha`` lands in ``alpha.grad``."""
+    total, answered = 0.0, 0
+    alpha.requires_grad_(grad)
+    alpha.grad = None
+    for prompt in prompts:
+        with torch.set_grad_enabled(grad):
+            value, hit = _answer_score(model, prompt)
+            if grad:
+                (value / len(prompts)).backward()
+        total += value.item()
+        answered += int(hit)
+    return total / len(prompts), answered
+
+
+def _grow(model: nn.Module, prompts: Sequence[RecallPrompt], alpha: torch.Tensor, chosen: list[tuple[int, int]],
+          rounds: list[dict[str, Any]], max_heads: int, per_round: int,
+          log: Callable[[str], None]) -> tuple[float, int]:
+    """Switch the heads with the largest gradient to exact softmax, ``per_round`` at a time, until every prompt is
+    answered or ``max_heads`` are chosen; returns the last score."""
+    while True:
+        value, answered = _score(model, prompts, alpha, grad=True)
+        rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered})
+        log(f"retrieval heads: {len(chosen)} exact, answer log-prob {value:.3f}, {answered}/{len(prompts)} "
+            "answered")
+        if answered == len(prompts) or len(chosen) >= max_heads:
+            return value, answered
+        gain = alpha.grad.detach().clone()
+        gain[alpha.detach() > 0] = -float("inf")
+        for flat in torch.topk(gain.flatten(), min(per_round, max_heads - len(chosen))).indices.tolist():
+            head = divmod(flat, alpha.shape[1])
+            alpha.data[head] = 1.0
+            chosen.append(head)
+
+
+def _prune(model: nn.Module, prompts: Sequence[RecallPrompt], alpha: torch.Tensor, chosen: list[tuple[int, int]],
+           rounds: list[dict[str, Any]], score: tuple[float, int], log: Callable[[str], None]) -> tuple[float, int]:
+    """Drop each chosen head whose removal keeps every prompt answered; returns the score of the choice in force."""
+    value, answered = score
+    for head in list(chosen):
+        alpha.data[head] = 0.0
+        with torch.no_grad():
+            without = _score(model, prompts, alpha, grad=False)
+        if without[1] == len(prompts):
+            chosen.remove(head)
+            value, answered = without
+            log(f"retrieval heads: layer {head[0]} KV head {head[1]} not needed ({len(chosen)} left)")
+        else:
+            alpha.data[head] = 1.0
+    rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered, "pruned": True})
+    return value, answered
+
+
 def select_retrieval_heads(
     model: nn.Module,
     prompts: Sequence[RecallPrompt],
@@ -142,66 +220,16 @@ def select_retrieval_heads(
     if max_heads > len(layers) * kv_heads:
         raise ValueError(f"max_heads={max_heads} exceeds the model's {len(layers) * kv_heads} KV heads")
     alpha = torch.zeros(len(layers), kv_heads, device=next(model.parameters()).device)
-    originals = [layer.self_attn.mixer for layer in layers]
-    trainable = {p: p.requires_grad for p in model.parameters()}
-    was_training = model.training
     chosen: list[tuple[int, int]] = []
     rounds: list[dict[str, Any]] = []
-
-    def score(grad: bool) -> tuple[float, int]:
-        total, answered = 0.0, 0
-        alpha.requires_grad_(grad)
-        alpha.grad = None
-        for prompt in prompts:
-            with torch.set_grad_enabled(grad):
-                value, hit = _answer_score(model, prompt)
-                if grad:
-                    (value / len(prompts)).backward()
-            total += value.item()
-            answered += int(hit)
-        return total / len(prompts), answered
-
-    try:
-        model.eval()
-        for p in trainable:
-            p.requires_grad_(False)
-        for i, layer in enumerate(layers):
-            layer.self_attn.mixer = _Blend(originals[i], alpha, i)
-        while True:
-            value, answered = score(grad=True)
-            rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered})
-            log(f"retrieval heads: {len(chosen)} exact, answer log-prob {value:.3f}, {answered}/{len(prompts)} "
-                "answered")
-            if answered == len(prompts) or len(chosen) >= max_heads:
-                break
-            gain = alpha.grad.detach().clone()
-            gain[alpha.detach() > 0] = -float("inf")
-            for flat in torch.topk(gain.flatten(), min(per_round, max_heads - len(chosen))).indices.tolist():
-                head = divmod(flat, kv_heads)
-                alpha.data[head] = 1.0
-                chosen.append(head)
-        if prune and answered == len(prompts):
-            for head in list(chosen):
-                alpha.data[head] = 0.0
-                with torch.no_grad():
-                    without = score(grad=False)
-                if without[1] == len(prompts):
-                    chosen.remove(head)
-                    value, answered = without  # the score of the choice in force
-                    log(f"retrieval heads: layer {head[0]} KV head {head[1]} not needed ({len(chosen)} left)")
-                else:
-                    alpha.data[head] = 1.0
-            rounds.append({"heads": list(chosen), "log_prob": value, "answered": answered, "pruned": True})
-    finally:
-        for layer, mixer in zip(layers, originals, strict=True):
-            layer.self_attn.mixer = mixer
-        for p, flag in trainable.items():
-            p.requires_grad_(flag)
-        model.train(was_training)
+    with _blending(model, alpha):
+        score = _grow(model, prompts, alpha, chosen, rounds, max_heads, per_round, log)
+        if prune and score[1] == len(prompts):
+            score = _prune(model, prompts, alpha, chosen, rounds, score, log)
     heads: HeadSet = {}
     for layer_idx, head in sorted(chosen):
         heads.setdefault(layer_idx, []).append(head)
-    return Selection(heads, rounds, answered, len(prompts))
+    return Selection(heads, rounds, score[1], len(prompts))
 
 
 # ----- the model that keeps them --------------------------------------------------------------------------

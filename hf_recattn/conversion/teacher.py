@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..atomic import atomic_folder
 from ..embedded_teachers import (
     EMBEDDED,
     embedded_gguf_path,
@@ -161,17 +161,12 @@ def teacher_tokenizer(spec: str = EMBEDDED) -> PreTrainedTokenizerBase:
 
 
 def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Save a plain copy atomically (a temporary folder renamed into place); failures only cost speed."""
+    """Save a plain copy atomically (a temporary folder renamed into place, unless another process was first);
+    failures only cost speed."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
+        with atomic_folder(target, replace=False) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         same_file = re.compile(re.escape(target.name.rsplit("-", 1)[0]) + r"-[0-9a-f]{16}")
         for stale in target.parent.iterdir():  # copies made by older transformers, or of an older file
             if stale != target and same_file.fullmatch(stale.name):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..atomic import write_bytes, write_text
 from ..paths import cache_root
 from . import pinned
 from .pinned import Source
@@ -272,23 +273,10 @@ def _parse(data: bytes, where: Path) -> tuple[Document, ...]:
     return tuple(docs)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` through a temporary file renamed into place (removed if anything fails)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_cache(path: Path, data: bytes) -> None:
-    """``write_atomic`` for a cache file: a read-only home still gets its corpus, just not cached (a warning)."""
+    """``write_bytes`` for a cache file: a read-only home still gets its corpus, just not cached (a warning)."""
     try:
-        write_atomic(path, data)
+        write_bytes(path, data)
     except OSError as err:
         print(f"hf_recattn: could not cache the corpus in {path}: {err}", file=sys.stderr)
 
@@ -374,6 +362,6 @@ def write_splits(corpus: Corpus, folder: Path, fmt: str = "jsonl") -> list[Path]
             if doc.split == split:
                 buffer.write(json.dumps({"id": doc.id, "text": doc.text}, ensure_ascii=False) + "\n")
         path = folder / f"{split}.jsonl"
-        write_atomic(path, buffer.getvalue().encode("utf-8"))
+        write_text(path, buffer.getvalue())
         paths.append(path)
     return paths

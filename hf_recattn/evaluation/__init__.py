@@ -19,7 +19,7 @@ from .heldout import perplexity
 from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 from .recall import associative_recall_probe
-from .report import comparison_table, write_report, write_text
+from .report import comparison_table, write_report
 from .suite import RecallSizes, describe_model, evaluate
 
 __all__ = [
@@ -46,5 +46,4 @@ __all__ = [
     "sentence_pieces",
     "token_pieces",
     "write_report",
-    "write_text",
 ]

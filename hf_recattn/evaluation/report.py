@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..data.embedded import write_atomic
+from ..atomic import write_text
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -44,12 +44,6 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
             f"{_fmt(mib, '.2f')} |"
         )
     return "\n".join(lines)
-
-
-def write_text(path: Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically (a temporary file, then a rename); returns the path."""
-    write_atomic(path, text.encode("utf-8"))
-    return path
 
 
 def write_report(out_dir: str | os.PathLike, report: dict[str, Any], name: str = "report.json") -> Path:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from .mixer_base import Mixer
 from .mixer_delta import DeltaMixer
-from .mixer_deltaformer import DeltaFormerMixer
-from .mixer_gla import GLAMixer
+from .mixer_gated_linear import GatedLinearMixer
+from .mixer_generalized_delta import GeneralizedDeltaMixer
 from .mixer_heinsen import HeinsenMixer
 from .mixer_hybrid import HybridMixer
 from .mixer_linear import LinearMixer
-from .mixer_mesanet import MesaMixer
-from .mixer_path import PathMixer
-from .mixer_retrieval import RetrievalHeadsMixer
-from .mixer_rwkv7 import RWKV7Mixer
+from .mixer_mesa import MesaMixer
+from .mixer_retrieval_heads import RetrievalHeadsMixer
 from .mixer_softmax import SlidingWindowMixer, SoftmaxMixer
+from .mixer_softmax_delta import SoftmaxDeltaMixer
+from .mixer_softmax_householder import SoftmaxHouseholderMixer
 from .mixer_taylor import TaylorMixer
 from .presets import BUILTIN_PRESET_DOCS, BUILTIN_PRESETS
 from .registry import MIXERS, PRESETS, build_mixer, mixer_class, register_mixer, register_preset, validate_spec
@@ -33,11 +33,11 @@ BUILTIN_MIXERS: tuple[type[Mixer], ...] = (
     HeinsenMixer,
     HybridMixer,  # softmax over a window + a far part (a family that declares far_part.py's protocol)
     DeltaMixer,
-    DeltaFormerMixer,
-    PathMixer,
-    GLAMixer,  # gated linear attention (a gate per key dimension)
+    SoftmaxDeltaMixer,  # DeltaFormer (preset "deltaformer")
+    SoftmaxHouseholderMixer,  # PaTH (preset "path")
+    GatedLinearMixer,  # gated linear attention, a gate per key dimension (preset "gla")
     MesaMixer,  # MesaNet (preset "mesanet")
-    RWKV7Mixer,  # RWKV-7's generalized delta rule (preset "rwkv7")
+    GeneralizedDeltaMixer,  # RWKV-7's generalized delta rule (preset "rwkv7")
     RetrievalHeadsMixer,  # exact softmax on a few KV heads, another mixer on the rest
 )
 

@@ -35,21 +35,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backends import pick
-from .ops_kernels import chunked as kernel_chunked
-from .ops_kernels import delta_step as kernel_delta_step
-from .ops_kernels import too_wide
+from .kernel_adapters import run_chunked, run_delta_step, too_wide
+from .triangular import unit_lower_solve
 
 #: why the kernels cannot run DeltaProduct
 SEVERAL_UPDATES = "several updates per token (DeltaProduct)"
-
-
-def _unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """X with (I + strictly_lower(lower)) X = rhs. LAPACK has no half-precision solve (bf16 / fp16 raise "not
-    implemented"): those run in float32 and come back in their own dtype."""
-    if lower.dtype in (torch.float16, torch.bfloat16):
-        solved = torch.linalg.solve_triangular(lower.float(), rhs.float(), upper=False, unitriangular=True)
-        return solved.to(rhs.dtype)
-    return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
 
 
 def _block_terms(operands: tuple[torch.Tensor, ...], steps: int) -> tuple[torch.Tensor, ...]:
@@ -69,8 +59,8 @@ def _block_terms(operands: tuple[torch.Tensor, ...], steps: int) -> tuple[torch.
     to_prev = (prev[..., :, None] - cum[..., None, :]).masked_fill(~strictly_before, float("-inf")).exp()
     lower = (k @ k.transpose(-1, -2)) * to_prev * erase[..., :, None]
     # two solves: LAPACK's batched triangular solve is slower per column with the keys and values side by side
-    w = _unit_lower_solve(lower, (erase * prev.exp())[..., None] * k)
-    u = _unit_lower_solve(lower, beta[..., None] * v)
+    w = unit_lower_solve(lower, (erase * prev.exp())[..., None] * k)
+    u = unit_lower_solve(lower, beta[..., None] * v)
     read_at = index[steps - 1 :: steps]  # the micro-step after which each query reads the state
     cum_q = cum[..., steps - 1 :: steps]
     visible = read_at[:, None] >= index[None, :]
@@ -334,7 +324,7 @@ def delta_chunked(
         "chunk_delta", (q, k, v, log_alpha, beta, erase), state, several_updates=steps > 1
     )
     if kernel is not None:
-        return kernel_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
+        return run_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
     b, hk, g, t, d = q.shape
     e = v.shape[-1]
     x, c = b * hk, chunk_size * steps
@@ -398,7 +388,7 @@ def delta_step(
         "delta_step", (q, k, v, log_alpha, beta, erase), state, several_updates=k.shape[2] > 1
     )
     if kernel is not None:
-        return kernel_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
+        return run_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
     for j in range(k.shape[2]):
         kj = k[:, :, j : j + 1]  # [B, Hk, 1, D]
         read = kj @ state  # k^T S: [B, Hk, 1, E]

@@ -18,9 +18,7 @@ import math
 import torch
 
 from .backends import pick
-from .ops_kernels import linear_chunked as kernel_linear_chunked
-from .ops_kernels import linear_step as kernel_linear_step
-from .ops_kernels import too_wide
+from .kernel_adapters import run_linear_chunked, run_linear_step, too_wide
 
 #: the kernels carry the denominator z as one more value column
 DENOMINATOR_COLUMNS = 1
@@ -144,7 +142,7 @@ def linear_chunked(
     kernel = pick("chunk_linear", q, k, v, S, z, log_g,
                   unsupported=too_wide("chunk_linear", k, v, DENOMINATOR_COLUMNS))
     if kernel is not None:
-        return kernel_linear_chunked(kernel, q, k, v, S, z, g=log_g)
+        return run_linear_chunked(kernel, q, k, v, S, z, g=log_g)
     # the denominator rides along as one more value column (of ones): one product reads both, one updates both;
     # the G query heads of a key head are stacked into one [G * C, F] block, batched over B * Hkv
     b, hk, g, t, f = q.shape
@@ -217,7 +215,7 @@ def linear_step(
                   unsupported=too_wide("linear_step", k, v, DENOMINATOR_COLUMNS))
     if kernel is not None:
         g = None if log_g is None else log_g[:, :, 0].to(S.dtype)
-        return kernel_linear_step(kernel, q, k, v, S, z, in_place, g=g)
+        return run_linear_step(kernel, q, k, v, S, z, in_place, g=g)
     if log_g is not None:
         g = log_g[:, :, 0].exp().to(S.dtype)
         if in_place:

@@ -86,5 +86,5 @@ BUILTIN_PRESET_DOCS: dict[str, str] = {
     "rwkv7": "RWKV-7 (Peng et al. 2025, arXiv:2503.14456) time mixing as fla's layer: vector decay and in-context "
     "learning rate from rank-64 maps of the layer input, L2-normalized removal key, per-head output LayerNorm times "
     "a sigmoid gate (full rank here, low rank in RWKV-7), unscaled receptance, no RoPE, RWKV-7's init (see "
-    "mixer_rwkv7.py for what is not reproduced).",
+    "mixer_generalized_delta.py for what is not reproduced).",
 }

@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import Trainer
 
+from ..atomic import move_into_place
+
 FINAL_MODEL = "model"
 _TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
 
@@ -83,8 +85,9 @@ def train_with_resume(trainer: Trainer) -> int:
 
 def save_final(trainer: Trainer, tokenizer: Any, merged: Any = None) -> Path:
     """Write ``output_dir/model`` atomically: into ``.tmp-model`` first (every process takes part, which
-    FSDP needs to gather weights), then moved into place by the main process. ``merged``: a plain model to
-    save instead of the trained one (a LoRA model after ``merge_and_unload``)."""
+    FSDP needs to gather weights, so the temporary name is one they all know), then moved into place by the
+    main process. ``merged``: a plain model to save instead of the trained one (a LoRA model after
+    ``merge_and_unload``)."""
     final = Path(trainer.args.output_dir) / FINAL_MODEL
     tmp = final.parent / f".tmp-{FINAL_MODEL}"
     main = trainer.is_world_process_zero()
@@ -98,12 +101,7 @@ def save_final(trainer: Trainer, tokenizer: Any, merged: Any = None) -> Path:
     if main:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "training_args.bin").unlink(missing_ok=True)
-        old = final.parent / f".old-{FINAL_MODEL}"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        move_into_place(tmp, final)
     trainer.accelerator.wait_for_everyone()
     return final
 

@@ -9,10 +9,10 @@ a group share their key head's Householders, so the cache lives per key head. Pa
 (b = 0) and are invisible as keys. ``rope=True`` keeps RoPE on q and k underneath (the family's default, so that a
 converted softmax checkpoint starts from itself at b ~ 0); ``rope=False`` replaces it (the ``path`` preset).
 
-Forms (ops_path.py): blocks of ``chunk_size`` tokens through the UT transform; the cache holds every key carried
-to the latest token and every value, and a decode step applies its Householder to the cached keys. Cropping such a
-cache cannot be exact (the kept keys carry the removed tokens' Householders): a per-token stamp (1 on the latest
-token, 0 before) lets the next forward refuse a cropped cache instead of continuing from wrong keys.
+Forms (ops_softmax_householder.py): blocks of ``chunk_size`` tokens through the UT transform; the cache holds every
+key carried to the latest token and every value, and a decode step applies its Householder to the cached keys.
+Cropping such a cache cannot be exact (the kept keys carry the removed tokens' Householders): a per-token stamp (1
+on the latest token, 0 before) lets the next forward refuse a cropped cache instead of continuing from wrong keys.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from torch import nn
 
 from .gated_parts import INITS, head_gate_logits, init_head_gate
 from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
-from .ops_path import path_attention
+from .ops_softmax_householder import path_attention
 from .options import Option
 
 
-class PathMixer(ContinuingMixer):
+class SoftmaxHouseholderMixer(ContinuingMixer):
     """PaTH: softmax attention with data-dependent Householder transports between query and key positions.
 
     Paper: Yang et al., "PaTH Attention: Position Encoding via Accumulating Householder Transformations",

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops_deltaformer import key_visibility, masked_softmax, unit_lower_solve
+from .ops_softmax_delta import key_visibility, masked_softmax
+from .triangular import unit_lower_solve
 
 
 def _block_transforms(

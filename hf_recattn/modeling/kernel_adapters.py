@@ -56,7 +56,7 @@ def _first_of_group(state: torch.Tensor, groups: int) -> torch.Tensor:
     return state.view(state.shape[0], -1, groups, *state.shape[2:])[:, :, 0]
 
 
-def chunked(
+def run_chunked(
     kernel: Callable,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,7 +84,7 @@ def chunked(
         >>> with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         ...     q, k, v = torch.randn(1, 2, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
         ...     s0 = torch.zeros(1, 2, 16, 16)
-        ...     o, s = chunked(chunk_linear_attention, q, k, v, s0)
+        ...     o, s = run_chunked(chunk_linear_attention, q, k, v, s0)
         >>> o.shape, s.shape
         (torch.Size([1, 2, 2, 8, 16]), torch.Size([1, 2, 16, 16]))
     """
@@ -95,7 +95,7 @@ def chunked(
     return o.view(b, hk, g, t, -1), _first_of_group(final, g).to(state.dtype)
 
 
-def linear_chunked(
+def run_linear_chunked(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     **gates: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,14 +118,14 @@ def linear_chunked(
         >>> from hf_recattn.kernels import chunk_linear_attention
         >>> with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         ...     q, k, v = torch.rand(1, 1, 2, 8, 16), torch.rand(1, 1, 8, 16), torch.randn(1, 1, 8, 15)
-        ...     num, den, S, z = linear_chunked(chunk_linear_attention, q, k, v, torch.zeros(1, 1, 16, 15),
+        ...     num, den, S, z = run_linear_chunked(chunk_linear_attention, q, k, v, torch.zeros(1, 1, 16, 15),
         ...                                     torch.zeros(1, 1, 16))
         >>> num.shape, den.shape, S.shape, z.shape
         (torch.Size([1, 1, 2, 8, 15]), torch.Size([1, 1, 2, 8]), torch.Size([1, 1, 16, 15]), torch.Size([1, 1, 16]))
     """
     e = v.shape[-1]
     ones = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-    out, final = chunked(kernel, q, k, ones, torch.cat([S, z.unsqueeze(-1)], dim=-1), **gates)
+    out, final = run_chunked(kernel, q, k, ones, torch.cat([S, z.unsqueeze(-1)], dim=-1), **gates)
     return out[..., :e], out[..., e], final[..., :e].contiguous(), final[..., e].contiguous()
 
 
@@ -133,7 +133,7 @@ def _step_state(state: torch.Tensor, in_place: bool) -> torch.Tensor:
     return state if in_place and state.is_contiguous() else state.clone(memory_format=torch.contiguous_format)
 
 
-def linear_step(
+def run_linear_step(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     in_place: bool, g: torch.Tensor | None = None, gk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +157,7 @@ def linear_step(
         >>> from hf_recattn.kernels import fused_linear_step
         >>> with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         ...     q, k, v = torch.rand(1, 2, 3, 1, 16), torch.rand(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
-        ...     num, den, S, z = linear_step(fused_linear_step, q, k, v, torch.zeros(1, 2, 16, 16),
+        ...     num, den, S, z = run_linear_step(fused_linear_step, q, k, v, torch.zeros(1, 2, 16, 16),
         ...                                  torch.zeros(1, 2, 16), in_place=True)
         >>> num.shape, den.shape, S.shape, z.shape
         (torch.Size([1, 2, 3, 1, 16]), torch.Size([1, 2, 3, 1]), torch.Size([1, 2, 16, 16]), torch.Size([1, 2, 16]))
@@ -169,7 +169,7 @@ def linear_step(
     return num.unsqueeze(3), den, S, z
 
 
-def gated_step(
+def run_gated_step(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, in_place: bool,
     gk: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +191,8 @@ def gated_step(
         >>> from hf_recattn.kernels import fused_linear_step
         >>> with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         ...     q, k, v = torch.randn(1, 2, 3, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
-        ...     o, S = gated_step(fused_linear_step, q, k, v, torch.zeros(1, 2, 16, 16), False, -torch.rand(1, 2, 16))
+        ...     o, S = run_gated_step(fused_linear_step, q, k, v, torch.zeros(1, 2, 16, 16), False,
+        ...                           -torch.rand(1, 2, 16))
         >>> o.shape, S.shape
         (torch.Size([1, 2, 3, 1, 16]), torch.Size([1, 2, 16, 16]))
     """
@@ -199,7 +200,7 @@ def gated_step(
     return kernel(q[:, :, :, 0], k[:, :, 0], v[:, :, 0], S, gk=gk).unsqueeze(3), S
 
 
-def delta_step(
+def run_delta_step(
     kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: torch.Tensor,
     beta: torch.Tensor, erase: torch.Tensor, state: torch.Tensor, in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +225,7 @@ def delta_step(
         >>> with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         ...     q, k, v = torch.randn(1, 2, 3, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
         ...     b, s0 = torch.rand(1, 2, 1), torch.zeros(1, 2, 16, 16)
-        ...     o, s = delta_step(fused_delta_step, q, k, v, torch.zeros(1, 2, 1), b, b, s0, False)
+        ...     o, s = run_delta_step(fused_delta_step, q, k, v, torch.zeros(1, 2, 1), b, b, s0, False)
         >>> o.shape, s.shape
         (torch.Size([1, 2, 3, 1, 16]), torch.Size([1, 2, 16, 16]))
     """

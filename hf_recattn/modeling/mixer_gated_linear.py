@@ -32,7 +32,7 @@ from torch import nn
 from .decay import log_uniform_half_lives
 from .gated_parts import GatedMixer, chunk_options, convert_init_options, head_gate_logits, output_options
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
-from .ops_gla import gla_chunked, gla_parallel, gla_step
+from .ops_gated_linear import gla_chunked, gla_parallel, gla_step
 from .options import Option
 
 
@@ -42,7 +42,7 @@ def half_life_gate_bias(dims: int, temperature: float, shortest: float, longest:
     return (log_p - torch.log(-torch.expm1(log_p))).float()  # logit of p = exp(log_p)
 
 
-class GLAMixer(GatedMixer):
+class GatedLinearMixer(GatedMixer):
     """Gated linear attention: a state per key head decayed per key dimension by a low-rank gate of the input.
 
     Paper: Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient Training",

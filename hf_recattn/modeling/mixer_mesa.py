@@ -6,7 +6,7 @@ Per key head, two states with a forget gate gamma_t and an input gate beta_t rea
     G_t = gamma_t G_{t-1} + beta_t v_t k_t^T,      H_t = gamma_t H_{t-1} + beta_t k_t k_t^T,
     o_t = G_t (H_t + Lambda)^-1 q_t
 
-(ops_mesanet.py stores G as keys x values). Choices, following the MesaNet paper and fla's MesaNet layer:
+(ops_mesa.py stores G as keys x values). Choices, following the MesaNet paper and fla's MesaNet layer:
 
 * gates: gamma_t = sigmoid(W_f x_t / sqrt(C) + c_f), beta_t = sigmoid(W_b x_t / sqrt(C) + c_b), one of each per
   key head (the gates read x / sqrt(C) as the delta family's do; ``scratch`` scales W up by sqrt(C), so the logits
@@ -44,7 +44,7 @@ from .gated_parts import (
     qk_norm,
 )
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
-from .ops_mesanet import SOLVERS, MesaOperands, mesa_chunked, mesa_parallel, mesa_step
+from .ops_mesa import SOLVERS, MesaOperands, mesa_chunked, mesa_parallel, mesa_step
 from .options import Option
 from .short_conv import ShortConvolution, convolve_streams
 

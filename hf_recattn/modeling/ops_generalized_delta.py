@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .triangular import unit_lower_solve
+
 
 def mask_padding(
     k: Tensor, log_w: Tensor, a: Tensor, token_mask: Tensor | None
@@ -116,7 +118,7 @@ def _chunk(
     index = torch.arange(both, device=k.device)
     strictly_lower = (index[:, None] > index[None, :]).repeat(1, 2)  # [C, 2 C]: s < t, for both halves
     recall, lower = _rows_times_columns(kk, prev, ref, keys).masked_fill(~strictly_lower, 0.0).split(both, dim=-1)
-    u = torch.linalg.solve_triangular(lower, (kk * prev.exp()) @ state + recall @ v, upper=False, unitriangular=True)
+    u = unit_lower_solve(lower, (kk * prev.exp()) @ state + recall @ v)
     reads = _rows_times_columns(q, cum[:, :, None], ref[:, :, None], keys[:, :, None])
     scores, corrections = reads.masked_fill(index[:, None] < index[None, :].repeat(1, 2), 0.0).split(both, dim=-1)
     out = (q * cum.exp()[:, :, None]) @ state[:, :, None] + scores @ v[:, :, None] - corrections @ u[:, :, None]

@@ -19,13 +19,13 @@ from torch import nn
 
 from .gated_parts import INITS, head_gate_logits, init_head_gate
 from .mixer_base import ContinuingMixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
-from .ops_deltaformer import deltaformer_attention
+from .ops_softmax_delta import deltaformer_attention
 from .options import Option, check_open_unit
 
 WRITE_STRENGTHS = ("none", "sigmoid")
 
 
-class DeltaFormerMixer(ContinuingMixer):
+class SoftmaxDeltaMixer(ContinuingMixer):
     """DeltaFormer: softmax attention reading values u = (I + B)^-1 v fed back through key-key softmax.
 
     Paper: Zhong et al., "Understanding Transformer from the Perspective of Associative Memory",

@@ -19,9 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import pick
-from .ops_kernels import chunked as kernel_chunked
-from .ops_kernels import gated_step as kernel_gated_step
-from .ops_kernels import too_wide
+from .kernel_adapters import run_chunked, run_gated_step, too_wide
 
 #: tokens per secondary chunk inside a chunk of the chunked form
 SUB_CHUNK = 16
@@ -114,7 +112,7 @@ def gla_chunked(
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
     kernel = pick("chunk_linear", q, k, v, log_a, S, unsupported=too_wide("chunk_linear", k, v))
     if kernel is not None:
-        return kernel_chunked(kernel, q, k, v, S, gk=log_a)
+        return run_chunked(kernel, q, k, v, S, gk=log_a)
     outs = []
     qs, ks, vs = q.split(chunk_size, dim=3), k.split(chunk_size, dim=2), v.split(chunk_size, dim=2)
     for qc, kc, vc, lc in zip(qs, ks, vs, log_a.split(chunk_size, dim=2), strict=True):
@@ -164,7 +162,7 @@ def gla_step(
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
     kernel = pick("linear_step", q, k, v, log_a, S, unsupported=too_wide("linear_step", k, v))
     if kernel is not None:
-        return kernel_gated_step(kernel, q, k, v, S, in_place, gk=log_a[:, :, 0])
+        return run_gated_step(kernel, q, k, v, S, in_place, gk=log_a[:, :, 0])
     decay = log_a[:, :, 0, :, None].exp()
     if in_place:
         S = S.mul_(decay).addcmul_(k.transpose(-1, -2), v)

@@ -1,10 +1,11 @@
 """RWKV-7's generalized delta rule as a mixer ("RWKV-7 'Goose' with Expressive Dynamic State Evolution", Peng et
 al., arXiv:2503.14456; the reference definition is fla's ``RWKV7Attention`` layer with ``chunk_rwkv7``).
 
-Per key head a state S [E, D] (values x keys; stored transposed, see ops_rwkv7.py), with row vectors per token:
+Per key head a state S [E, D] (values x keys; stored transposed, see ops_generalized_delta.py), with row vectors
+per token:
 
     S_t = S_{t-1} (diag(w_t) - k^_t^T (a_t * k^_t)) + v_t^T k~_t,
-    o_t = LayerNorm(S_t (scale q_t)^T) * sigmoid(W_g x_t)
+    o_t = LayerNorm(S_t (scale q_t)^T)                  (times sigmoid(W_g x_t) with ``output_gate``)
 
 * q, k, v are the layer's q / k / v projections (RoPE applied unless ``rope: false``): RWKV-7's receptance r is q,
   so a softmax teacher's projections carry over;
@@ -19,7 +20,8 @@ and the rate read the current token's layer input (no token shift: RWKV-7 interp
 token's, which would add a buffer of the previous layer input to the state and has no counterpart in a teacher);
 no value residual (v_first mixes values across layers, outside a per-layer mixer); no bonus term (r * k * r_k) v;
 the output is normalized per head by a LayerNorm without bias (RWKV-7's GroupNorm with one group per head,
-``output_norm``); no output gate yet. With GQA the Hkv key heads hold the states (w, a, k^, k~ per key head) and
+``output_norm``); the optional output gate sigmoid(W_g x_t) is full rank (``output_gate``: off, on in the ``rwkv7``
+preset; RWKV-7's is low rank). With GQA the Hkv key heads hold the states (w, a, k^, k~ per key head) and
 the G query heads of a group read their key head's state, as in the delta family. A padded token leaves the state
 untouched (w = 1, a = 0, k~ = 0). ``causal=False`` is refused (a decayed state has a direction). As a ``hybrid``'s
 far part it reads every token as it arrives and needs ``combine='sum'`` (far_part.py's ``ARRIVING``).
@@ -35,7 +37,7 @@ Initializations (``init``):
   keys are written unchanged). The layer then starts as decayed linear attention on the teacher's q, k, v with a
   delta-rule correction of strength ``beta_init``.
 
-Both: W_g ~ N(0, initializer_range), the output norm's gains 1.
+Both: W_g ~ N(0, initializer_range) (with a gate), the output norm's gains 1.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from .gated_parts import (
     qk_norm,
 )
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, state_dtype, writable
-from .ops_rwkv7 import MAX_DECAY_RATE, mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
+from .ops_generalized_delta import MAX_DECAY_RATE, mask_padding, rwkv7_chunked, rwkv7_parallel, rwkv7_step
 from .options import Option
 
 #: the shortest half-life (tokens) w can have: ln 2 / e^{-1/2}
@@ -78,7 +80,7 @@ def scratch_decay_bias(channels: int, layer: int, layers: int) -> torch.Tensor:
     return (0.5 - 7.0 + 5.0 * position ** (0.85 + depth**0.5)).float()
 
 
-class RWKV7Mixer(GatedMixer, FarPart):
+class GeneralizedDeltaMixer(GatedMixer, FarPart):
     """RWKV-7's generalized delta rule: a state per key head with a vector decay and an in-context learning rate.
 
     Paper: Peng et al., "RWKV-7 'Goose' with Expressive Dynamic State Evolution", arXiv:2503.14456.

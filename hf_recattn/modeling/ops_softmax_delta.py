@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .triangular import unit_lower_solve
+
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Softmax over the allowed entries of the last dim; a row with no allowed entry is all zeros.
@@ -37,27 +39,6 @@ def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """
     filled = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
     return torch.softmax(filled, dim=-1) * allowed.to(logits.dtype)
-
-
-def unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """(I + strictly_lower(lower))^-1 rhs; 16-bit inputs are solved in float32 (LAPACK / cuBLAS have no such
-    triangular solve) and returned in their dtype.
-
-    Args:
-        lower: ``[..., C, C]``; only its strictly lower triangle is read (the diagonal counts as ones).
-        rhs: ``[..., C, E]`` right-hand sides.
-
-    Returns:
-        ``[..., C, E]`` the solution, in ``rhs``'s dtype.
-
-    Example:
-        >>> unit_lower_solve(torch.tensor([[9.0, 9.0], [2.0, 9.0]]), torch.tensor([[1.0], [4.0]]))
-        tensor([[1.],
-                [2.]])
-    """
-    if lower.dtype in (torch.float16, torch.bfloat16):
-        return unit_lower_solve(lower.float(), rhs.float()).to(rhs.dtype)
-    return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
 
 
 def key_visibility(
