@@ -11,23 +11,13 @@ from typing import Any
 from .common import SubParsers, add_command
 
 
-def _load_config(config_or_path: str):  # noqa: ANN202
-    """A RecAttnConfig from a checkpoint folder, a config.json, or an inline JSON object."""
-    from pathlib import Path
+def _config_argument(text: str):  # noqa: ANN202
+    """A RecAttnConfig from an inline JSON object, else from a checkpoint folder or its config.json."""
+    from ..modeling.configuration import RecAttnConfig, read_checkpoint_config
 
-    from ..modeling.configuration import RecAttnConfig
-
-    text = config_or_path.strip()
-    if text.startswith("{"):
+    if text.strip().startswith("{"):
         return RecAttnConfig(**json.loads(text))
-    path = Path(config_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise SystemExit(f"hf-recattn: no config at {config_or_path!r} (a folder, a config.json, or inline JSON)")
-    values = json.loads(path.read_text())
-    values.pop("model_type", None)
-    return RecAttnConfig(**values)
+    return read_checkpoint_config(text)
 
 
 def add_state_size(sub: SubParsers) -> None:
@@ -40,7 +30,7 @@ def add_state_size(sub: SubParsers) -> None:
     def run(args: argparse.Namespace) -> int:
         from ..state_size import format_report, state_size_report
 
-        rows = state_size_report(_load_config(args.config), args.context)
+        rows = state_size_report(_config_argument(args.config), args.context)
         if args.json:
             print(json.dumps([r.as_dict() for r in rows], indent=2))
         else:
