@@ -35,7 +35,6 @@ from convert_smollm2 import ood_blocks
 
 from hf_recattn import from_llama
 from hf_recattn.atomic import write_json
-from hf_recattn.conversion.attention_transfer import fastest_forms
 from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
@@ -47,6 +46,7 @@ from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
 from hf_recattn.provenance import provenance
 from hf_recattn.state_size import state_size_report
+from hf_recattn.training.forms import fastest_forms
 
 BYTES_PER_ELEMENT = 4
 

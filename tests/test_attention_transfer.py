@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import pytest
 import torch
 from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
+from safetensors.torch import load_file
 
 from hf_recattn import from_llama
-from hf_recattn.conversion import attention_transfer as at
+from hf_recattn.conversion.attention_transfer import attention_transfer, softmax_twins
 from hf_recattn.conversion.settings import Stage1Settings
 from hf_recattn.data.corpus import token_blocks
+from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
+from hf_recattn.modeling.mixer_softmax import SoftmaxMixer
+from hf_recattn.modeling.mixers import build_mixer, validate_spec
+from hf_recattn.training import attention_objective as objective
+from hf_recattn.training.attention_objective import (
+    TransferObjective,
+    attention_kl_divergence,
+    mixer_parameters,
+    mixer_state_dict,
+)
+from hf_recattn.training.attention_transfer import TransferSchedule, lr_at, transfer_optimizer
+from hf_recattn.training.forms import fastest_forms
+from hf_recattn.training.runner import NonFiniteLossError, latest_trainer_checkpoint
 
 HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}
 
@@ -34,12 +49,17 @@ def _settings(steps: int, **kw: object) -> Stage1Settings:
     return Stage1Settings(tokens=steps * 4 * 32, lr=2e-2, block_size=32, batch_size=4, save_every=2, **kw)
 
 
+def _layer_inputs(teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Tensor) -> tuple[dict, object]:
+    """Every teacher layer's attention input and output on ``ids``, and the rotary embedding stage 1 uses."""
+    io = objective.teacher_attention_io(teacher, ids)
+    return io, student.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
+
+
 def _layer_mse(teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Tensor) -> list[float]:
-    io = at.teacher_attention_io(teacher, ids)
-    pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
+    io, pe = _layer_inputs(teacher, student, ids)
     with torch.no_grad():
         return [
-            float(torch.nn.functional.mse_loss(at.student_attention(student, i, h, pe)[0], y))
+            float(torch.nn.functional.mse_loss(student.model.layers[i].self_attn.attend(h, pe)[0], y))
             for i, (h, y) in sorted(io.items())
         ]
 
@@ -59,7 +79,9 @@ def test_stage1_reduces_mse_and_touches_only_mixer_parameters(setup) -> None:  #
     student_before = {k: v.clone() for k, v in student.state_dict().items()}
     heldout = blocks[-4:]
     before = _layer_mse(teacher, student, heldout)
-    result = at.attention_transfer(teacher, student, blocks[:-4], _settings(30), progress=False)
+    rng = (random.getstate(), torch.get_rng_state())
+    result = attention_transfer(teacher, student, blocks[:-4], _settings(30), progress=False)
+    assert (random.getstate(), torch.get_rng_state().tolist()) == (rng[0], rng[1].tolist())  # Trainer's seed undone
     after = _layer_mse(teacher, student, heldout)
     assert result.steps == 30 and result.tokens == 30 * 4 * 32
     for i, (b, a) in enumerate(zip(before, after, strict=True)):
@@ -68,48 +90,117 @@ def test_stage1_reduces_mse_and_touches_only_mixer_parameters(setup) -> None:  #
         assert torch.equal(value, teacher_before[key]), f"teacher weight {key} changed"
     changed = {k for k, v in student.state_dict().items() if not torch.equal(v, student_before[k])}
     assert changed and all(".mixer." in k for k in changed), sorted(changed)
-    expected = {n for group in at.mixer_parameters(student).values() for n in group}
+    expected = {n for group in mixer_parameters(student).values() for n in group}
     assert changed <= expected
     assert not any(p.requires_grad for p in student.parameters())  # left frozen for stage 2
 
 
+def test_summed_loss_gives_each_layer_its_own_gradient(setup) -> None:  # noqa: ANN001
+    """One backward of the objective's sum gives every layer exactly the gradient of its own loss alone."""
+    teacher, blocks = setup
+    torch.manual_seed(0)
+    student = from_llama(teacher, HEDGEHOG)
+    groups = mixer_parameters(student)
+    student.requires_grad_(False)
+    for params in groups.values():
+        for p in params.values():
+            p.requires_grad_(True)
+    loss_of = TransferObjective(teacher, student, list(groups))
+    loss_of(blocks[:4]).backward()
+    together = {n: p.grad.clone() for params in groups.values() for n, p in params.items()}
+    for i, params in groups.items():
+        student.zero_grad(set_to_none=True)
+        TransferObjective(teacher, student, [i])(blocks[:4]).backward()
+        for name, p in params.items():
+            assert torch.equal(p.grad, together[name]), name
+
+
+def test_frozen_projections_build_no_graph(setup) -> None:  # noqa: ANN001
+    """q/k/v of a layer whose projections stay frozen carry no autograd graph; trained projections do."""
+    teacher, blocks = setup
+    student = from_llama(teacher, HEDGEHOG)
+    seen: list[bool] = []
+    handle = student.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda module, args, out: seen.append(out.requires_grad))
+    try:
+        for projections in ((), ("q_proj",)):
+            groups = mixer_parameters(student, projections)
+            student.requires_grad_(False)
+            for p in groups[0].values():
+                p.requires_grad_(True)
+            TransferObjective(teacher, student, [0])(blocks[:1])
+    finally:
+        handle.remove()
+    assert seen == [False, True]
+
+
 def _layer_kl(teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Tensor) -> list[float]:
-    io = at.teacher_attention_io(teacher, ids)
-    pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
+    io, pe = _layer_inputs(teacher, student, ids)
+    twins = softmax_twins(teacher, student.config, sorted(io))
     with torch.no_grad():
-        return [float(at.student_attention(student, i, h, pe, at.teacher_log_weights(teacher, i, h, pe))[1])
+        return [float(attention_kl_divergence(twins[i].log_attention_weights(h, pe),
+                                              student.model.layers[i].self_attn.attend(h, pe, mixer_weights=True)[1]))
                 for i, (h, _) in sorted(io.items())]
+
+
+def _llama_log_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The log weights stage 1 computed for Llama teachers before they came from the softmax mixer."""
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    logits = q.float().view(b, k.shape[1], groups, t, d) @ k.float()[:, :, None].transpose(-1, -2) * d**-0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return logits.masked_fill(~causal, float("-inf")).log_softmax(-1).view(b, h, t, t)
 
 
 def test_attention_kl_measures_the_distance_to_softmax_weights() -> None:
     """The KL term is 0 for the softmax weights themselves, positive for others, and equals the closed form for
-    uniform causal weights (log t - H(softmax row t), averaged)."""
+    uniform causal weights (log t - H(softmax row t), averaged); the softmax mixer's log weights are the Llama
+    formula bit for bit."""
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 6, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen)
-    log_p = at.softmax_log_weights(q, k)
-    assert float(at.attention_kl_divergence(log_p, log_p.exp())) < 1e-6
+    mixer = SoftmaxMixer({"mixer": "softmax", "forget": "none"}, MixerShape(32, 4, 2, 8, 0))
+    log_p = mixer.log_attention_weights(q, k, MixerInputs(hidden_states=torch.zeros(1, 6, 32)))
+    assert torch.equal(log_p, _llama_log_weights(q, k))
+    assert float(attention_kl_divergence(log_p, log_p.exp())) < 1e-6
     uniform = torch.ones(6, 6).tril() / torch.arange(1, 7)[:, None]
     p = log_p.exp()
     entropy = -torch.where(p > 0, p * log_p, 0.0).sum(-1)
     expected = (torch.arange(1, 7).log() - entropy).mean()
-    assert abs(float(at.attention_kl_divergence(log_p, uniform.expand(1, 4, 6, 6))) - float(expected)) < 1e-5
+    assert abs(float(attention_kl_divergence(log_p, uniform.expand(1, 4, 6, 6))) - float(expected)) < 1e-5
     assert float(expected) > 0.1
 
 
+def test_softmax_log_weights_are_what_the_mixer_attends_with() -> None:
+    """With a window and ALiBi forgetting, the log weights are those of the mixer's own eager attention."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 7, 8, generator=gen), torch.randn(2, 2, 7, 8, generator=gen)
+    shape = MixerShape(32, 4, 2, 8, 0)
+    for spec in ({"mixer": "sliding_window", "window": 3, "forget": "alibi"}, {"mixer": "softmax", "forget": "alibi"}):
+        mixer = build_mixer(validate_spec(spec, "test"), shape, None)
+        inputs = MixerInputs(hidden_states=torch.zeros(2, 7, 32), output_attentions=True)
+        mixer.parallel(q, k, k, inputs)
+        got = mixer.log_attention_weights(q, k, inputs).exp()
+        torch.testing.assert_close(got, inputs.attention_probs, rtol=0, atol=1e-6)
+
+
 def test_teacher_log_weights_are_the_teachers_attention_weights(setup) -> None:  # noqa: ANN001
-    """Computed from the captured layer inputs, they equal what the teacher's eager attention returns."""
+    """The softmax twins' weights on the captured layer inputs equal what the teacher's eager attention returns,
+    and share the teacher's q/k weights rather than copying them."""
     teacher, blocks = setup
     ids = blocks[:2]
-    io = at.teacher_attention_io(teacher, ids)
-    pe = teacher.model.rotary_emb(io[0][0], position_ids=torch.arange(ids.shape[1])[None])
+    student = from_llama(teacher, HEDGEHOG)
+    io, pe = _layer_inputs(teacher, student, ids)
     implementation, teacher.config._attn_implementation = teacher.config._attn_implementation, "eager"
     try:
         with torch.no_grad():
             expected = teacher(input_ids=ids, output_attentions=True).attentions
     finally:
         teacher.config._attn_implementation = implementation
+    twins = softmax_twins(teacher, student.config, sorted(io))
     for i, (hidden, _) in sorted(io.items()):
-        got = at.teacher_log_weights(teacher, i, hidden, pe).exp()
+        assert twins[i].q_proj.weight.data_ptr() == teacher.model.layers[i].self_attn.q_proj.weight.data_ptr()
+        with torch.no_grad():
+            got = twins[i].log_attention_weights(hidden, pe).exp()
         assert torch.allclose(got, expected[i], atol=1e-6), i
 
 
@@ -122,8 +213,7 @@ def test_attention_kl_option_trains_the_weights_towards_softmax(setup) -> None: 
     for weight in (0.0, 1.0):
         torch.manual_seed(0)
         student = from_llama(teacher, HEDGEHOG)
-        result = at.attention_transfer(teacher, student, blocks[:-4], _settings(20, attention_kl=weight),
-                                       progress=False)
+        result = attention_transfer(teacher, student, blocks[:-4], _settings(20, attention_kl=weight), progress=False)
         kls[weight] = _layer_kl(teacher, student, blocks[-4:])
         assert bool(result.attention_kl_last) == (weight > 0)
     assert all(b < 0.95 * a for a, b in zip(kls[0.0], kls[1.0], strict=True)), kls  # measured 0.087 -> 0.077
@@ -133,16 +223,16 @@ def test_attention_kl_refuses_mixers_without_weights(setup) -> None:  # noqa: AN
     teacher, blocks = setup
     student = from_llama(teacher, {**HEDGEHOG, "normalize": "rms"})
     with pytest.raises(ValueError, match=r"stage 1: layer 0: mixer 'linear' .* no attention weights.*attention_kl"):
-        at.attention_transfer(teacher, student, blocks, _settings(1, attention_kl=1.0), progress=False)
+        attention_transfer(teacher, student, blocks, _settings(1, attention_kl=1.0), progress=False)
 
 
 def test_projections_option_trains_only_those_copies(setup) -> None:  # noqa: ANN001
     teacher, blocks = setup
     student = from_llama(teacher, {"mixer": "heinsen", "scale": 0.5})  # a mixer without parameters
-    assert at.mixer_parameters(student) == {}
+    assert mixer_parameters(student) == {}
     before = {k: v.clone() for k, v in student.state_dict().items()}
     settings = _settings(3, projections=("q_proj", "k_proj"), projection_lr=1e-3)
-    at.attention_transfer(teacher, student, blocks, settings, progress=False)
+    attention_transfer(teacher, student, blocks, settings, progress=False)
     changed = {k for k, v in student.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight")) for k in changed), sorted(changed)
     assert torch.equal(
@@ -156,11 +246,11 @@ def test_resume_after_interrupt_continues_identically(setup, tmp_path: Path, mon
     settings = _settings(6)
     torch.manual_seed(0)
     reference = from_llama(teacher, HEDGEHOG)
-    at.attention_transfer(teacher, reference, blocks, settings, checkpoint_dir=tmp_path / "a", progress=False)
+    done = attention_transfer(teacher, reference, blocks, settings, checkpoint_dir=tmp_path / "a", progress=False)
 
     torch.manual_seed(0)
     student = from_llama(teacher, HEDGEHOG)
-    real = at.teacher_attention_io
+    real = objective.teacher_attention_io
     calls = {"n": 0}
 
     def interrupt_at_step_5(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -169,24 +259,25 @@ def test_resume_after_interrupt_continues_identically(setup, tmp_path: Path, mon
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(at, "teacher_attention_io", interrupt_at_step_5)
+    monkeypatch.setattr(objective, "teacher_attention_io", interrupt_at_step_5)
     with pytest.raises(KeyboardInterrupt):
-        at.attention_transfer(
-            teacher, student, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False
-        )
-    monkeypatch.setattr(at, "teacher_attention_io", real)
-    assert at.latest_step_dir(tmp_path / "b").name == "step-0000004"
+        attention_transfer(teacher, student, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False)
+    monkeypatch.setattr(objective, "teacher_attention_io", real)
+    kept = latest_trainer_checkpoint(tmp_path / "b")
+    assert kept is not None and kept.name == "checkpoint-4"
+    # a checkpoint holds the trained parameters, not the whole student
+    assert set(load_file(kept / "mixer.safetensors")) == set(mixer_state_dict(student))
+    assert not list(kept.glob("model*.safetensors"))
 
     torch.manual_seed(0)
     fresh = from_llama(teacher, HEDGEHOG)
-    result = at.attention_transfer(
-        teacher, fresh, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False
-    )
+    result = attention_transfer(teacher, fresh, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False)
     assert result.resumed_from == 4 and result.steps == 6
+    assert (result.first_loss, result.last_loss) == (done.first_loss, done.last_loss)
     for (name, a), b in zip(
-        at.mixer_state_dict(reference).items(), at.mixer_state_dict(fresh).values(), strict=True
+        mixer_state_dict(reference).items(), mixer_state_dict(fresh).values(), strict=True
     ):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=name)
+        assert torch.equal(a, b), name
 
 
 def test_nan_loss_stops_naming_layer_and_step_and_keeps_last_good(setup, tmp_path: Path) -> None:  # noqa: ANN001
@@ -202,18 +293,16 @@ def test_nan_loss_stops_naming_layer_and_step_and_keeps_last_good(setup, tmp_pat
 
     handle = teacher.model.layers[1].self_attn.register_forward_hook(poison)
     try:
-        with pytest.raises(at.NonFiniteLossError, match=r"layer 1: .* at step 3") as info:
-            at.attention_transfer(
-                teacher, student, blocks, _settings(10), checkpoint_dir=tmp_path, progress=False
-            )
+        with pytest.raises(NonFiniteLossError, match=r"layer 1: .* at step 3") as info:
+            attention_transfer(teacher, student, blocks, _settings(10), checkpoint_dir=tmp_path, progress=False)
     finally:
         handle.remove()
     assert "last good checkpoint" in str(info.value)
-    kept = at.latest_step_dir(tmp_path)
-    assert kept is not None and kept.name == "step-0000003"
-    saved = at.load_tensors(kept / "mixer.safetensors")
+    kept = latest_trainer_checkpoint(tmp_path)
+    assert kept is not None and kept.name == "checkpoint-3"
+    saved = load_file(kept / "mixer.safetensors")
     assert all(torch.isfinite(t).all() for t in saved.values())
-    for name, param in at.mixer_state_dict(student).items():  # the saved state is the one before the NaN step
+    for name, param in mixer_state_dict(student).items():  # the saved state is the one before the NaN step
         assert torch.equal(saved[name], param)
 
 
@@ -221,20 +310,29 @@ def test_fastest_forms_switch_back(setup) -> None:  # noqa: ANN001
     teacher, _ = setup
     student = from_llama(teacher, {"mixer": "taylor", "order": 2, "denominator": "rms", "chunk_size": 8})
     mixer = student.model.layers[0].self_attn.mixer
-    with at.fastest_forms(student, seq_len=32) as chosen:
+    with fastest_forms(student, seq_len=32) as chosen:
         assert list(chosen.values())[0] in ("parallel", "chunked")
         assert mixer.has_chunked == (list(chosen.values())[0] == "chunked")
     assert "has_chunked" not in vars(mixer) and mixer.has_chunked is type(mixer).has_chunked
 
 
-def test_lr_schedule_and_empty_input() -> None:
-    settings = dataclasses.replace(_settings(100), warmup_fraction=0.1, min_lr_fraction=0.1)
-    lrs = [at.lr_at(s, 100, settings) for s in range(100)]
+def test_lr_schedule_and_empty_input(setup) -> None:  # noqa: ANN001
+    settings = dataclasses.replace(_settings(100), warmup_fraction=0.1, min_lr_fraction=0.1, projection_lr=1e-3)
+    lrs = [lr_at(s, 100, settings) for s in range(100)]
     assert lrs[0] < lrs[9] == pytest.approx(settings.lr) and lrs[-1] == pytest.approx(
         0.1 * settings.lr, rel=0.01
     )
+    # the scheduler sets each group's rate to exactly lr_at(step) * its scale (projections: projection_lr / lr)
+    student = from_llama(setup[0], HEDGEHOG)
+    optimizer = transfer_optimizer(mixer_parameters(student, ("q_proj",)), settings)
+    schedule = TransferSchedule(optimizer, lambda step: lr_at(step, 100, settings))
+    for step in range(100):
+        assert [g["lr"] for g in optimizer.param_groups] == [lrs[step] * g["lr_scale"] for g in optimizer.param_groups]
+        optimizer.step()
+        schedule.step()
+    assert {g["lr_scale"] for g in optimizer.param_groups} == {1.0, 1e-3 / settings.lr}
     with pytest.raises(ValueError, match="stage 1"):
-        at.attention_transfer(
+        attention_transfer(
             torch.nn.Linear(1, 1),
             torch.nn.Linear(1, 1),
             torch.zeros(0, 4, dtype=torch.long),

@@ -72,7 +72,6 @@ def test_stage1_student_attention_keeps_a_bf16_layer_in_bf16() -> None:
     """The chunked delta rule computes in fp32; stage 1 casts its output back before the layer's bf16 o_proj."""
     import torch
 
-    from hf_recattn.conversion.attention_transfer import student_attention
     from hf_recattn.conversion.from_llama import from_llama
     from hf_recattn.conversion.recipe import load_recipe
 
@@ -81,5 +80,5 @@ def test_stage1_student_attention_keeps_a_bf16_layer_in_bf16() -> None:
     student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
     hidden = torch.randn(1, 128, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     rotary = student.model.rotary_emb(hidden, position_ids=torch.arange(128)[None])
-    out, _ = student_attention(student, 0, hidden, rotary)
+    out, _ = student.model.layers[0].self_attn.attend(hidden, rotary)
     assert out.dtype == torch.bfloat16 and out.shape == hidden.shape and torch.isfinite(out).all()

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
-from hf_recattn.conversion import attention_transfer as at
 from hf_recattn.conversion import finetune as ft
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.training import attention_objective as objective
 from hf_recattn.training.parallel import local_share
 
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
@@ -287,7 +287,7 @@ def test_same_seed_same_model(assets: dict[str, Path], tmp_path: Path) -> None:
 def test_nan_during_stage1_stops_with_a_clear_message(
     assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    real = at.teacher_attention_io
+    real = objective.teacher_attention_io
     calls = {"n": 0}
 
     def poisoned(teacher: torch.nn.Module, ids: torch.Tensor) -> dict:
@@ -298,12 +298,12 @@ def test_nan_during_stage1_stops_with_a_clear_message(
             io[0] = (hidden, out * float("inf"))
         return io
 
-    monkeypatch.setattr(at, "teacher_attention_io", poisoned)
+    monkeypatch.setattr(objective, "teacher_attention_io", poisoned)
     out = tmp_path / "run"
     assert main(_args(assets, out, "linear", "--no-eval")) == 3
     err = capsys.readouterr().err
     assert "layer 0" in err and "at step 1" in err and "last good checkpoint" in err
-    assert (out / "stage1" / "progress" / "step-0000001" / "mixer.safetensors").is_file()
+    assert (out / "stage1" / "progress" / "checkpoint-1" / "mixer.safetensors").is_file()
     assert not (out / "model").exists()
 
 
@@ -343,8 +343,8 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def test_two_processes_convert_like_one(assets: dict[str, Path], tmp_path: Path) -> None:
-    """Stage 1 (hand-written loop, gradients all-reduced) and stage 2 (Trainer, DDP) on 2 x 2 blocks per step
-    against 1 process on 4: the same stage-1 parameters and the same converted model; only rank 0 writes."""
+    """Stages 1 and 2 (both Trainer, DDP) on 2 x 2 blocks per step against 1 process on 4: the same stage-1
+    parameters and the same converted model; only rank 0 writes."""
     assert main(_args(assets, tmp_path / "one", "linear", *QUIET)) == 0
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_RECATTN_CACHE": str(tmp_path / "cache")}

@@ -21,9 +21,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM, evaluation, from_llama
 from hf_recattn.cli import main
+from hf_recattn.conversion.attention_transfer import attention_transfer, softmax_twins
 from hf_recattn.conversion.from_llama import recattn_config_from
 from hf_recattn.conversion.recipe import check_against_teacher, recipe_from_dict
+from hf_recattn.conversion.settings import Stage1Settings
 from hf_recattn.state_size import format_report, state_size_report
+from hf_recattn.training.attention_objective import teacher_attention_io
 
 VOCAB = 100
 ATOL = 1e-5
@@ -304,13 +307,41 @@ def test_recipe_naming_layers_the_teacher_lacks_is_one_error() -> None:
             check_against_teacher(recipe, llama)
 
 
-def test_attention_kl_is_refused_where_the_teacher_attends_otherwise() -> None:
-    recipe = recipe_from_dict(tiny_recipe_dict(stage1={"attention_kl": 0.1}), source="kl.yaml")
-    with pytest.raises(ValueError, match=r"kl\.yaml: stage1\.attention_kl .* its attention uses qk_norm"):
-        check_against_teacher(recipe, teacher("qwen3").config)
-    with pytest.raises(ValueError, match=r"layer 0 is a sliding window layer in the teacher"):
-        check_against_teacher(recipe, teacher("mistral-window").config)
-    check_against_teacher(recipe, teacher("llama", max_position_embeddings=2048).config)
+#: the student of each family's attention-KL run: a linear mixer with the denominator, or (Gemma 2 caps its softmax
+#: logits, which only softmax-family mixers apply) softmax with a learned forget gate
+KL_STUDENTS = {"gemma2": {"mixer": "softmax", "forget": "fox"}}
+
+
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_teacher_attention_weights_come_from_the_decoder_block(case: str) -> None:
+    """stage1.attention_kl reads the teacher's attention weights off a softmax twin of each layer (the student's
+    block with the teacher's spec, sharing its q/k weights): they are the teacher's own eager attention weights,
+    with its q/k norms, scale, soft-cap, rotary groups, windows and NoPE layers."""
+    t = teacher(case)
+    t.config._attn_implementation = "eager"
+    student = from_llama(t, KL_STUDENTS.get(case, RECURRENT))
+    x = ids()
+    io = teacher_attention_io(t, x)
+    pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(x.shape[1])[None])
+    twins = softmax_twins(t, student.config, sorted(io))
+    with torch.no_grad():
+        want = t(x, output_attentions=True).attentions
+        for i, (hidden, _) in sorted(io.items()):
+            got = twins[i].log_attention_weights(hidden, pe).exp()
+            assert (got - want[i]).abs().max() <= ATOL, (case, i)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3", "gemma2", "gemma3", "smollm3-nope", "granite"])
+def test_stage1_with_attention_kl_runs_on_every_family(case: str) -> None:
+    t = teacher(case)
+    student = from_llama(t, KL_STUDENTS.get(case, RECURRENT))
+    settings = Stage1Settings(tokens=2 * 2 * 14, lr=1e-2, block_size=14, batch_size=2, attention_kl=1.0)
+    result = attention_transfer(t, student, ids(batch=4), settings, progress=False)
+    assert result.steps == 2 and sorted(result.attention_kl_last) == [0, 1, 2, 3]
+    # finite and >= 0 (up to rounding: Gemma 2's fox student starts as the teacher, at KL 0)
+    assert all(-1e-6 < kl < float("inf") for kl in result.attention_kl_last.values()), result.attention_kl_last
+    recipe = recipe_from_dict(tiny_recipe_dict(KL_STUDENTS.get(case), stage1={"attention_kl": 0.1}), source="kl.yaml")
+    check_against_teacher(recipe, teacher(case, max_position_embeddings=2048).config)  # no family is refused
 
 
 def test_state_size_and_card_show_each_layer(tmp_path: Path) -> None:

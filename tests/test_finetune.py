@@ -11,7 +11,6 @@ from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
 from transformers import default_data_collator
 
 from hf_recattn import RecAttnForCausalLM, from_llama
-from hf_recattn.conversion.attention_transfer import NonFiniteLossError
 from hf_recattn.conversion.finetune import (
     BlockDataset,
     DistillTrainer,
@@ -23,6 +22,7 @@ from hf_recattn.conversion.finetune import (
 )
 from hf_recattn.data.corpus import token_blocks
 from hf_recattn.training.distill_settings import DistillSettings
+from hf_recattn.training.runner import NonFiniteLossError
 from hf_recattn.training.trainable import LoraSettings
 
 HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}

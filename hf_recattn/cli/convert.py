@@ -67,8 +67,8 @@ def add_convert(sub: SubParsers) -> None:
 
             check_repo_id(args.push_to_hub)  # before hours of training, not after
 
-        from ..conversion.attention_transfer import NonFiniteLossError
         from ..conversion.pipeline import convert
+        from ..training.runner import NonFiniteLossError
 
         torch.set_num_threads(_convert_threads(args.threads))
         try:

@@ -1,4 +1,4 @@
-"""Crash-safe files for the conversion pipeline: step checkpoints and the run identity.
+"""Crash-safe files for the conversion pipeline: tensors and the run identity.
 
 Everything the pipeline leaves in its output folder is written through ``hf_recattn.atomic`` (a temporary sibling
 moved into place), so an interrupt leaves either the old state or the new one, never half a file.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from ..atomic import clean_temporaries, write_json
 from ..training.runner import latest_trainer_checkpoint  # noqa: F401 (its home before the training package)
 
 RUN_FILE = "run.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 # ----- tensors ----------------------------------------------------------------------------------------------
@@ -30,34 +28,6 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> N
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return load_file(str(path))
-
-
-# ----- numbered step checkpoints ----------------------------------------------------------------------------
-def step_dir(folder: str | os.PathLike, step: int) -> Path:
-    return Path(folder) / f"step-{step:07d}"
-
-
-def latest_step_dir(folder: str | os.PathLike, marker: str = "state.json") -> Path | None:
-    """The highest ``step-N`` folder under ``folder`` that holds ``marker`` (complete checkpoints only)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for child in folder.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / marker).is_file() and (best is None or int(match.group(1)) > best[0]):
-            best = (int(match.group(1)), child)
-    return None if best is None else best[1]
-
-
-def prune_step_dirs(folder: str | os.PathLike, keep: int) -> None:
-    """Delete all but the ``keep`` newest ``step-N`` folders."""
-    folder = Path(folder)
-    steps = sorted(
-        (int(m.group(1)), child) for child in folder.iterdir() if (m := _STEP_DIR.match(child.name))
-    )
-    for _, child in steps[: max(len(steps) - keep, 0)]:
-        shutil.rmtree(child, ignore_errors=True)
 
 
 # ----- the run identity -------------------------------------------------------------------------------------

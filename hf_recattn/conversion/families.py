@@ -240,17 +240,3 @@ def split_fused(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.
         for part, piece in zip(parts, tensor.split(sizes[len(parts)], dim=0), strict=True):
             out[f"{prefix}{part}.{leaf}"] = piece
     return out
-
-
-def attention_kl_problem(teacher_config: Any, config: Any) -> str | None:
-    """Why stage 1's attention KL (which recomputes the teacher's causal softmax weights Llama's way: q/k
-    projections, RoPE, q.k / sqrt(D)) would not reproduce this teacher's weights, or None."""
-    used = [name for name in ("qk_norm", "attention_multiplier", "attn_logit_softcapping", "rope_layer_groups")
-            if getattr(config, name, None)]
-    if used:
-        return f"its attention uses {', '.join(used)}"
-    specs = config.layer_specs()
-    for i, teacher in enumerate(teacher_layer_specs(teacher_config)):
-        if specs[i]["mixer"] != teacher["mixer"] and ("window" in teacher or teacher.get("rope") is False):
-            return f"layer {i} is a {'sliding window' if 'window' in teacher else 'NoPE'} layer in the teacher"
-    return None

@@ -41,14 +41,10 @@ from ..modeling.mixers import mixer_class
 from ..modeling.modeling import RecAttnForCausalLM
 from ..provenance import provenance
 from ..training import parallel
-from .attention_transfer import (
-    TransferResult,
-    attention_transfer,
-    fastest_forms,
-    load_mixer_state,
-    mixer_parameters,
-    mixer_state_dict,
-)
+from ..training.attention_objective import load_mixer_state, mixer_parameters, mixer_state_dict
+from ..training.attention_transfer import TransferResult
+from ..training.forms import fastest_forms
+from .attention_transfer import attention_transfer
 from .checkpoints import (
     check_output_folder,
     claim_output_folder,

@@ -283,7 +283,6 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
     import torch
 
     from ..modeling.modeling import RecAttnForCausalLM
-    from .families import attention_kl_problem
     from .from_llama import recattn_config_from
 
     src = recipe.source
@@ -297,9 +296,6 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
         config = recattn_config_from(teacher_config, recipe.attention, recipe.attention_overrides, recipe.layers)
     except ValueError as err:
         raise ValueError(f"{src}: {err}") from None
-    if recipe.stage1.attention_kl and (problem := attention_kl_problem(teacher_config, config)):
-        raise ValueError(f"{src}: stage1.attention_kl recomputes the teacher's attention weights the Llama way, but "
-                         f"{problem}; set stage1.attention_kl to 0 for this teacher")
     try:
         with torch.device("meta"):
             skeleton = RecAttnForCausalLM(copy.deepcopy(config))

@@ -223,6 +223,13 @@ class Mixer(nn.Module):
         (the default). Stage 1 of conversion can match these to the teacher's softmax weights."""
         return None
 
+    def log_attention_weights(
+        self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs
+    ) -> torch.Tensor | None:
+        """[B, H, T, T] float32: the log of the softmax attention weights of a fresh sequence, for softmax-family
+        mixers; None for the others (the default). Stage 1 of conversion matches a student's weights to these."""
+        return None
+
     # ----- dispatch --------------------------------------------------------------------------------------
     def forward(
         self,

@@ -267,6 +267,27 @@ class SoftmaxMixer(Mixer):
             inputs.attention_probs = weights
         return out
 
+    def log_attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+        """[B, H, T, T] float32: the log of the weights ``parallel`` attends with, computed in float32: q.k scaled,
+        soft-capped, the forget bias added, keys outside the causal window (or padded) at -inf."""
+        b, h, t, d = q.shape
+        kv_heads = k.shape[1]
+        grouped = (b, kv_heads, h // kv_heads, t)
+        logits = q.float().view(*grouped, d) @ k.float()[:, :, None].transpose(-1, -2) * self.scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        log_f = self.log_forget(inputs)
+        if log_f is not None:
+            c = log_f.cumsum(-1).float().view(grouped)
+            logits = logits + (c[..., :, None] - c[..., None, :])
+        positions = torch.arange(t, device=q.device)
+        visible = softmax_visibility(positions, positions, inputs.token_mask, self.window)[:, :, None]
+        return logits.masked_fill(~visible, float("-inf")).log_softmax(-1).view(b, h, t, t)
+
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
+        """The softmax weights themselves (float32)."""
+        return self.log_attention_weights(q, k, inputs).exp()
+
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs

@@ -100,10 +100,19 @@ class RecAttnAttention(nn.Module):
         b, t, _ = hidden_states.shape
         extra = self.mixer.input_weights()
         outputs = project((self.q_proj, self.k_proj, self.v_proj), hidden_states, self._fused, list(extra.values()))
-        q, k, v = outputs[:3]
+        q, k = self._queries_and_keys(outputs[0], outputs[1], position_embeddings)
+        v = outputs[2].view(b, t, -1, self.head_dim).transpose(1, 2)
+        return q, k, v, dict(zip(extra, outputs[3:], strict=False))  # no products unless fused
+
+    def _queries_and_keys(
+        self, q: torch.Tensor, k: torch.Tensor, position_embeddings: PositionEmbeddings
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B,H,T,D] and k [B,Hkv,T,D] from their projections [B,T,*]: the q/k norms, RoPE unless the spec says
+        rope=False, the attention scale."""
+        b, t, _ = q.shape
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in (q, k, v))
+        q, k = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in (q, k))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.mixer.spec.get("rope", True):
@@ -111,7 +120,7 @@ class RecAttnAttention(nn.Module):
             q, k = rotate_queries_and_keys(q, k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return q, k, v, dict(zip(extra, outputs[3:], strict=False))  # no products unless fused
+        return q, k
 
     def forward(
         self,
@@ -125,26 +134,66 @@ class RecAttnAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention output, and the attention weights [B, H, T, keys] when ``output_attentions`` (the
         model checked that this layer's mixer has them; see ``check_attention_outputs``), else None."""
+        if past_key_values is None or packing is not None:
+            return self.attend(hidden_states, position_embeddings, padding_mask, packing, output_attentions)
+        layer = past_key_values.layers[self.layer_idx]
+        q, k, v, projected = self._project(hidden_states, position_embeddings)
+        inputs = MixerInputs(
+            hidden_states=hidden_states,
+            padding_mask=padding_mask,
+            past_length=layer.get_seq_length(),
+            projected=projected or None,
+            output_attentions=output_attentions,
+        )
+        out, state = self.mixer(q, k, v, inputs, state=layer.state, use_cache=True)
+        layer.update(state, hidden_states.shape[1])
+        return self._output(out, hidden_states), inputs.attention_probs
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: PositionEmbeddings,
+        padding_mask: torch.Tensor | None = None,
+        packing: PackedDocuments | None = None,
+        output_attentions: bool = False,
+        mixer_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A fresh sequence without a cache (training, scoring; stage 1 of conversion runs single layers through
+        it): the output after ``o_proj``, and attention weights [B, H, T, T] or None: those ``output_attentions``
+        asks for, or with ``mixer_weights`` the mixer's ``attention_weights`` (None where it has none).
+
+        q/k/v carry an autograd graph only where their weights or the input need one (a frozen layer fed detached
+        inputs builds none before the mixer)."""
         q, k, v, projected = self._project(hidden_states, position_embeddings)
         if packing is not None:
             mixed = self._mix_documents(q, k, v, hidden_states, packing).flatten(2)
             return self.o_proj(mixed.to(hidden_states.dtype)), None
-        layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
         inputs = MixerInputs(
             hidden_states=hidden_states,
             padding_mask=padding_mask,
-            past_length=layer.get_seq_length() if layer is not None else 0,
             projected=projected or None,
             output_attentions=output_attentions,
         )
-        out, state = self.mixer(
-            q, k, v, inputs, state=layer.state if layer else None, use_cache=layer is not None
-        )
-        if layer is not None:
-            layer.update(state, hidden_states.shape[1])
-        # float32 states give float32 outputs in a half-precision model: back to the projection's dtype
-        out = self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype))
-        return out, inputs.attention_probs
+        out, _ = self.mixer(q, k, v, inputs)
+        weights = self.mixer.attention_weights(q, k, inputs) if mixer_weights else inputs.attention_probs
+        return self._output(out, hidden_states), weights
+
+    def log_attention_weights(
+        self, hidden_states: torch.Tensor, position_embeddings: PositionEmbeddings
+    ) -> torch.Tensor:
+        """[B, H, T, T] float32: the log of this layer's softmax attention weights on a fresh sequence, for
+        softmax-family mixers (their scale, soft-cap and window, RoPE or NoPE as the layer applies them). Only q and
+        k are computed."""
+        q, k = self._queries_and_keys(self.q_proj(hidden_states), self.k_proj(hidden_states), position_embeddings)
+        log_weights = self.mixer.log_attention_weights(q, k, MixerInputs(hidden_states=hidden_states))
+        if log_weights is None:
+            raise ValueError(f"layer {self.layer_idx} ({self.mixer.name}) has no softmax attention weights")
+        return log_weights
+
+    def _output(self, out: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The mixer's [B, T, H, E] through ``o_proj``; float32 states give float32 outputs in a half-precision
+        model: back to the projection's dtype first."""
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype))
 
     def _mix_documents(
         self,

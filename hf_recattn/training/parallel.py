@@ -1,5 +1,6 @@
 """Data parallel runs (``torchrun`` / ``accelerate launch``): the process group, this process's rank and the
-few collectives a hand-written training loop needs. With one process every function is a no-op."""
+few collectives beside Trainer's own (the conversion pipeline's barriers, stage 1's loss reports). With one
+process every function is a no-op."""
 
 from __future__ import annotations
 
