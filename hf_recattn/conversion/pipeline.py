@@ -18,7 +18,6 @@ Every stage that finished is skipped on a rerun; an interrupted stage continues 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -36,8 +35,8 @@ from ..data.corpus import is_embedded, load_splits, token_blocks
 from ..model_card import write_model_card
 from ..modeling.cache import CACHE_NAME
 from ..modeling.configuration import RecAttnConfig
-from ..modeling.mixers import mixer_class
 from ..modeling.modeling import RecAttnForCausalLM
+from ..modeling.variants import variant_models
 from ..provenance import provenance
 from ..training import parallel
 from .attention_transfer import (
@@ -66,8 +65,6 @@ from .retrieval_heads import recall_objective, select_retrieval_heads, with_retr
 from .teacher import load_teacher, teacher_license, teacher_name
 
 Log = Callable[[str], None]
-#: where a layer's mixer parameters start in a state-dict key
-MIXER_KEY = ".mixer."
 
 
 # ----- identity ---------------------------------------------------------------------------------------------
@@ -85,47 +82,6 @@ def run_identity(teacher: str, recipe: Recipe, data: str | None) -> dict[str, An
         "seed": recipe.seed,
         "data": _teacher_identity(data) if data else "embedded",
     }
-
-
-# ----- composites: their declared variants, as models of their own -----------------------------------------
-def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """For a model with composite layers (a hybrid, also beside retrieval heads): the same weights as each named
-    variant its layers declare (``Mixer.variants``: window-only, far-only, ...).
-
-    Each declared layer takes the variant's spec and maps its mixer's parameter keys by the variant's key map
-    (e.g. ``mixer.far.*`` -> ``mixer.*``; the hybrid's mixing weights have no place in a far-only model); other
-    layers stay as they are.
-    """
-    specs = model.config.layer_specs()
-    declared = [mixer_class(spec["mixer"], f"layer {i}").variants(spec) for i, spec in enumerate(specs)]
-    names = list(dict.fromkeys(name for variants in declared for name in variants))
-    state = model.state_dict()
-    out: dict[str, torch.nn.Module] = {}
-    for name in names:
-        config = copy.deepcopy(model.config)
-        config.attention = [layer[name][0] if name in layer else s for s, layer in zip(specs, declared, strict=True)]
-        config.attention_overrides = None
-        variant = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
-        mapped = {}
-        for key, value in state.items():
-            layer, mixer, inner = key.partition(MIXER_KEY)
-            variants = declared[_layer_of(key)] if mixer else {}
-            renamed = variants[name][1](inner) if name in variants else inner
-            if renamed is not None:
-                mapped[layer + mixer + renamed] = value
-        result = variant.load_state_dict(mapped, strict=False)
-        missing = [k for k in result.missing_keys if k != "lm_head.weight"]
-        if missing:
-            raise ValueError(f"{name}: the variant has parameters the model does not provide: {missing[:4]}")
-        if config.tie_word_embeddings:
-            variant.tie_weights()
-        out[name] = variant.eval()
-    return out
-
-
-def _layer_of(key: str) -> int:
-    parts = key.split(".")
-    return int(parts[parts.index("layers") + 1])
 
 
 # ----- the pipeline -----------------------------------------------------------------------------------------
