@@ -33,7 +33,6 @@ from transformers import set_seed
 from .. import evaluation
 from ..data.corpus import is_embedded, load_splits, token_blocks
 from ..model_card import write_model_card
-from ..modeling.cache import CACHE_NAME
 from ..modeling.configuration import RecAttnConfig
 from ..modeling.modeling import RecAttnForCausalLM
 from ..modeling.variants import variant_models
@@ -304,7 +303,7 @@ def _evaluate(run: Run, label: str) -> None:
     if run.evaluate_models:
         t0 = time.perf_counter()
         report.update(_evaluate_all(recipe, run.teacher_model, run.student, run.tokenizer, run.heldout_texts,
-                                    run.log, label))
+                                    run.log, label, run.progress))
         run.timings["evaluate"] = time.perf_counter() - t0
     report["provenance"] = provenance(corpus=is_embedded(run.data))
     report["sample"] = sample_through_cache(
@@ -451,16 +450,19 @@ def _evaluate_all(
     heldout_texts: list[str],
     log: Log,
     label: str,
+    progress: bool,
 ) -> dict[str, Any]:
     ev = recipe.eval
     blocks = token_blocks(tokenizer, heldout_texts, ev.block_size, max_tokens=ev.heldout_tokens, seed=0)
     log(f"{label} evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
     rows: dict[str, dict[str, Any]] = {}
-    rows["teacher"] = evaluation.evaluate(teacher, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
+    rows["teacher"] = evaluation.evaluate(teacher, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts,
+                                          progress="teacher" if progress else None)
     models = {**variant_models(student), recipe.name: student}
     for name, model in models.items():
         with fastest_forms(model, ev.block_size):  # the perplexity pass; decoding always uses the cache
-            rows[name] = evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
+            rows[name] = evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts,
+                                             progress=name if progress else None)
     del models
     table = evaluation.comparison_table(rows)
     log(table)
@@ -469,36 +471,16 @@ def _evaluate_all(
     return {"student": rows[recipe.name], "comparison": rows, "perplexity_ratio": ratios, "table": table}
 
 
-@torch.no_grad()
 def sample_through_cache(
     model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, log: Log = print
 ) -> dict[str, Any]:
-    """Greedy-generate from ``prompt`` with an explicit recurrent cache; report the text and cache size."""
-    if max_new_tokens <= 0:
-        return {}
-    ids = evaluation.prompt_ids(tokenizer, prompt)
-    cache = model.new_cache()
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        **{CACHE_NAME: cache},
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad if (pad := tokenizer.pad_token_id) is not None else tokenizer.eos_token_id,
-    )
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    kinds = sorted({layer.kind for layer in cache.layers})
-    sample = {
-        "prompt": prompt,
-        "output": text,
-        "cache_bytes": evaluation.cache_nbytes(cache),
-        "cache_kinds": kinds,
-        "tokens": int(out.shape[1]),
-    }
-    log(
-        f"sample (greedy, through the {'/'.join(kinds)} cache, {sample['cache_bytes'] / 2**20:.2f} MiB after "
-        f"{sample['tokens']} tokens):\n  {prompt!r} -> {text!r}"
-    )
+    """Greedy-generate from ``prompt`` through the model's cache; report the text and cache size."""
+    sample = evaluation.cache_sample(model, tokenizer, prompt, max_new_tokens)
+    if sample:
+        log(
+            f"sample (greedy, through the {'/'.join(sample['cache_kinds'])} cache, {sample['cache_bytes'] / 2**20:.2f} "
+            f"MiB after {sample['tokens']} tokens):\n  {prompt!r} -> {sample['output']!r}"
+        )
     return sample
 
 
