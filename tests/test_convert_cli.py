@@ -166,7 +166,7 @@ def test_convert_end_to_end_fox(assets: dict[str, Path], tmp_path: Path) -> None
 def test_throughput_counts_only_the_steps_of_this_sitting() -> None:
     from types import SimpleNamespace
 
-    from hf_recattn.conversion.pipeline import tokens_per_second
+    from hf_recattn.conversion.stage1 import tokens_per_second
 
     fresh = SimpleNamespace(tokens=1000, steps=10, resumed_from=0, seconds=5.0)
     resumed = SimpleNamespace(tokens=1000, steps=10, resumed_from=4, seconds=3.0)  # 6 steps of 100 tokens
@@ -181,7 +181,7 @@ def test_resume_after_interrupt_skips_finished_stage(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("hf_recattn.conversion.pipeline.finetune", interrupted)
+    monkeypatch.setattr("hf_recattn.conversion.stage2.finetune", interrupted)
     assert main(_args(assets, out, "linear", "--no-eval")) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
     assert (out / "stage1" / "result" / "summary.json").is_file() and not (out / "model").exists()
@@ -193,7 +193,7 @@ def test_resume_after_interrupt_skips_finished_stage(
     def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("stage 1 ran again")
 
-    monkeypatch.setattr("hf_recattn.conversion.pipeline.attention_transfer", must_not_run)
+    monkeypatch.setattr("hf_recattn.conversion.stage1.attention_transfer", must_not_run)
     assert main(_args(assets, out, "linear", "--no-eval")) == 0
     printed = capsys.readouterr().out
     assert "resuming" in printed and "stage 1: done earlier" in printed
@@ -242,7 +242,7 @@ def test_continues_from_an_earlier_conversion(
         seen["blocks"] = blocks.clone()
         return real_finetune(teacher, student, blocks, *args, **kwargs)
 
-    monkeypatch.setattr("hf_recattn.conversion.pipeline.finetune", spy)
+    monkeypatch.setattr("hf_recattn.conversion.stage2.finetune", spy)
     assets = {**assets, "more": more}
     assert main(_args(assets, tmp_path / "more", "more", "--no-eval")) == 0
     assert "starting from the converted checkpoint" in capsys.readouterr().out

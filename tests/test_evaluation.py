@@ -125,15 +125,16 @@ def test_passkey_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def oracle(model, tokenizer, ids, max_new_tokens, **kwargs):  # noqa: ANN001, ANN003, ANN202
         key = re.search(r"\d{5}", tokenizer.decode(ids[0])).group(0)  # the filler has no digits
-        return torch.tensor(tokenizer(f" {key}.", add_special_tokens=False)["input_ids"])
+        return ev.Continuation(torch.tensor(tokenizer(f" {key}.", add_special_tokens=False)["input_ids"]), None)
 
-    monkeypatch.setattr(passkey, "generate_new_tokens", oracle)
+    monkeypatch.setattr(passkey, "greedy_continuation", oracle)
     result = passkey_probe(model, tok, context_lengths=(200, 400), trials=3, seed=1)
     assert result["accuracy"] == {"200": 1.0, "400": 1.0} and result["mean_accuracy"] == 1.0
     keys = [a["key"] for a in result["answers"]["200"]]
     assert len(set(keys)) == 3 and all(len(k) == 5 for k in keys)
     assert passkey_probe(model, tok, (200, 400), trials=3, seed=1)["answers"] == result["answers"]  # seeded
-    monkeypatch.setattr(passkey, "generate_new_tokens", lambda *a, **k: torch.tensor(tok("no idea")["input_ids"]))
+    monkeypatch.setattr(passkey, "greedy_continuation",
+                        lambda *a, **k: ev.Continuation(torch.tensor(tok("no idea")["input_ids"]), None))
     assert passkey_probe(model, tok, (200,), trials=2)["mean_accuracy"] == 0.0
 
 
@@ -259,9 +260,9 @@ def test_evaluate_modules_agree_with_the_builtin_probes(monkeypatch: pytest.Monk
     def every_other(model, tokenizer, ids, max_new_tokens, **kwargs):  # noqa: ANN001, ANN003, ANN202
         key = re.search(r"\d{5}", tokenizer.decode(ids[0])).group(0)
         text = f" {key[:2]} {key[2:]}." if next(calls) % 2 == 0 else " 00000"
-        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ev.Continuation(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]), None)
 
-    monkeypatch.setattr(passkey, "generate_new_tokens", every_other)
+    monkeypatch.setattr(passkey, "greedy_continuation", every_other)
     probe = passkey_probe(_tiny_model(tok), tok, context_lengths=(200, 400), trials=3, seed=2)
     trials = [(a["answer"], a["key"], int(n)) for n, rows in probe["answers"].items() for a in rows]
     answers, keys, lengths = map(list, zip(*trials, strict=True))

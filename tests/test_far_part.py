@@ -20,11 +20,11 @@ from mixer_steps import left_padded, run_chunked, run_steps
 from reference_recurrent_softmax import real_rows, rel_err
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
-from hf_recattn.conversion.pipeline import variant_models
 from hf_recattn.modeling.far_part import ARRIVING, LEAVING, FarPart, FarTerms
 from hf_recattn.modeling.mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from hf_recattn.modeling.mixers import MIXERS, build_mixer, register_mixer, validate_spec
 from hf_recattn.modeling.options import Option
+from hf_recattn.modeling.variants import variant_models
 
 H, HKV, D, C = 4, 2, 8, 16
 SHAPE = MixerShape(C, H, HKV, D, 2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
-from hf_recattn.conversion.pipeline import variant_models
+from hf_recattn.modeling.variants import variant_models
 
 
 def tiny(attention: dict) -> RecAttnForCausalLM:

@@ -97,6 +97,14 @@ class CopyLM(torch.nn.Module):
             logits[0, row, self._next(history, t)] = 1.0
         return SimpleNamespace(logits=logits, **{CACHE_NAME: history})
 
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> SimpleNamespace:
+        """Greedy decoding as ``generate()`` returns it, never stopping early: each prediction read before the next;
+        the cache holds every token but the last."""
+        history = input_ids[0].tolist()
+        for _ in range(max_new_tokens):
+            history.append(self._next(history, len(history) - 1))
+        return SimpleNamespace(sequences=torch.tensor([history]), **{CACHE_NAME: history[:-1]})
+
 
 class ConstantLM(CopyLM):
     """Always predicts the same token (never a digit of a code)."""
@@ -136,9 +144,9 @@ def test_passkey_accuracy_by_depth_is_a_grid(monkeypatch: pytest.MonkeyPatch) ->
         text = tokenizer.decode(ids[0])
         key = re.search(r"\d{5}", text)
         seen = key.group(0) if key.start() / len(text) < 0.3 else "00000"  # loses keys past the first 30%
-        return torch.tensor(tokenizer(f" {seen}.", add_special_tokens=False)["input_ids"])
+        return ev.Continuation(torch.tensor(tokenizer(f" {seen}.", add_special_tokens=False)["input_ids"]), None)
 
-    monkeypatch.setattr(passkey, "generate_new_tokens", early_only)
+    monkeypatch.setattr(passkey, "greedy_continuation", early_only)
     result = passkey_probe(model, tok, context_lengths=(512, 1024, 4096), trials=6, seed=4)
     assert result["skipped"] == [4096]  # beyond max_position_embeddings
     assert result["accuracy_by_depth"] == {n: {"0.1": 1.0, "0.5": 0.0, "0.9": 0.0} for n in ("512", "1024")}
@@ -306,13 +314,25 @@ def test_cached_scoring_matches_a_plain_forward_on_real_models(spec: object) -> 
         argmax = model(input_ids=ids, use_cache=False).logits[0].argmax(-1).tolist()
     plain = [[argmax[p - 1] for p in span] for span in prompt.answer_spans()]
     assert teacher_forced_answers(model, prompt) == plain
-    greedy = greedy_answers(model, prompt)
+    greedy = greedy_answers(model, tok, prompt)
     first = prompt.facts[prompt.queries[0]]
     start = torch.tensor([list(prompt.context) + list(first.prefix)])
     out = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=len(first.answer),
                          min_new_tokens=len(first.answer), do_sample=False, pad_token_id=tok.pad_token_id)
     assert greedy[0] == out[0, start.shape[1]:].tolist() and greedy[0][0] == plain[0][0]
     assert [len(g) for g in greedy] == [len(prompt.facts[q].answer) for q in prompt.queries]
+    sequence, uncached = list(prompt.context), []  # every query: the same answers without any cache
+    for q in prompt.queries:
+        fact = prompt.facts[q]
+        sequence += fact.prefix
+        new: list[int] = []
+        for _ in fact.answer:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([sequence + new]), use_cache=False).logits
+            new.append(int(logits[0, -1].argmax()))
+        uncached.append(new)
+        sequence += [*new, *fact.suffix]
+    assert greedy == uncached
 
 
 def test_recall_probe_runs_a_real_model_end_to_end() -> None:

@@ -92,7 +92,12 @@ def from_llama(
     teacher = model_or_path
     if not isinstance(teacher, PreTrainedModel):
         teacher = AutoModelForCausalLM.from_pretrained(model_or_path, **load_kwargs)
-    config = recattn_config_from(teacher.config, attention, attention_overrides, layers)
+    return student_from_teacher(teacher, recattn_config_from(teacher.config, attention, attention_overrides, layers))
+
+
+def student_from_teacher(teacher: PreTrainedModel, config: RecAttnConfig) -> RecAttnForCausalLM:
+    """The student that ``config`` (``recattn_config_from`` the teacher's config) describes, in the teacher's dtype,
+    with every teacher weight copied: only the parameters the chosen mixers add keep their fresh initialization."""
     teacher_dtype = next(teacher.parameters()).dtype
     student = RecAttnForCausalLM(config).to(teacher_dtype)
     state = split_fused(teacher.config, teacher.state_dict())

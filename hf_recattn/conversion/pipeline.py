@@ -6,63 +6,56 @@ names, to train it further) -> stage 1 -> [retrieval heads] -> stage 2 -> evalua
     run.json            what this run is (teacher, recipe + fingerprint, budget, seed, data): a rerun with
                         the same identity resumes, anything else is refused unless overwrite=True
     recipe.json         the resolved recipe
-    stage1/progress/    resumable stage-1 checkpoints (step-N, written atomically)
+    stage1/progress/    resumable stage-1 Trainer checkpoints (checkpoint-N)
     stage1/result/      the trained mixer parameters and a summary (written once, atomically)
     retrieval_heads.json  the KV heads that keep exact softmax (recipes with retrieval_heads.max_heads)
     stage2/trainer/     Trainer checkpoints (resume point of stage 2)
     model/              the converted checkpoint (safetensors + tokenizer + model card), written atomically
     report.json         evaluation of teacher and student (and window-only / far-only for hybrids)
 
-Every stage that finished is skipped on a rerun; an interrupted stage continues from its last checkpoint.
+The stages (``STAGES``), each a function of explicit inputs (the ``Job``, what earlier stages made) that returns
+what it made: the teacher, the data, the student with stage 1 and the retrieval heads (``stage1.py``), stage 2 and
+the saved model (``stage2.py``), the evaluation (``comparison.py``); then the report. Every stage that finished is
+skipped on a rerun; an interrupted stage continues from its last checkpoint.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
+from torch import nn
 from transformers import set_seed
 
 from .. import evaluation
 from ..atomic import atomic_folder, write_json
-from ..data.corpus import is_embedded, load_splits, token_blocks
+from ..data.corpus import is_embedded, load_splits
 from ..model_card import write_model_card
-from ..modeling.cache import CACHE_NAME
-from ..modeling.configuration import RecAttnConfig
-from ..modeling.mixers import mixer_class
-from ..modeling.modeling import RecAttnForCausalLM
 from ..provenance import provenance
 from ..training import parallel
-from ..training.attention_objective import load_mixer_state, mixer_parameters, mixer_state_dict
-from ..training.attention_transfer import TransferResult
-from ..training.forms import fastest_forms
-from .attention_transfer import attention_transfer
-from .checkpoints import (
-    check_output_folder,
-    claim_output_folder,
-    load_tensors,
-    save_tensors,
-)
-from .families import teacher_layer_types
-from .finetune import finetune
-from .from_llama import from_llama
-from .layer_selection import selected_layers
-from .recipe import EXPECTABLE, Recipe, check_against_teacher, load_recipe, report_training_tokens
-from .retrieval_data import mix_blocks, retrieval_blocks
-from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
+from .checkpoints import check_output_folder, claim_output_folder
+from .comparison import compare_models, report_sample
+from .from_llama import student_from_teacher
+from .init_checkpoint import check_init, init_facts, load_converted
+from .job import Job, Log, Teacher, read_json
+from .recipe import Recipe, check_against_teacher, load_recipe
+from .stage1 import keep_retrieval_heads, stage1
+from .stage2 import stage2
 from .teacher import load_teacher, teacher_license, teacher_name
 
-Log = Callable[[str], None]
-#: where a layer's mixer parameters start in a state-dict key
-MIXER_KEY = ".mixer."
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: the dtypes a teacher may be loaded in (``convert(teacher_dtype=...)``, ``--teacher-dtype``)
+TEACHER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: the stages of a conversion, in order (their "[n/N]" labels follow from this list); the report comes after them
+STAGES = ("teacher", "data", "stage 1", "stage 2", "evaluation")
 
 
 # ----- identity ---------------------------------------------------------------------------------------------
@@ -82,98 +75,36 @@ def run_identity(teacher: str, recipe: Recipe, data: str | None) -> dict[str, An
     }
 
 
-# ----- composites: their declared variants, as models of their own -----------------------------------------
-def variant_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """For a model with composite layers (a hybrid, also beside retrieval heads): the same weights as each named
-    variant its layers declare (``Mixer.variants``: window-only, far-only, ...).
+# ----- what the stages make ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Texts:
+    """The corpus split: training texts (both stages, the retrieval prompts) and held-out texts (evaluation)."""
 
-    Each declared layer takes the variant's spec and maps its mixer's parameter keys by the variant's key map
-    (e.g. ``mixer.far.*`` -> ``mixer.*``; the hybrid's mixing weights have no place in a far-only model); other
-    layers stay as they are.
-    """
-    specs = model.config.layer_specs()
-    declared = [mixer_class(spec["mixer"], f"layer {i}").variants(spec) for i, spec in enumerate(specs)]
-    names = list(dict.fromkeys(name for variants in declared for name in variants))
-    state = model.state_dict()
-    out: dict[str, torch.nn.Module] = {}
-    for name in names:
-        config = copy.deepcopy(model.config)
-        config.attention = [layer[name][0] if name in layer else s for s, layer in zip(specs, declared, strict=True)]
-        config.attention_overrides = None
-        variant = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
-        mapped = {}
-        for key, value in state.items():
-            layer, mixer, inner = key.partition(MIXER_KEY)
-            variants = declared[_layer_of(key)] if mixer else {}
-            renamed = variants[name][1](inner) if name in variants else inner
-            if renamed is not None:
-                mapped[layer + mixer + renamed] = value
-        result = variant.load_state_dict(mapped, strict=False)
-        missing = [k for k in result.missing_keys if k != "lm_head.weight"]
-        if missing:
-            raise ValueError(f"{name}: the variant has parameters the model does not provide: {missing[:4]}")
-        if config.tie_word_embeddings:
-            variant.tie_weights()
-        out[name] = variant.eval()
-    return out
-
-
-def _layer_of(key: str) -> int:
-    parts = key.split(".")
-    return int(parts[parts.index("layers") + 1])
-
-
-# ----- the pipeline -----------------------------------------------------------------------------------------
-def tokens_per_second(result: Any) -> float:
-    """Throughput of a stage's result (``tokens``, ``steps``, ``resumed_from``, ``seconds``) in this sitting:
-    after a resume, ``seconds`` covers only the steps after ``resumed_from``."""
-    trained = result.tokens * (result.steps - result.resumed_from) / max(result.steps, 1)
-    return trained / max(result.seconds, 1e-9)
-
-
-#: the dtypes a teacher may be loaded in (``convert(teacher_dtype=...)``, ``--teacher-dtype``)
-TEACHER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Run:
-    """What the stages of one conversion share: the inputs, then what each stage makes."""
-
-    teacher: str
-    recipe: Recipe
-    output: Path
-    data: str | None
-    progress: bool
-    evaluate_models: bool
-    log: Log
-    identity: dict[str, Any]
-    teacher_dtype: str = "float32"
-    decision: str = "new"
-    teacher_model: Any = None
-    tokenizer: Any = None
-    config: Any = None
-    train_texts: list[str] = field(default_factory=list)
-    heldout_texts: list[str] = field(default_factory=list)
-    student: Any = None
-    done_earlier: bool = False  # the converted model exists: both training stages are skipped
-    stage1: dict[str, Any] = field(default_factory=dict)
-    stage2: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    report: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_dir(self) -> Path:
-        return self.output / "model"
+    train: list[str]
+    heldout: list[str]
+    timings: dict[str, float]
 
 
 @dataclass(frozen=True)
-class Stage:
-    """One stage of the conversion: its name and what it does (``run(state, label)``; ``label`` is "[n/N]")."""
+class Trained:
+    """The student after a training stage, the stage's summary and timings; ``earlier``: the converted model
+    existed already (a rerun), so both training stages were done earlier."""
 
-    name: str
-    run: Callable[[Run, str], None]
+    student: nn.Module
+    summary: dict[str, Any]
+    timings: dict[str, float]
+    earlier: bool = False
 
 
+@dataclass(frozen=True)
+class Report:
+    """The report (what the stages did and, on rank 0, the evaluation) and the evaluation's timings."""
+
+    values: dict[str, Any]
+    timings: dict[str, float]
+
+
+# ----- the pipeline -----------------------------------------------------------------------------------------
 def convert(
     teacher: str = "embedded",
     recipe: str | Recipe = "hybrid-w64-taylor2",
@@ -199,378 +130,154 @@ def convert(
     parallel.init_process_group()
     log = log if parallel.is_main() else _quiet
     recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
+    job = Job(teacher, recipe, Path(output), data, teacher_dtype, progress, evaluate_models, log)
     identity = run_identity(teacher, recipe, data)
     if teacher_dtype != "float32":  # added later: float32 runs keep the identity they had
         identity["teacher_dtype"] = teacher_dtype
-    run = Run(teacher, recipe, Path(output), data, progress, evaluate_models, log, identity, teacher_dtype)
-    run.decision = check_output_folder(run.output, identity, overwrite)  # refuse early; write nothing yet
+    decision = check_output_folder(job.output, identity, overwrite)  # refuse early; write nothing yet
     parallel.barrier()  # every process has looked at the folder before rank 0 takes it
     log(
-        f"{'resuming' if run.decision == 'resume' else 'starting'} conversion in {run.output}: recipe {recipe.name} "
+        f"{'resuming' if decision == 'resume' else 'starting'} conversion in {job.output}: recipe {recipe.name} "
         f"(budget {recipe.budget}, seed {recipe.seed})"
     )
-    for number, stage in enumerate(STAGES, 1):
-        stage.run(run, f"[{number}/{len(STAGES)}]")
-        parallel.barrier()
+    loaded = _stage("teacher", _load_teacher, job, identity, decision)
+    texts = _stage("data", _prepare_data, job)
+    first = _stage("stage 1", _student_and_stage1, job, loaded, texts.train)
+    second = _stage("stage 2", _stage2_and_save, job, loaded, first, texts.train)
+    report = _stage("evaluation", _evaluate, job, loaded, first, second, texts.heldout)
     if not parallel.is_main():
         return {}
-    run.timings["total"] = time.perf_counter() - began
-    _write_report(run)
-    return run.report
+    timings = {**loaded.timings, **texts.timings, **first.timings, **second.timings, **report.timings}
+    timings["total"] = time.perf_counter() - began
+    _write_report(job, report.values, timings)
+    return report.values
+
+
+def _stage(name: str, step: Callable[Concatenate[str, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``step(label, ...)``, its "[n/N]" label from ``STAGES``; then every process waits for the others."""
+    done = step(f"[{STAGES.index(name) + 1}/{len(STAGES)}]", *args, **kwargs)
+    parallel.barrier()
+    return done
 
 
 def _quiet(line: str) -> None:
     """The log of the processes other than rank 0."""
 
 
-def _load_teacher(run: Run, label: str) -> None:
+def _load_teacher(label: str, job: Job, identity: dict[str, Any], decision: str) -> Teacher:
+    """The teacher and the student's config (the recipe checked against the teacher); then rank 0 takes the
+    output folder (``decision``: new / resume / overwrite) and writes ``recipe.json``."""
     t0 = time.perf_counter()
-    run.log(f"{label} loading teacher {run.teacher!r}")
-    run.teacher_model, run.tokenizer = load_teacher(run.teacher, dtype=TEACHER_DTYPES[run.teacher_dtype])
-    run.teacher_model.eval().requires_grad_(False)
-    run.config = check_against_teacher(run.recipe, run.teacher_model.config, run.tokenizer)
-    if run.recipe.init is not None:
-        _check_init(run.recipe, run.config)
-    run.timings["load_teacher"] = time.perf_counter() - t0
+    job.log(f"{label} loading teacher {job.teacher_spec!r}")
+    model, tokenizer = load_teacher(job.teacher_spec, dtype=TEACHER_DTYPES[job.teacher_dtype])
+    model.eval().requires_grad_(False)
+    config = check_against_teacher(job.recipe, model.config, tokenizer)
+    if job.recipe.init is not None:
+        check_init(job.recipe, config)
+    timings = {"load_teacher": time.perf_counter() - t0}
     if parallel.is_main():  # teacher and recipe are fine: now take the folder
-        claim_output_folder(run.output, run.identity, run.decision)
-        write_json(run.output / "recipe.json", run.recipe.as_dict())
+        claim_output_folder(job.output, identity, decision)
+        write_json(job.output / "recipe.json", job.recipe.as_dict())
+    return Teacher(model, tokenizer, config, timings)
 
 
-def _prepare_data(run: Run, label: str) -> None:
+def _prepare_data(label: str, job: Job) -> Texts:
     t0 = time.perf_counter()
-    run.log(f"{label} preparing data ({run.data or 'embedded corpus'})")
-    run.train_texts, run.heldout_texts = load_splits(run.data, run.recipe.eval.heldout_fraction)
-    run.timings["load_data"] = time.perf_counter() - t0
+    job.log(f"{label} preparing data ({job.data or 'embedded corpus'})")
+    train, heldout = load_splits(job.data, job.recipe.eval.heldout_fraction)
+    return Texts(train, heldout, {"load_data": time.perf_counter() - t0})
 
 
-def _student_and_stage1(run: Run, label: str) -> None:
+def _student_and_stage1(label: str, job: Job, teacher: Teacher, train_texts: list[str]) -> Trained:
     """The student (the teacher's copy with the new attention, or ``init``), stage 1, the retrieval heads."""
-    recipe = run.recipe
-    if (run.model_dir / "config.json").is_file():
-        run.log(f"{label} stage 1: done earlier (the converted model exists)")
-        run.done_earlier = True
-        run.student = _load_student(run.model_dir)
-        run.stage1 = _read_json(run.output / "stage1" / "result" / "summary.json")
-        return
+    recipe = job.recipe
+    if (job.model_dir / "config.json").is_file():
+        job.log(f"{label} stage 1: done earlier (the converted model exists)")
+        summary = read_json(job.output / "stage1" / "result" / "summary.json")
+        return Trained(load_converted(job.model_dir), summary, {}, earlier=True)
     set_seed(recipe.seed)
     if recipe.init is not None:
-        run.student = _load_student(Path(recipe.init).expanduser())
-        run.log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
+        student = load_converted(Path(recipe.init).expanduser())
+        job.log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
     else:  # trained in float32 whatever the teacher's dtype
-        run.student = from_llama(run.teacher_model, recipe.attention, recipe.attention_overrides, recipe.layers).float()
-    if run.student.config.layer_specs() != run.config.layer_specs():
-        raise RuntimeError("the student's layer specs differ from the recipe check (a bug)")
-    run.stage1 = _stage1(recipe, run.teacher_model, run.student, run.tokenizer, run.train_texts, run.output,
-                         run.progress, run.log, label)
-    run.timings["stage1"] = run.stage1.get("seconds", 0.0)
+        student = student_from_teacher(teacher.model, teacher.student_config).float()
+    summary = stage1(label, job, teacher, student, train_texts)
+    timings = {"stage1": summary.get("seconds", 0.0)}
     if recipe.retrieval_heads.max_heads:
         t0 = time.perf_counter()
-        run.student = _keep_retrieval_heads(recipe, run.student, run.tokenizer, run.train_texts, run.output,
-                                            run.log, label)
-        run.timings["retrieval_heads"] = time.perf_counter() - t0
+        student = keep_retrieval_heads(label, job, teacher.tokenizer, student, train_texts)
+        timings["retrieval_heads"] = time.perf_counter() - t0
+    return Trained(student, summary, timings)
 
 
-def _stage2(run: Run, label: str) -> None:
+def _stage2_and_save(label: str, job: Job, teacher: Teacher, first: Trained, train_texts: list[str]) -> Trained:
     """Stage 2 (the training package's distillation finetune), then the converted model saved."""
-    if run.done_earlier:
-        run.log(f"{label} stage 2: done earlier")
-        run.stage2 = _read_json(run.output / "stage2" / "summary.json")
-        return
-    recipe, s2 = run.recipe, run.recipe.stage2
-    if s2.tokens > 0:
-        run.log(
-            f"{label} stage 2: {'finetuning every weight' if s2.method == 'full' else 'LoRA finetuning'}, "
-            f"{s2.tokens} tokens, loss {s2.loss} "
-            f"(batch {s2.batch_size} x accumulation {s2.grad_accum} x {s2.block_size} tokens)"
-        )
-        skip = s2.skip_tokens or 0  # a whole number of blocks (recipe check)
-        blocks = token_blocks(
-            run.tokenizer, run.train_texts, s2.block_size, max_tokens=s2.tokens + skip, seed=recipe.seed + 1
-        )[skip // s2.block_size :]
-        if skip:
-            run.log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
-        blocks, weights = _with_retrieval_data(recipe, blocks, run.tokenizer, run.train_texts, run.log)
-        run.student, result = finetune(
-            run.teacher_model,
-            run.student,
-            blocks,
-            s2,
-            run.output / "stage2" / "trainer",
-            seed=recipe.seed,
-            progress=run.progress,
-            weights=weights,
-        )
-        run.stage2 = result.as_dict()
-        run.stage2["tokens_per_second"] = tokens_per_second(result)
-        if parallel.is_main():
-            write_json(run.output / "stage2" / "summary.json", run.stage2)
-        run.timings["stage2"] = result.seconds
+    if first.earlier:
+        job.log(f"{label} stage 2: done earlier")
+        return Trained(first.student, read_json(job.output / "stage2" / "summary.json"), {}, earlier=True)
+    student, summary, timings = first.student, {}, {}
+    if job.recipe.stage2.tokens > 0:
+        student, summary = stage2(label, job, teacher, student, train_texts)
+        timings["stage2"] = summary["seconds"]
     else:
-        run.log(f"{label} stage 2: skipped (stage2.tokens is 0)")
+        job.log(f"{label} stage 2: skipped (stage2.tokens is 0)")
     if parallel.is_main():
-        with atomic_folder(run.model_dir) as tmp:
-            run.student.save_pretrained(tmp)
-            run.tokenizer.model_max_length = run.student.config.max_position_embeddings  # not "unbounded" 1e30
-            run.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(run.output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
-        run.log(f"saved the converted model to {run.model_dir}")
+        with atomic_folder(job.model_dir) as tmp:
+            student.save_pretrained(tmp)
+            teacher.tokenizer.model_max_length = student.config.max_position_embeddings  # not "unbounded" 1e30
+            teacher.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(job.output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
+        job.log(f"saved the converted model to {job.model_dir}")
+    return Trained(student, summary, timings)
 
 
-def _evaluate(run: Run, label: str) -> None:
+def _evaluate(label: str, job: Job, teacher: Teacher, first: Trained, second: Trained,
+              heldout_texts: list[str]) -> Report:
     """The report: what the stages did, and (rank 0, unless turned off) the evaluation against the teacher."""
     if not parallel.is_main():
-        return
-    recipe = run.recipe
-    report = run.report
-    report.update({
-        "teacher": teacher_name(run.teacher),
-        "teacher_license": teacher_license(run.teacher),
-        "data": _teacher_identity(run.data) if run.data else "embedded",
+        return Report({}, {})
+    report = _records(job, first.summary, second.summary)
+    timings: dict[str, float] = {}
+    if job.evaluate_models:
+        t0 = time.perf_counter()
+        report.update(compare_models(label, job, teacher, second.student, heldout_texts))
+        timings["evaluate"] = time.perf_counter() - t0
+    report["provenance"] = provenance(corpus=is_embedded(job.data))
+    report["sample"] = report_sample(job, second.student, teacher.tokenizer)
+    return Report(report, timings)
+
+
+def _records(job: Job, stage1_summary: dict[str, Any], stage2_summary: dict[str, Any]) -> dict[str, Any]:
+    """The report's first part: teacher, data, recipe, the stages' summaries, the training tokens behind the
+    model (``init``'s included) and the retrieval heads kept."""
+    recipe = job.recipe
+    report = {
+        "teacher": teacher_name(job.teacher_spec),
+        "teacher_license": teacher_license(job.teacher_spec),
+        "data": _teacher_identity(job.data) if job.data else "embedded",
         "recipe": recipe.as_dict(),
-        "stage1": run.stage1,
-        "stage2": run.stage2,
-    })
-    if run.teacher_dtype != "float32":
-        report["teacher_dtype"] = run.teacher_dtype
+        "stage1": stage1_summary,
+        "stage2": stage2_summary,
+    }
+    if job.teacher_dtype != "float32":
+        report["teacher_dtype"] = job.teacher_dtype
     report["training_tokens"] = recipe.stage1.tokens + recipe.stage2.tokens
     if recipe.init is not None:
-        report["init"] = _init_facts(recipe.init)
+        report["init"] = init_facts(recipe.init)
         report["training_tokens"] += report["init"]["training_tokens"]
-    chosen = _read_json(run.output / "retrieval_heads.json")
+    chosen = read_json(job.output / "retrieval_heads.json")
     if "heads" in chosen:
         report["retrieval_heads"] = {key: chosen[key] for key in ("heads", "count", "answered", "prompts")}
-    if run.evaluate_models:
-        t0 = time.perf_counter()
-        report.update(_evaluate_all(recipe, run.teacher_model, run.student, run.tokenizer, run.heldout_texts,
-                                    run.log, label))
-        run.timings["evaluate"] = time.perf_counter() - t0
-    report["provenance"] = provenance(corpus=is_embedded(run.data))
-    report["sample"] = sample_through_cache(
-        run.student, run.tokenizer, recipe.eval.sample_prompt, recipe.eval.sample_tokens, run.log
+    return report
+
+
+def _write_report(job: Job, report: dict[str, Any], timings: dict[str, float]) -> None:
+    """``report.json`` (with the timings) beside the run and the model, and the model card."""
+    report["timings_s"] = timings
+    evaluation.write_report(job.output, report)
+    evaluation.write_report(job.model_dir, report)
+    write_model_card(job.model_dir, job.output.resolve().name, report=report)
+    job.log(
+        f"report: {job.output / 'report.json'}; model card: {job.model_dir / 'README.md'}; "
+        f"total {timings['total']:.0f} s"
     )
-
-
-def _write_report(run: Run) -> None:
-    """``report.json`` beside the run and the model, and the model card."""
-    run.report["timings_s"] = run.timings
-    evaluation.write_report(run.output, run.report)
-    evaluation.write_report(run.model_dir, run.report)
-    write_model_card(run.model_dir, run.output.resolve().name, report=run.report)
-    run.log(
-        f"report: {run.output / 'report.json'}; model card: {run.model_dir / 'README.md'}; "
-        f"total {run.timings['total']:.0f} s"
-    )
-
-
-#: the stages of a conversion, in order (their "[n/N]" labels follow from this list)
-STAGES: tuple[Stage, ...] = (
-    Stage("teacher", _load_teacher),
-    Stage("data", _prepare_data),
-    Stage("stage 1", _student_and_stage1),
-    Stage("stage 2", _stage2),
-    Stage("evaluation", _evaluate),
-)
-
-
-def converted_layers(recipe: Recipe, teacher_config: Any) -> list[int] | None:
-    """The teacher layers the recipe replaces (stage 1 trains only those), or None for every layer."""
-    if recipe.layers is None:
-        return None
-    return selected_layers(recipe.layers, teacher_layer_types(teacher_config))
-
-
-def _stage1(
-    recipe: Recipe,
-    teacher: torch.nn.Module,
-    student: torch.nn.Module,
-    tokenizer: Any,
-    train_texts: list[str],
-    output: Path,
-    progress: bool,
-    log: Log,
-    label: str,
-) -> dict:
-    s1 = recipe.stage1
-    result_dir = output / "stage1" / "result"
-    if (result_dir / "summary.json").is_file():
-        load_mixer_state(student, load_tensors(result_dir / "mixer.safetensors"), s1.projections)
-        log(f"{label} stage 1: done earlier (loaded the trained mixer parameters)")
-        return _read_json(result_dir / "summary.json")
-    if s1.tokens <= 0:
-        log(f"{label} stage 1: skipped (stage1.tokens is 0)")
-        return {}
-    if not mixer_parameters(student, s1.projections):
-        log(f"{label} stage 1: skipped (the mixers have no parameters and stage1.projections is empty)")
-        return {}
-    log(f"{label} stage 1: attention transfer, {s1.tokens} tokens (batch {s1.batch_size} x {s1.block_size})")
-    blocks = token_blocks(tokenizer, train_texts, s1.block_size, max_tokens=s1.tokens, seed=recipe.seed)
-    result: TransferResult = attention_transfer(
-        teacher,
-        student,
-        blocks,
-        s1,
-        seed=recipe.seed,
-        checkpoint_dir=output / "stage1" / "progress",
-        progress=progress,
-        layers=converted_layers(recipe, teacher.config),
-    )
-    summary = result.as_dict()
-    summary["tokens_per_second"] = tokens_per_second(result)
-    summary["distinct_tokens"] = int(blocks.numel())
-    if result.relative_last:
-        rel = list(result.relative_last.values())
-        kls = list(result.attention_kl_last.values())
-        kl = f", attention-weight KL mean {sum(kls) / len(kls):.3f} nats" if kls else ""
-        log(
-            f"stage 1: {result.steps} steps, {result.trainable_parameters} trained parameters, relative MSE "
-            f"mean {sum(rel) / len(rel):.3f} (worst {max(rel):.3f}){kl}, "
-            f"{summary['tokens_per_second']:.0f} tokens/s"
-        )
-    if parallel.is_main():
-        with atomic_folder(result_dir) as tmp:
-            save_tensors(tmp / "mixer.safetensors", mixer_state_dict(student, s1.projections))
-            (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
-        shutil.rmtree(output / "stage1" / "progress", ignore_errors=True)
-    return summary
-
-
-def _keep_retrieval_heads(recipe: Recipe, student: torch.nn.Module, tokenizer: Any, train_texts: list[str],
-                          output: Path, log: Log, label: str) -> torch.nn.Module:
-    """Choose the KV heads that keep exact softmax on the stage-1 student (or read the choice of an earlier run
-    from ``retrieval_heads.json``) and return the student that keeps them."""
-    settings = recipe.retrieval_heads
-    path = output / "retrieval_heads.json"
-    chosen = _read_json(path)
-    if "heads" in chosen:
-        heads = {int(layer): list(kv) for layer, kv in chosen["heads"].items()}
-        log(f"{label} retrieval heads: chosen earlier, {sum(map(len, heads.values()))} KV heads")
-    else:
-        log(f"{label} retrieval heads: choosing at most {settings.max_heads} KV heads on {2 * settings.prompts} recall "
-            f"prompts of {settings.context_length} tokens")
-        try:
-            prompts = recall_objective(tokenizer, train_texts, settings.context_length, settings.prompts,
-                                       seed=recipe.seed)
-        except ValueError as err:
-            raise ValueError(f"{recipe.source}: retrieval_heads.context_length: {err}") from None
-        selection = select_retrieval_heads(student, prompts, settings.max_heads, settings.per_round,
-                                           log=lambda line: log("  " + line))
-        heads = selection.heads
-        if parallel.is_main():
-            write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
-                                     "answered": selection.answered, "prompts": selection.prompts,
-                                     "rounds": selection.rounds})
-    log("  exact softmax on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))
-    return with_retrieval_heads(student, heads)
-
-
-def _with_retrieval_data(recipe: Recipe, blocks: torch.Tensor, tokenizer: Any, train_texts: list[str],
-                         log: Log) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stage 2's blocks with ``stage2.retrieval_share`` of them replaced by retrieval prompts built from the
-    training texts (same count and length), and the loss weights; the blocks unchanged without the option."""
-    s2 = recipe.stage2
-    count = round((s2.retrieval_share or 0.0) * blocks.shape[0])
-    if count == 0:
-        return blocks, None
-    answer_weight = s2.answer_weight or 1.0
-    log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them "
-        f"(answer weight {answer_weight:g})")
-    try:
-        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, answer_weight, seed=recipe.seed)
-    except ValueError as err:
-        raise ValueError(f"{recipe.source}: stage2.retrieval_share: {err}") from None
-    return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)
-
-
-def _evaluate_all(
-    recipe: Recipe,
-    teacher: torch.nn.Module,
-    student: torch.nn.Module,
-    tokenizer: Any,
-    heldout_texts: list[str],
-    log: Log,
-    label: str,
-) -> dict[str, Any]:
-    ev = recipe.eval
-    blocks = token_blocks(tokenizer, heldout_texts, ev.block_size, max_tokens=ev.heldout_tokens, seed=0)
-    log(f"{label} evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
-    rows: dict[str, dict[str, Any]] = {}
-    rows["teacher"] = evaluation.evaluate(teacher, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
-    models = {**variant_models(student), recipe.name: student}
-    for name, model in models.items():
-        with fastest_forms(model, ev.block_size):  # the perplexity pass; decoding always uses the cache
-            rows[name] = evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts)
-    del models
-    table = evaluation.comparison_table(rows)
-    log(table)
-    teacher_ppl = rows["teacher"]["perplexity"]
-    ratios = {name: row["perplexity"] / teacher_ppl for name, row in rows.items()}
-    return {"student": rows[recipe.name], "comparison": rows, "perplexity_ratio": ratios, "table": table}
-
-
-@torch.no_grad()
-def sample_through_cache(
-    model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, log: Log = print
-) -> dict[str, Any]:
-    """Greedy-generate from ``prompt`` with an explicit recurrent cache; report the text and cache size."""
-    if max_new_tokens <= 0:
-        return {}
-    ids = evaluation.prompt_ids(tokenizer, prompt)
-    cache = model.new_cache()
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        **{CACHE_NAME: cache},
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad if (pad := tokenizer.pad_token_id) is not None else tokenizer.eos_token_id,
-    )
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    kinds = sorted({layer.kind for layer in cache.layers})
-    sample = {
-        "prompt": prompt,
-        "output": text,
-        "cache_bytes": evaluation.cache_nbytes(cache),
-        "cache_kinds": kinds,
-        "tokens": int(out.shape[1]),
-    }
-    log(
-        f"sample (greedy, through the {'/'.join(kinds)} cache, {sample['cache_bytes'] / 2**20:.2f} MiB after "
-        f"{sample['tokens']} tokens):\n  {prompt!r} -> {text!r}"
-    )
-    return sample
-
-
-def _check_init(recipe: Recipe, config: Any) -> None:
-    """``recipe.init`` must be a converted checkpoint with the recipe's attention (layer by layer) and the
-    teacher's shape: checked from its config before the run takes its output folder."""
-    where = f"{recipe.source}: init {recipe.init!r}"
-    folder = Path(str(recipe.init)).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{where} is not a converted checkpoint folder (no config.json)")
-    init = RecAttnConfig.from_pretrained(folder)
-    for key in EXPECTABLE:  # the teacher's shape, as a recipe's ``expects`` may pin it
-        have, want = getattr(init, key), getattr(config, key)
-        if have != want:
-            raise ValueError(f"{where} has {key} {have}, the teacher {want}")
-    for layer, (have, want) in enumerate(zip(init.layer_specs(), config.layer_specs(), strict=True)):
-        if have != want:
-            raise ValueError(f"{where} layer {layer} has attention {have}, the recipe {want}")
-
-
-def _init_facts(init: str) -> dict[str, Any]:
-    """The checkpoint a continuing run starts from and the training tokens behind it (its saved report)."""
-    earlier = _read_json(Path(init).expanduser() / "report.json")
-    return {"checkpoint": init, "recipe": (earlier.get("recipe") or {}).get("name"),
-            "training_tokens": report_training_tokens(earlier)}
-
-
-def _load_student(folder: Path) -> torch.nn.Module:
-    return RecAttnForCausalLM.from_pretrained(folder).eval()
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}

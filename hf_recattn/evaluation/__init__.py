@@ -2,9 +2,11 @@
 
 * ``heldout``: perplexity on held-out token blocks;
 * ``passkey`` and ``recall``: the recall probes (passkey retrieval, multi-query associative recall), built from
-  the prompt builders in ``prompts`` and run through ``generation`` (greedy decoding through the cache);
+  the prompt builders in ``prompts`` and run through ``generation`` (``greedy_continuation``: the one greedy
+  decoding through the cache);
 * ``decode``: decode cost and cache size;
-* ``suite``: all of them on one model (``evaluate``);
+* ``suite``: all of them on one model (``evaluate``), and a sample through the cache (``cache_sample``);
+* ``progress``: the progress bars of the long passes;
 * ``report``: the comparison table and the report file.
 
 Every function takes any causal LM (the softmax teacher or a hf_recattn student), so the numbers in a
@@ -14,26 +16,38 @@ conversion report are measured the same way on both. The names below are the pub
 from __future__ import annotations
 
 from .decode import cache_nbytes, decode_stats
-from .generation import DEFAULT_PROMPTS, generation_samples, max_positions, model_device, pad_id, prompt_ids
+from .generation import (
+    DEFAULT_PROMPTS,
+    Continuation,
+    generation_samples,
+    greedy_continuation,
+    max_positions,
+    model_device,
+    pad_id,
+    prompt_ids,
+)
 from .heldout import perplexity
 from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 from .recall import associative_recall_probe
 from .report import comparison_table, write_report
-from .suite import RecallSizes, describe_model, evaluate
+from .suite import RecallSizes, cache_sample, describe_model, evaluate
 
 __all__ = [
     "DEFAULT_PROMPTS",
     "PASSKEY_DEPTHS",
+    "Continuation",
     "RecallSizes",
     "associative_recall_probe",
     "cache_nbytes",
+    "cache_sample",
     "comparison_table",
     "decode_stats",
     "describe_model",
     "evaluate",
     "fill_tokens",
     "generation_samples",
+    "greedy_continuation",
     "max_positions",
     "model_device",
     "pad_id",

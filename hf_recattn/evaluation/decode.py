@@ -10,6 +10,7 @@ import torch
 
 from ..modeling.cache import CACHE_NAME, cache_of
 from .generation import eval_mode, max_positions, model_device
+from .progress import progress_bar
 
 
 def cache_nbytes(cache: Any) -> int:
@@ -27,12 +28,17 @@ def cache_nbytes(cache: Any) -> int:
 
 
 @torch.no_grad()
-def decode_stats(model: Any, context_length: int = 2048, steps: int = 16, seed: int = 0) -> dict[str, Any]:
-    """Prefill ``context_length`` random tokens, then time ``steps`` single-token forwards through the cache.
+def decode_stats(
+    model: Any, context_length: int = 2048, steps: int = 16, seed: int = 0, progress: str | None = None
+) -> dict[str, Any]:
+    """Prefill ``context_length`` random tokens, then time ``steps`` single-token forwards through the cache (plain
+    forwards, not ``greedy_continuation``: what is timed is the model's step alone; each argmax token only feeds
+    the next step).
 
     Returns the median milliseconds per decoded token, the prefill time and the cache's size in bytes after
     the prefill (the state a long generation carries). The context is shortened to fit the model's
-    ``max_position_embeddings`` (``requested_context_length`` keeps the asked-for value)."""
+    ``max_position_embeddings`` (``requested_context_length`` keeps the asked-for value). ``progress``: the
+    label of a progress bar over the prefill and the steps (None: no bar)."""
     if context_length < 1 or steps < 1:
         raise ValueError("decode_stats needs context_length >= 1 and steps >= 1")
     requested = context_length
@@ -46,10 +52,11 @@ def decode_stats(model: Any, context_length: int = 2048, steps: int = 16, seed: 
     gen = torch.Generator().manual_seed(seed)
     low = min(100, vocab - 1)  # skip the special tokens at the start of most vocabularies
     ids = torch.randint(low, vocab, (1, context_length), generator=gen).to(device)
-    with eval_mode(model):
+    with eval_mode(model), progress_bar(1 + steps, progress, "forward") as bar:
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
         prefill_s = time.perf_counter() - start
+        bar.update()
         cache = cache_of(out)
         cache_bytes = cache_nbytes(cache)
         token = out.logits[:, -1:].argmax(-1)
@@ -59,6 +66,7 @@ def decode_stats(model: Any, context_length: int = 2048, steps: int = 16, seed: 
             out = model(input_ids=token, use_cache=True, **{CACHE_NAME: cache})
             token = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
+            bar.update()  # outside the timed span
             cache = cache_of(out)
     return {
         "context_length": context_length,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..modeling.cache import CACHE_NAME, cache_of
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -37,24 +40,43 @@ def max_positions(model: Any) -> int | None:
 
 
 def pad_id(tokenizer: Any) -> int | None:
+    """The id that pads generated rows: the tokenizer's pad token, else its EOS."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """A greedy continuation: the new token ids ([N]) and the cache after them (it holds the prompt and every new
+    token but the last)."""
+
+    tokens: torch.Tensor
+    cache: Any
+
+
 @torch.no_grad()
-def generate_new_tokens(
-    model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, **kwargs: Any
-) -> torch.Tensor:
-    """New token ids for one prompt ([1, T]), decoded through the model's cache."""
+def greedy_continuation(
+    model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, cache: Any = None, stop_at_eos: bool = True
+) -> Continuation:
+    """Greedy decoding of one prompt ([1, T]) through the model's cache: every greedy generation of the package.
+
+    ``cache`` continues an earlier continuation (``ids`` then holds its tokens too, the new ones follow); without
+    ``stop_at_eos`` exactly ``max_new_tokens`` are decoded, whatever the model predicts. Rows are padded with the
+    tokenizer's pad token, else its EOS (``pad_id``)."""
     ids = ids.to(model_device(model))
+    options: dict[str, Any] = {} if cache is None else {CACHE_NAME: cache}
+    if not stop_at_eos:
+        options["eos_token_id"] = None
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
+        do_sample=False,
         use_cache=True,
         pad_token_id=pad_id(tokenizer),
-        **kwargs,
+        return_dict_in_generate=True,
+        **options,
     )
-    return out[0, ids.shape[1] :]
+    return Continuation(out.sequences[0, ids.shape[1] :], cache_of(out))
 
 
 def prompt_ids(tokenizer: Any, prompt: str, chat: bool | None = None) -> torch.Tensor:
@@ -80,7 +102,6 @@ def generation_samples(
     with eval_mode(model):
         outputs = []
         for prompt in prompts:
-            new = generate_new_tokens(model, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
-                                      do_sample=False)
+            new = greedy_continuation(model, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens).tokens
             outputs.append(tokenizer.decode(new, skip_special_tokens=True).strip())
         return outputs

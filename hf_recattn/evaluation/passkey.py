@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from .generation import eval_mode, generate_new_tokens, max_positions
+from .generation import eval_mode, greedy_continuation, max_positions
+from .progress import progress_bar
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 
 #: where the passkey sits in its prompt (0 = start, 1 = end): a fixed grid shared by every model
@@ -71,6 +72,7 @@ def passkey_probe(
     seed: int = 0,
     max_new_tokens: int = 8,
     depths: Sequence[float] = PASSKEY_DEPTHS,
+    progress: str | None = None,
 ) -> dict[str, Any]:
     """Hide a random 5-digit key in filler, ask for it, greedy-decode the answer through the cache; a trial
     passes when the key's digits appear in the answer.
@@ -79,7 +81,8 @@ def passkey_probe(
     the length), trial i with its key at ``depths[i % len(depths)]``: use a multiple of the number of depths.
     Returns the accuracy per length and its mean, ``accuracy_by_depth`` ``{length: {depth: accuracy}}``, and
     every answer. Lengths beyond the model's ``max_position_embeddings`` are listed under ``skipped``. The keys
-    depend only on ``seed``, so every model sees the same prompts."""
+    depend only on ``seed``, so every model sees the same prompts. ``progress``: the label of a progress bar over
+    the prompts (None: no bar)."""
     _check_passkey_args(context_lengths, trials, depths, max_new_tokens)
     rng = random.Random(seed)
     accuracy: dict[str, float] = {}
@@ -87,14 +90,18 @@ def passkey_probe(
     answers: dict[str, list[dict[str, Any]]] = {}
     skipped: list[int] = []
     limit = max_positions(model)
-    with eval_mode(model):
+    runs = sum(limit is None or length <= limit for length in context_lengths)
+    with eval_mode(model), progress_bar(runs * trials, progress, "prompt") as bar:
         for length in context_lengths:
             keys = [f"{rng.randrange(10_000, 100_000)}" for _ in range(trials)]
             if limit is not None and length > limit:
                 skipped.append(length)
                 continue
-            rows = [_passkey_trial(model, tokenizer, length - max_new_tokens, key, depths[i % len(depths)],
-                                   max_new_tokens) for i, key in enumerate(keys)]
+            rows = []
+            for i, key in enumerate(keys):
+                rows.append(_passkey_trial(model, tokenizer, length - max_new_tokens, key, depths[i % len(depths)],
+                                           max_new_tokens))
+                bar.update()
             answers[str(length)] = rows
             accuracy[str(length)] = sum(r["correct"] for r in rows) / trials
             by_depth[str(length)] = _share_by(rows, "depth")
@@ -107,7 +114,7 @@ def _passkey_trial(model: Any, tokenizer: Any, prompt_length: int, key: str, dep
                    max_new_tokens: int) -> dict[str, Any]:
     ids, needle = passkey_ids(tokenizer, prompt_length, key, depth)
     prompt = torch.tensor([ids], dtype=torch.long)
-    new = generate_new_tokens(model, tokenizer, prompt, max_new_tokens, do_sample=False)
+    new = greedy_continuation(model, tokenizer, prompt, max_new_tokens).tokens
     answer = tokenizer.decode(new, skip_special_tokens=True)
     return {"key": key, "depth": depth, "needle_at": needle, "tokens": len(ids), "answer": answer.strip(),
             "correct": passkey_answered(answer, key)}

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ..modeling.cache import CACHE_NAME, cache_of
-from .generation import eval_mode, max_positions, model_device
+from .generation import eval_mode, greedy_continuation, max_positions, model_device
+from .progress import progress_bar
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 
 __all__ = [
@@ -232,29 +233,19 @@ def teacher_forced_answers(model: Any, prompt: RecallPrompt) -> list[list[int]]:
     return [[predicted[p - split] for p in span] for span in prompt.answer_spans()]
 
 
-@torch.no_grad()
-def greedy_answers(model: Any, prompt: RecallPrompt) -> list[list[int]]:
+def greedy_answers(model: Any, tokenizer: Any, prompt: RecallPrompt) -> list[list[int]]:
     """Greedy answers through the cache: each query, then as many decoded tokens as its value has; the model's
-    own answers (and a full stop) stay in the context of the later queries."""
-    cache, pending, answers = None, list(prompt.context), []
+    own answers (and a full stop) stay in the context of the later queries, whose decoding continues the cache."""
+    sequence, cache, answers = list(prompt.context), None, []
     for q in prompt.queries:
         fact = prompt.facts[q]
-        logits, cache = _forward(model, pending + list(fact.prefix), cache)
-        new: list[int] = []
-        for k in range(len(fact.answer)):
-            new.append(int(logits.argmax()))
-            if k + 1 < len(fact.answer):
-                logits, cache = _forward(model, new[-1:], cache)
-        answers.append(new)
-        pending = [new[-1], *fact.suffix]
+        sequence += fact.prefix
+        out = greedy_continuation(model, tokenizer, torch.tensor([sequence]), len(fact.answer), cache,
+                                  stop_at_eos=False)
+        answers.append(out.tokens.tolist())
+        sequence += [*answers[-1], *fact.suffix]
+        cache = out.cache
     return answers
-
-
-def _forward(model: Any, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-    """The last position's logits after ``ids`` and the cache holding them."""
-    tokens = torch.tensor([ids], dtype=torch.long, device=model_device(model))
-    out = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
-    return out.logits[0, -1], cache_of(out)
 
 
 def score_prompt(model: Any, tokenizer: Any, prompt: RecallPrompt, scoring: str = "teacher_forced") -> dict[str, Any]:
@@ -263,7 +254,10 @@ def score_prompt(model: Any, tokenizer: Any, prompt: RecallPrompt, scoring: str 
     the value's digits (whitespace ignored)."""
     if scoring not in SCORINGS:
         raise ValueError(f"associative recall: scoring must be one of {list(SCORINGS)}, got {scoring!r}")
-    predicted = teacher_forced_answers(model, prompt) if scoring == "teacher_forced" else greedy_answers(model, prompt)
+    if scoring == "teacher_forced":
+        predicted = teacher_forced_answers(model, prompt)
+    else:
+        predicted = greedy_answers(model, tokenizer, prompt)
     depths = [round(d, 3) for d in prompt.depths()]
     facts = [{"name": f.name, "value": f.value, "depth": d} for f, d in zip(prompt.facts, depths, strict=True)]
     queries = []
@@ -305,6 +299,7 @@ def associative_recall_probe(
     seed: int = 0,
     max_queries: int = 8,
     scoring: str = "teacher_forced",
+    progress: str | None = None,
 ) -> dict[str, Any]:
     """Accuracy of the queries per context length and number of planted pairs, in ``texts`` (held-out
     documents, or ``[N, T]`` token blocks with EOS between documents).
@@ -312,14 +307,16 @@ def associative_recall_probe(
     Each (length, pairs) cell runs ``trials`` prompts seeded by ``(seed, length, pairs, trial)``; its accuracy
     is the share of its queries answered. Returns ``accuracy`` ``{length: {pairs: share}}``, its mean over the
     cells, ``accuracy_by_pairs`` (the mean over lengths) and every trial under ``answers``. Lengths beyond the
-    model's ``max_position_embeddings`` are listed under ``skipped``."""
+    model's ``max_position_embeddings`` are listed under ``skipped``. ``progress``: the label of a progress bar
+    over the prompts (None: no bar)."""
     _check_probe_args(context_lengths, pairs, trials, max_queries, scoring)
     limit = max_positions(model)
     haystack: Haystack | None = None
     accuracy: dict[str, dict[str, float]] = {}
     answers: dict[str, dict[str, list[dict[str, Any]]]] = {}
     skipped: list[int] = []
-    with eval_mode(model):
+    runs = sum(limit is None or length <= limit for length in context_lengths)
+    with eval_mode(model), progress_bar(runs * len(pairs) * trials, progress, "prompt") as bar:
         for length in context_lengths:
             if limit is not None and length > limit:
                 skipped.append(length)
@@ -329,9 +326,11 @@ def associative_recall_probe(
                 haystack = Haystack(tokenizer, sources)
             accuracy[str(length)], answers[str(length)] = {}, {}
             for n in pairs:
-                rows = [score_prompt(model, tokenizer, recall_prompt(tokenizer, haystack, length, n,
-                                                                     f"{seed}:{length}:{n}:{t}", max_queries),
-                                     scoring) for t in range(trials)]
+                rows = []
+                for t in range(trials):
+                    prompt = recall_prompt(tokenizer, haystack, length, n, f"{seed}:{length}:{n}:{t}", max_queries)
+                    rows.append(score_prompt(model, tokenizer, prompt, scoring))
+                    bar.update()
                 asked = [query["correct"] for row in rows for query in row["queries"]]
                 answers[str(length)][str(n)] = rows
                 accuracy[str(length)][str(n)] = sum(asked) / len(asked)

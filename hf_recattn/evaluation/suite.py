@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .decode import decode_stats
-from .generation import DEFAULT_PROMPTS, generation_samples
+from .decode import cache_nbytes, decode_stats
+from .generation import DEFAULT_PROMPTS, generation_samples, greedy_continuation, prompt_ids
 from .heldout import perplexity
 from .passkey import PASSKEY_DEPTHS, passkey_probe
 from .recall import associative_recall_probe
@@ -76,32 +76,58 @@ def evaluate(
     prompts: Sequence[str] = DEFAULT_PROMPTS,
     recall_texts: Sequence[str] | None = None,
     sizes: RecallSizes | None = None,
+    progress: str | None = None,
 ) -> dict[str, Any]:
     """Perplexity on ``heldout_blocks``, passkey accuracy, associative recall, greedy samples and decode cost.
 
     The associative recall plants its facts in ``recall_texts`` (held-out documents), else in the documents of
     ``heldout_blocks``. ``sizes`` sets the recall probes (default: ``RecallSizes.for_mode(quick)``). ``quick``
     shrinks the probes (recall probes at 1k only; 2 samples of 24 tokens; decode at 512 context) for smoke
-    runs; the perplexity always uses all the blocks given."""
+    runs; the perplexity always uses all the blocks given. ``progress`` (e.g. the model's name) labels a
+    progress bar for the perplexity pass and each probe; None shows none."""
     sizes = sizes or RecallSizes.for_mode(quick)
     start = time.perf_counter()
     report: dict[str, Any] = {"model": describe_model(model), "quick": quick}
-    report["perplexity"] = perplexity(model, heldout_blocks)
+    report["perplexity"] = perplexity(model, heldout_blocks, progress=_label(progress, "perplexity"))
     report["eval_tokens"] = int(heldout_blocks.numel())
     report["block_size"] = int(heldout_blocks.shape[1])
     report["passkey"] = passkey_probe(model, tokenizer, context_lengths=sizes.passkey_lengths,
-                                      trials=sizes.passkey_trials, depths=sizes.passkey_depths)
+                                      trials=sizes.passkey_trials, depths=sizes.passkey_depths,
+                                      progress=_label(progress, "passkey"))
     report["associative_recall"] = associative_recall_probe(
         model, tokenizer, heldout_blocks if recall_texts is None else recall_texts,
         context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs, trials=sizes.recall_trials,
+        progress=_label(progress, "associative recall"),
     )
+    decoding = _label(progress, "decode timing")
     if quick:
         chosen, new_tokens = list(prompts)[:2], 24
-        report["decode"] = decode_stats(model, context_length=512, steps=8)
+        report["decode"] = decode_stats(model, context_length=512, steps=8, progress=decoding)
     else:
         chosen, new_tokens = list(prompts), 40
-        report["decode"] = decode_stats(model)
+        report["decode"] = decode_stats(model, progress=decoding)
     outputs = generation_samples(model, tokenizer, chosen, max_new_tokens=new_tokens)
     report["samples"] = [{"prompt": p, "output": o} for p, o in zip(chosen, outputs, strict=True)]
     report["seconds"] = time.perf_counter() - start
     return report
+
+
+def _label(progress: str | None, probe: str) -> str | None:
+    return None if progress is None else f"{progress}: {probe}"
+
+
+def cache_sample(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    """A greedy continuation of ``prompt`` through an hf_recattn model's cache: the prompt, the new text, the
+    cache's bytes and kinds after it and the whole sequence's length (``tokens``); {} when ``max_new_tokens`` is
+    not positive."""
+    if max_new_tokens <= 0:
+        return {}
+    ids = prompt_ids(tokenizer, prompt)
+    out = greedy_continuation(model, tokenizer, ids, max_new_tokens)
+    return {
+        "prompt": prompt,
+        "output": tokenizer.decode(out.tokens, skip_special_tokens=True),
+        "cache_bytes": cache_nbytes(out.cache),
+        "cache_kinds": sorted({layer.kind for layer in out.cache.layers}),
+        "tokens": ids.shape[1] + len(out.tokens),
+    }
