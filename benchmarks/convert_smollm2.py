@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, set_seed
 
-from hf_recattn import from_llama
 from hf_recattn.atomic import atomic_folder, write_json
 from hf_recattn.conversion.attention_transfer import attention_transfer
 from hf_recattn.conversion.finetune import finetune
+from hf_recattn.conversion.from_llama import student_from_teacher
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import clean_text, embedded_texts, load_splits, token_blocks
@@ -159,13 +159,13 @@ def run_recipe(name: str, args: argparse.Namespace, teacher: torch.nn.Module, to
                              else recipe.stage1.tokens)
     s2 = dataclasses.replace(recipe.stage2, tokens=args.stage2_tokens if args.stage2_tokens is not None
                              else recipe.stage2.tokens)
-    check_against_teacher(recipe, teacher.config, tokenizer)
+    config = check_against_teacher(recipe, teacher.config, tokenizer)  # the student's, layer selection included
     entry = {"recipe": name, "attention": recipe.attention, "budget": args.budget, "stage1": dataclasses.asdict(s1),
              "stage2": dataclasses.asdict(s2), "rows": []}
     results["recipes"][name] = entry
     run = RecipeRun(name, args, teacher, tokenizer, train_texts, evals, results, out, entry)
     set_seed(recipe.seed)
-    student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+    student = student_from_teacher(teacher, config).float()
     run.record(student, "swap", 0, 0, 0)
     s1_done = run.stage1(student, s1, recipe.seed)
     student = run.stage2(student, s2, recipe.seed, s1_done)

@@ -66,10 +66,11 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ValueError(f"teacher {args.teacher}: its tokenizer differs from the checkpoint's, so "
                              "perplexities on the same tokens would not be comparable")
         rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick, recall_texts=heldout,
-                                   sizes=sizes)
+                                   sizes=sizes, progress="teacher")
         del teacher
     name = _label(args.checkpoint)
-    rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick, recall_texts=heldout, sizes=sizes)
+    rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick, recall_texts=heldout, sizes=sizes,
+                          progress=name)
     print(comparison_table(rows))
     for sample in rows[name]["samples"]:
         print(f"\n> {sample['prompt']}\n{sample['output']}")
