@@ -10,8 +10,7 @@ projection and norm weights. Its ``log_attention_weights`` are the teacher's att
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Iterable
-from pathlib import Path
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -31,28 +30,20 @@ def attention_transfer(
     student: nn.Module,
     blocks: torch.Tensor,
     settings: Stage1Settings,
-    seed: int = 0,
-    checkpoint_dir: str | Path | None = None,
-    progress: bool = True,
-    keep_checkpoints: int = 1,
-    pick_forms: bool = True,
-    on_step: Callable[[int, nn.Module], None] | None = None,
     layers: Collection[int] | None = None,
+    **options: Any,
 ) -> TransferResult:
     """Train every converted layer's mixer parameters to match the teacher's attention; resumable.
 
-    ``run_attention_transfer`` (see there for the arguments), given the teacher's softmax twins when
-    ``settings.attention_kl`` asks for its attention weights.
+    ``run_attention_transfer`` (see there for ``layers`` and the keyword ``options``: seed, checkpoint folder,
+    progress, ...), given the teacher's softmax twins when ``settings.attention_kl`` asks for its attention weights.
     """
     twins = None
     if settings.attention_kl:
         chosen = range(student.config.num_hidden_layers) if layers is None else layers
         twins = softmax_twins(teacher, student.config, chosen)
-    return run_attention_transfer(
-        teacher, student, blocks, settings, seed=seed, checkpoint_dir=checkpoint_dir, progress=progress,
-        keep_checkpoints=keep_checkpoints, pick_forms=pick_forms, on_step=on_step, layers=layers,
-        teacher_attention=twins,
-    )
+    return run_attention_transfer(teacher, student, blocks, settings, layers=layers, teacher_attention=twins,
+                                  **options)
 
 
 def softmax_twins(teacher: nn.Module, config: Any, layers: Iterable[int]) -> dict[int, RecAttnAttention]:
