@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         sinks = RestrictedAttention(teacher, window | (causal & (key < n)))
         rows.append((f"window {args.window} + first {n} tokens", perplexity(sinks, blocks, batch_size=2)))
         spec = {"mixer": "hybrid", "window": args.window, "far": "none", "sink_tokens": n}
-        student = from_llama(teacher, spec).eval()
+        student = from_teacher(teacher, spec).eval()
         began = time.perf_counter()
         rows.append((f"hf_recattn hybrid(far=none, window={args.window}, sink_tokens={n})",
                      perplexity(student, blocks, batch_size=2)))

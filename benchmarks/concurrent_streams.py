@@ -66,7 +66,7 @@ from decode import (
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import Cache
 
-from hf_recattn import RecAttnCache, RecAttnForCausalLM, from_llama
+from hf_recattn import RecAttnCache, RecAttnForCausalLM, from_teacher
 from hf_recattn.atomic import write_text
 from hf_recattn.conversion.recipe import load_recipe
 from hf_recattn.provenance import provenance
@@ -273,7 +273,7 @@ def generate_check(args: argparse.Namespace) -> dict[str, Any]:
                               "new_tokens": args.new_tokens, "models": {}}
     for recipe in args.recipes:
         torch.manual_seed(0)
-        model = from_llama(teacher, load_recipe(recipe).attention)
+        model = from_teacher(teacher, load_recipe(recipe).attention)
         with torch.inference_mode():
             together = model.generate(**batch, **options)[:, width:]
             rows = []

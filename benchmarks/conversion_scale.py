@@ -44,7 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from hf_recattn.conversion.attention_transfer import attention_transfer
 from hf_recattn.conversion.finetune import finetune
-from hf_recattn.conversion.from_llama import from_llama
+from hf_recattn.conversion.from_teacher import from_teacher
 from hf_recattn.conversion.recipe import load_recipe
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.training.attention_objective import mixer_parameters
@@ -150,7 +150,7 @@ def measure(size: str, stage: str, recipe_name: str, steps: int) -> dict[str, An
     """One stage of one size, ``steps`` optimizer steps: seconds per step, tokens per step, memory."""
     recipe = load_recipe(recipe_name, "quick")
     teacher = _teacher(size).requires_grad_(False)
-    student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+    student = from_teacher(teacher, recipe.attention, recipe.attention_overrides)
     settings, per_step = _stage_settings(recipe_name, stage, steps)
     counts = {"shape": _shape(teacher.config), "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
               "student_parameters": sum(p.numel() for p in student.parameters())}
@@ -181,7 +181,7 @@ def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps:
     recipe = load_recipe(recipe_name, "quick")
     teacher = qwen3_teacher(shape, device)
     with torch.device(device):
-        student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+        student = from_teacher(teacher, recipe.attention, recipe.attention_overrides)
     settings, per_step = _stage_settings(recipe_name, stage, steps, block_size=block, batch_size=1)
     where = {str(p.device.type) for model in (teacher, student) for p in model.parameters()}
     if where != {device}:

@@ -34,7 +34,7 @@ from transformers import TrainerCallback, set_seed
 from hf_recattn.atomic import atomic_folder, write_json
 from hf_recattn.conversion.attention_transfer import attention_transfer
 from hf_recattn.conversion.finetune import finetune
-from hf_recattn.conversion.from_llama import student_from_teacher
+from hf_recattn.conversion.from_teacher import student_from_teacher
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import clean_text, embedded_texts, load_splits, token_blocks

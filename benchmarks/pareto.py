@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from convert_smollm2 import ood_blocks
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.atomic import write_json
-from hf_recattn.conversion.from_llama import recattn_config_from
+from hf_recattn.conversion.from_teacher import recattn_config_from
 from hf_recattn.conversion.recipe import report_training_tokens
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
@@ -276,7 +276,7 @@ def measure_models(args: argparse.Namespace, results: dict[str, Any], out: Path,
     if not args.no_teacher:
         record("teacher", teacher, recattn_config_from(teacher.config, {"mixer": "softmax"}), {"training_tokens": 0})
     for name, swap in swaps.items():
-        student = from_llama(teacher, swap["attention"], swap.get("attention_overrides"))
+        student = from_teacher(teacher, swap["attention"], swap.get("attention_overrides"))
         record(name, student, student.config, {"training_tokens": 0, "attention": swap})
         del student
     for name, model_dir, facts in converted:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.atomic import write_text
 from hf_recattn.conversion.retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
 from hf_recattn.conversion.teacher import load_teacher
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     teacher, tokenizer = load_teacher("embedded")
     if args.model == "window":
-        model = from_llama(teacher, WINDOW).eval()
+        model = from_teacher(teacher, WINDOW).eval()
     else:
         model = RecAttnForCausalLM.from_pretrained(args.model).eval()
     if args.objective == "passkey-format":

@@ -2,7 +2,7 @@
 teacher with no training: the converted model at init.
 
 For each spec the teacher's weights are copied into an hf_recattn model whose every layer uses that spec
-(``from_llama``), and the converted model is compared with the teacher on the same held-out tokens as
+(``from_teacher``), and the converted model is compared with the teacher on the same held-out tokens as
 ``benchmarks/convert_smollm2.py``: held-out perplexity, its ratio to the teacher's, and the largest absolute
 logit difference on the first held-out block. FoX at init must reproduce the teacher (its gate starts at f = 1 up
 to fp32 rounding); ALiBi, DeltaFormer and PaTH change the function from the start, and the table says by how much.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.specs:
         start = time.perf_counter()
         torch.manual_seed(args.seed)  # each row's random init is the same whatever rows run before it
-        model = from_llama(teacher, attention=SPECS[name]).eval()
+        model = from_teacher(teacher, attention=SPECS[name]).eval()
         with torch.no_grad():
             diff = (model(input_ids=blocks[:1]).logits - teacher_logits).abs().max().item()
         ppl = perplexity(model, blocks)

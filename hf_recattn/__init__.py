@@ -9,7 +9,10 @@ from .registration import register_auto_classes
 
 register_auto_classes()
 
-from .conversion.from_llama import from_llama  # noqa: E402
+from .conversion.from_teacher import from_teacher  # noqa: E402
+
+#: the earlier name of ``from_teacher`` (it converts every teacher family, not only Llama); kept for existing code
+from_llama = from_teacher
 from .state_size import state_size_report  # noqa: E402
 
 __version__ = "0.1.0"
@@ -26,6 +29,7 @@ __all__ = [
     "RecAttnPreTrainedModel",
     "cache_of",
     "from_llama",
+    "from_teacher",
     "register_mixer",
     "state_size_report",
 ]

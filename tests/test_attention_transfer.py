@@ -11,7 +11,7 @@ import torch
 from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
 from safetensors.torch import load_file
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.conversion.attention_transfer import attention_transfer, softmax_twins
 from hf_recattn.conversion.settings import Stage1Settings
 from hf_recattn.data.corpus import token_blocks
@@ -67,14 +67,14 @@ def _layer_mse(teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Te
 def test_hooks_capture_the_teacher_attention(setup) -> None:  # noqa: ANN001
     """A softmax student fed the captured inputs reproduces the captured outputs (the capture is faithful)."""
     teacher, blocks = setup
-    student = from_llama(teacher, "softmax")
+    student = from_teacher(teacher, "softmax")
     assert max(_layer_mse(teacher, student, blocks[:2])) < 1e-10
 
 
 def test_stage1_reduces_mse_and_touches_only_mixer_parameters(setup) -> None:  # noqa: ANN001
     teacher, blocks = setup
     torch.manual_seed(0)
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
     student_before = {k: v.clone() for k, v in student.state_dict().items()}
     heldout = blocks[-4:]
@@ -99,7 +99,7 @@ def test_summed_loss_gives_each_layer_its_own_gradient(setup) -> None:  # noqa: 
     """One backward of the objective's sum gives every layer exactly the gradient of its own loss alone."""
     teacher, blocks = setup
     torch.manual_seed(0)
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     groups = mixer_parameters(student)
     student.requires_grad_(False)
     for params in groups.values():
@@ -118,7 +118,7 @@ def test_summed_loss_gives_each_layer_its_own_gradient(setup) -> None:  # noqa: 
 def test_frozen_projections_build_no_graph(setup) -> None:  # noqa: ANN001
     """q/k/v of a layer whose projections stay frozen carry no autograd graph; trained projections do."""
     teacher, blocks = setup
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     seen: list[bool] = []
     handle = student.model.layers[0].self_attn.q_proj.register_forward_hook(
         lambda module, args, out: seen.append(out.requires_grad))
@@ -188,7 +188,7 @@ def test_teacher_log_weights_are_the_teachers_attention_weights(setup) -> None: 
     and share the teacher's q/k weights rather than copying them."""
     teacher, blocks = setup
     ids = blocks[:2]
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     io, pe = _layer_inputs(teacher, student, ids)
     implementation, teacher.config._attn_implementation = teacher.config._attn_implementation, "eager"
     try:
@@ -212,7 +212,7 @@ def test_attention_kl_option_trains_the_weights_towards_softmax(setup) -> None: 
     kls = {}
     for weight in (0.0, 1.0):
         torch.manual_seed(0)
-        student = from_llama(teacher, HEDGEHOG)
+        student = from_teacher(teacher, HEDGEHOG)
         result = attention_transfer(teacher, student, blocks[:-4], _settings(20, attention_kl=weight), progress=False)
         kls[weight] = _layer_kl(teacher, student, blocks[-4:])
         assert bool(result.attention_kl_last) == (weight > 0)
@@ -221,14 +221,14 @@ def test_attention_kl_option_trains_the_weights_towards_softmax(setup) -> None: 
 
 def test_attention_kl_refuses_mixers_without_weights(setup) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    student = from_llama(teacher, {**HEDGEHOG, "normalize": "rms"})
+    student = from_teacher(teacher, {**HEDGEHOG, "normalize": "rms"})
     with pytest.raises(ValueError, match=r"stage 1: layer 0: mixer 'linear' .* no attention weights.*attention_kl"):
         attention_transfer(teacher, student, blocks, _settings(1, attention_kl=1.0), progress=False)
 
 
 def test_projections_option_trains_only_those_copies(setup) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    student = from_llama(teacher, {"mixer": "heinsen", "scale": 0.5})  # a mixer without parameters
+    student = from_teacher(teacher, {"mixer": "heinsen", "scale": 0.5})  # a mixer without parameters
     assert mixer_parameters(student) == {}
     before = {k: v.clone() for k, v in student.state_dict().items()}
     settings = _settings(3, projections=("q_proj", "k_proj"), projection_lr=1e-3)
@@ -245,11 +245,11 @@ def test_resume_after_interrupt_continues_identically(setup, tmp_path: Path, mon
     teacher, blocks = setup
     settings = _settings(6)
     torch.manual_seed(0)
-    reference = from_llama(teacher, HEDGEHOG)
+    reference = from_teacher(teacher, HEDGEHOG)
     done = attention_transfer(teacher, reference, blocks, settings, checkpoint_dir=tmp_path / "a", progress=False)
 
     torch.manual_seed(0)
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     real = objective.teacher_attention_io
     calls = {"n": 0}
 
@@ -270,7 +270,7 @@ def test_resume_after_interrupt_continues_identically(setup, tmp_path: Path, mon
     assert not list(kept.glob("model*.safetensors"))
 
     torch.manual_seed(0)
-    fresh = from_llama(teacher, HEDGEHOG)
+    fresh = from_teacher(teacher, HEDGEHOG)
     result = attention_transfer(teacher, fresh, blocks, settings, checkpoint_dir=tmp_path / "b", progress=False)
     assert result.resumed_from == 4 and result.steps == 6
     assert (result.first_loss, result.last_loss) == (done.first_loss, done.last_loss)
@@ -282,7 +282,7 @@ def test_resume_after_interrupt_continues_identically(setup, tmp_path: Path, mon
 
 def test_nan_loss_stops_naming_layer_and_step_and_keeps_last_good(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     calls = {"n": 0}
 
     def poison(module, args, output):  # noqa: ANN001, ANN202
@@ -308,7 +308,7 @@ def test_nan_loss_stops_naming_layer_and_step_and_keeps_last_good(setup, tmp_pat
 
 def test_fastest_forms_switch_back(setup) -> None:  # noqa: ANN001
     teacher, _ = setup
-    student = from_llama(teacher, {"mixer": "taylor", "order": 2, "denominator": "rms", "chunk_size": 8})
+    student = from_teacher(teacher, {"mixer": "taylor", "order": 2, "denominator": "rms", "chunk_size": 8})
     mixer = student.model.layers[0].self_attn.mixer
     with fastest_forms(student, seq_len=32) as chosen:
         assert list(chosen.values())[0] in ("parallel", "chunked")
@@ -323,7 +323,7 @@ def test_lr_schedule_and_empty_input(setup) -> None:  # noqa: ANN001
         0.1 * settings.lr, rel=0.01
     )
     # the scheduler sets each group's rate to exactly lr_at(step) * its scale (projections: projection_lr / lr)
-    student = from_llama(setup[0], HEDGEHOG)
+    student = from_teacher(setup[0], HEDGEHOG)
     optimizer = transfer_optimizer(mixer_parameters(student, ("q_proj",)), settings)
     schedule = TransferSchedule(optimizer, lambda step: lr_at(step, 100, settings))
     for step in range(100):

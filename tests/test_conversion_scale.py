@@ -72,12 +72,12 @@ def test_stage1_student_attention_keeps_a_bf16_layer_in_bf16() -> None:
     """The chunked delta rule computes in fp32; stage 1 casts its output back before the layer's bf16 o_proj."""
     import torch
 
-    from hf_recattn.conversion.from_llama import from_llama
+    from hf_recattn.conversion.from_teacher import from_teacher
     from hf_recattn.conversion.recipe import load_recipe
 
     recipe = load_recipe("gdn", "quick")
     teacher = scale.qwen3_teacher((2, 64, 96, 4, 2, 16, 100, True), "cpu")
-    student = from_llama(teacher, recipe.attention, recipe.attention_overrides)
+    student = from_teacher(teacher, recipe.attention, recipe.attention_overrides)
     hidden = torch.randn(1, 128, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     rotary = student.model.rotary_emb(hidden, position_ids=torch.arange(128)[None])
     out, _ = student.model.layers[0].self_attn.attend(hidden, rotary)

@@ -185,7 +185,7 @@ def test_bfloat16_on_the_embedded_teacher_converted_with_every_recipe() -> None:
     test, and it swamps any comparison over all 30 layers."""
     import copy
 
-    from hf_recattn import from_llama
+    from hf_recattn import from_teacher
     from hf_recattn.conversion.recipe import available_recipes, load_recipe
     from hf_recattn.conversion.teacher import load_teacher
     from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
@@ -203,7 +203,7 @@ def test_bfloat16_on_the_embedded_teacher_converted_with_every_recipe() -> None:
     errors = {}
     for name in available_recipes():
         recipe = load_recipe(name)
-        student = from_llama(teacher, recipe.attention, recipe.attention_overrides).eval()
+        student = from_teacher(teacher, recipe.attention, recipe.attention_overrides).eval()
         with torch.no_grad():
             full, _ = _prefill_and_steps(student, ids, mask, steps=8)
             half, _ = _prefill_and_steps(student.to(torch.bfloat16), ids, mask, steps=8)

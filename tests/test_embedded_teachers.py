@@ -135,7 +135,7 @@ def test_missing_packages_are_installed_no_deps_at_their_pins(
 def test_gemma3_270m_loads_and_converts_exactly() -> None:
     import torch
 
-    from hf_recattn import from_llama
+    from hf_recattn import from_teacher
     from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 
     model, tokenizer = teacher_mod.load_teacher("gemma3-270m")
@@ -145,7 +145,7 @@ def test_gemma3_270m_loads_and_converts_exactly() -> None:
     assert config.layer_types.count("full_attention") == 3 and config.sliding_window == 512
     _, heldout = split_heldout(load_texts())
     ids = token_blocks(tokenizer, heldout, 640, max_tokens=640)[:1]  # longer than the 512-token windows
-    student = from_llama(model, "softmax")
+    student = from_teacher(model, "softmax")
     with torch.no_grad():
         expected = model(ids).logits
         diff = (student(ids).logits - expected).abs().max().item()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tiny_lm import save_tiny_teacher, tiny_dims, tiny_tokenizer
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_teacher
 from hf_recattn import evaluation as ev
 from hf_recattn.cli import main
 from hf_recattn.evaluation import (
@@ -206,7 +206,7 @@ def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(suite, "passkey_probe", lambda *a, **k: {"accuracy": {}, "mean_accuracy": 0.0})
     teacher = save_tiny_teacher(tmp_path / "teacher")
-    student = from_llama(teacher, "softmax")  # the same function: the same perplexity
+    student = from_teacher(teacher, "softmax")  # the same function: the same perplexity
     student.save_pretrained(tmp_path / "student")
     tiny_tokenizer().save_pretrained(tmp_path / "student")
     docs = tmp_path / "docs"

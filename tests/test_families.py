@@ -19,10 +19,10 @@ from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_tokenizer,
 from isolated import HIDE_HF_RECATTN
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM, evaluation, from_llama
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, evaluation, from_teacher
 from hf_recattn.cli import main
 from hf_recattn.conversion.attention_transfer import attention_transfer, softmax_twins
-from hf_recattn.conversion.from_llama import recattn_config_from
+from hf_recattn.conversion.from_teacher import recattn_config_from
 from hf_recattn.conversion.recipe import check_against_teacher, recipe_from_dict
 from hf_recattn.conversion.settings import Stage1Settings
 from hf_recattn.state_size import format_report, state_size_report
@@ -100,7 +100,7 @@ def greedy(model: torch.nn.Module, prompt: torch.Tensor, new: int = 12) -> torch
 @pytest.mark.parametrize("case", list(FAMILIES))
 def test_softmax_passthrough_equals_the_teacher(case: str) -> None:
     t = teacher(case)
-    student = from_llama(t, {"mixer": "softmax"})
+    student = from_teacher(t, {"mixer": "softmax"})
     x = ids()  # longer than every window here: a window kept wrong (or dropped) would show
     with torch.no_grad():
         want, got = t(x).logits, student(x).logits
@@ -114,7 +114,7 @@ def test_embedding_multiplier_with_inputs_embeds(case: str) -> None:
     """Embeddings from ``get_input_embeddings()`` passed as ``inputs_embeds`` give the teacher's logits (Gemma's
     embedding module scales them, Granite's model does: the student does the latter)."""
     t = teacher(case)
-    student = from_llama(t, "softmax")
+    student = from_teacher(t, "softmax")
     x = ids()
     with torch.no_grad():
         want = t(inputs_embeds=t.get_input_embeddings()(x)).logits
@@ -123,7 +123,7 @@ def test_embedding_multiplier_with_inputs_embeds(case: str) -> None:
 
 
 def test_teacher_windows_and_nope_layers_are_kept_per_layer() -> None:
-    specs = {case: from_llama(teacher(case), "softmax").config.layer_specs()
+    specs = {case: from_teacher(teacher(case), "softmax").config.layer_specs()
              for case in ("mistral-window", "qwen2-window", "qwen3", "smollm3-nope", "gemma3")}
     windows = {case: [s.get("window") for s in layer] for case, layer in specs.items()}
     assert windows["mistral-window"] == [5, 5, 5, 5]
@@ -134,22 +134,22 @@ def test_teacher_windows_and_nope_layers_are_kept_per_layer() -> None:
 
 
 def test_option_values_map_exactly() -> None:
-    gemma3 = from_llama(teacher("gemma3"), "softmax").config
+    gemma3 = from_teacher(teacher("gemma3"), "softmax").config
     assert gemma3.rope_layer_groups == ALTERNATE and gemma3.qk_norm == "head" and gemma3.norm_layout == "sandwich"
     assert gemma3.attention_multiplier == 8**-0.5 and gemma3.embedding_multiplier == 32**0.5
     assert gemma3.attn_logit_softcapping is None  # in Gemma 3's config, never applied by its attention
     assert gemma3.hidden_act == "gelu_pytorch_tanh" and gemma3.norm_unit_offset
-    olmo2 = from_llama(teacher("olmo2"), "softmax").config
+    olmo2 = from_teacher(teacher("olmo2"), "softmax").config
     assert (olmo2.norm_layout, olmo2.qk_norm) == ("post", "projection")
-    qwen2 = from_llama(teacher("qwen2-window"), "softmax").config
+    qwen2 = from_teacher(teacher("qwen2-window"), "softmax").config
     assert qwen2.attention_bias and not qwen2.output_bias
-    assert from_llama(teacher("llama"), "softmax").config.attention_multiplier is None
+    assert from_teacher(teacher("llama"), "softmax").config.attention_multiplier is None
 
 
 # ----- save and load ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["gemma3", "phi3", "granite", "olmo2"])
 def test_save_and_load_with_the_package(case: str, tmp_path: Path) -> None:
-    student = from_llama(teacher(case), "softmax")
+    student = from_teacher(teacher(case), "softmax")
     student.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, RecAttnForCausalLM)
@@ -193,7 +193,7 @@ def test_loads_without_the_package(tmp_path: Path) -> None:
     students = {}
     for case in ("gemma3",):
         t = teacher(case)
-        students[case] = (t, from_llama(t, "softmax"))
+        students[case] = (t, from_teacher(t, "softmax"))
         students[case][1].save_pretrained(tmp_path / case)
     assert (tmp_path / "gemma3" / "architecture.py").is_file()
     workdir = tmp_path / "empty"
@@ -220,7 +220,7 @@ RECURRENT = {"mixer": "linear", "feature_map": "hedgehog", "chunk_size": 4}
 @pytest.mark.parametrize("spec", [RECURRENT, {"mixer": "gdn", "chunk_size": 4}], ids=["linear", "gdn"])
 def test_options_work_with_recurrent_mixers_through_the_cache(case: str, spec: dict) -> None:
     """Every layer recurrent: the whole-sequence forward equals a prefill then token-by-token decoding."""
-    student = from_llama(teacher(case), spec)
+    student = from_teacher(teacher(case), spec)
     x = ids(batch=1, length=12)
     with torch.no_grad():
         full = student(x).logits
@@ -233,7 +233,7 @@ def test_options_work_with_recurrent_mixers_through_the_cache(case: str, spec: d
 
 def test_prompt_in_blocks_keeps_each_layers_rotary() -> None:
     """A long prompt run into a cache block by block slices every rope group's cos / sin (Gemma 3)."""
-    student = from_llama(teacher("gemma3"), "softmax")
+    student = from_teacher(teacher("gemma3"), "softmax")
     x = ids(batch=1, length=13)
     with torch.no_grad():
         whole = student(x).logits
@@ -248,7 +248,7 @@ def test_qk_norm_and_scale_reach_every_mixer() -> None:
     hidden = torch.randn(1, 6, 32)
     positions = torch.arange(6)[None]
     projected = []
-    for model in (from_llama(t, "softmax"), from_llama(t, RECURRENT)):
+    for model in (from_teacher(t, "softmax"), from_teacher(t, RECURRENT)):
         rope = model.model.rotary_emb(hidden, position_ids=positions)
         projected.append(model.model.layers[1].self_attn.project(hidden, rope))
     (q, k, v), (q2, k2, v2) = projected
@@ -264,12 +264,12 @@ def test_qk_norm_and_scale_reach_every_mixer() -> None:
 # ----- recipes choose the teacher layers ---------------------------------------------------------------------
 def test_layers_select_which_teacher_layers_convert() -> None:
     t = teacher("gemma3")
-    full_only = from_llama(t, RECURRENT, layers={"convert": "full_attention"})
+    full_only = from_teacher(t, RECURRENT, layers={"convert": "full_attention"})
     assert [s["mixer"] for s in full_only.config.layer_specs()] == ["sliding_window", "linear"] * 2
     assert [s.get("window") for s in full_only.config.layer_specs()][::2] == [5, 5]
-    indices = from_llama(t, RECURRENT, layers={"convert": [0, -1]}).config.layer_specs()
+    indices = from_teacher(t, RECURRENT, layers={"convert": [0, -1]}).config.layer_specs()
     assert [s["mixer"] for s in indices] == ["linear", "softmax", "sliding_window", "linear"]
-    kept = from_llama(teacher("llama"), RECURRENT, layers={"keep_every": 2}).config.layer_specs()
+    kept = from_teacher(teacher("llama"), RECURRENT, layers={"keep_every": 2}).config.layer_specs()
     assert [s["mixer"] for s in kept] == ["linear", "softmax", "linear", "softmax"]
     # the layers that keep the teacher's attention compute exactly what the teacher's do
     x = ids(batch=1)
@@ -319,7 +319,7 @@ def test_teacher_attention_weights_come_from_the_decoder_block(case: str) -> Non
     with its q/k norms, scale, soft-cap, rotary groups, windows and NoPE layers."""
     t = teacher(case)
     t.config._attn_implementation = "eager"
-    student = from_llama(t, KL_STUDENTS.get(case, RECURRENT))
+    student = from_teacher(t, KL_STUDENTS.get(case, RECURRENT))
     x = ids()
     io = teacher_attention_io(t, x)
     pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(x.shape[1])[None])
@@ -334,7 +334,7 @@ def test_teacher_attention_weights_come_from_the_decoder_block(case: str) -> Non
 @pytest.mark.parametrize("case", ["llama", "qwen3", "gemma2", "gemma3", "smollm3-nope", "granite"])
 def test_stage1_with_attention_kl_runs_on_every_family(case: str) -> None:
     t = teacher(case)
-    student = from_llama(t, KL_STUDENTS.get(case, RECURRENT))
+    student = from_teacher(t, KL_STUDENTS.get(case, RECURRENT))
     settings = Stage1Settings(tokens=2 * 2 * 14, lr=1e-2, block_size=14, batch_size=2, attention_kl=1.0)
     result = attention_transfer(t, student, ids(batch=4), settings, progress=False)
     assert result.steps == 2 and sorted(result.attention_kl_last) == [0, 1, 2, 3]
@@ -347,7 +347,7 @@ def test_stage1_with_attention_kl_runs_on_every_family(case: str) -> None:
 def test_state_size_and_card_show_each_layer(tmp_path: Path) -> None:
     from hf_recattn.model_card import attention_table
 
-    config = from_llama(teacher("gemma3"), RECURRENT, layers={"convert": "full_attention"}).config
+    config = from_teacher(teacher("gemma3"), RECURRENT, layers={"convert": "full_attention"}).config
     rows = state_size_report(config, 1000)
     assert [r.label for r in rows] == ["sliding_window(5)", "linear"] * 2
     assert rows[0].state_elements == rows[2].state_elements == 4 * 2 * 2 * 16  # window - 1 keys and values
@@ -411,11 +411,11 @@ def test_unsupported_family_and_unmapped_features_are_refused_before_any_work() 
 def test_attention_soft_cap_is_refused_for_other_mixers() -> None:
     t = teacher("gemma2")
     with pytest.raises(ValueError, match=r"attn_logit_softcapping=3.0: layer 0 \(linear\) has no attention logits"):
-        from_llama(t, RECURRENT)
+        from_teacher(t, RECURRENT)
     # kept softmax / window layers carry the cap; converting only those is refused the same way
     with pytest.raises(ValueError, match=r"layer 1 \(linear\)"):
-        from_llama(t, RECURRENT, layers={"convert": "full_attention"})
-    assert from_llama(t, {"mixer": "sliding_window", "window": 3}).config.attn_logit_softcapping == 3.0
+        from_teacher(t, RECURRENT, layers={"convert": "full_attention"})
+    assert from_teacher(t, {"mixer": "sliding_window", "window": 3}).config.attn_logit_softcapping == 3.0
 
 
 @pytest.mark.parametrize(("option", "value", "message"), [
@@ -434,8 +434,8 @@ def test_bad_architecture_options_are_named(option: str, value: Any, message: st
 
 
 def test_whole_projection_qk_norm_refuses_tensor_parallelism() -> None:
-    assert "qk_norm='projection'" in from_llama(teacher("olmo2"), "softmax").tensor_parallel_refusal()
-    assert from_llama(teacher("qwen3"), "softmax").tensor_parallel_refusal() is None  # per head: splits by head
+    assert "qk_norm='projection'" in from_teacher(teacher("olmo2"), "softmax").tensor_parallel_refusal()
+    assert from_teacher(teacher("qwen3"), "softmax").tensor_parallel_refusal() is None  # per head: splits by head
 
 
 def test_defaults_are_llama() -> None:

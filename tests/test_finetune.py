@@ -10,7 +10,7 @@ import torch
 from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
 from transformers import default_data_collator
 
-from hf_recattn import RecAttnForCausalLM, from_llama
+from hf_recattn import RecAttnForCausalLM, from_teacher
 from hf_recattn.conversion.finetune import (
     BlockDataset,
     DistillTrainer,
@@ -141,7 +141,7 @@ def _one_sgd_step(
     trainer_class: type = DistillTrainer,
 ) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     settings = _settings(batch_size=batch, grad_accum=accum, tokens=4 * 32)
     peft_model = apply_lora(student, settings)
     with torch.no_grad():  # non-zero B so that both LoRA factors get gradients
@@ -186,7 +186,7 @@ def test_accumulation_1x4_equals_4x1(setup, tmp_path: Path) -> None:  # noqa: AN
     torch.manual_seed(0)
     initial = {
         n: p.detach().clone()
-        for n, p in apply_lora(from_llama(teacher, HEDGEHOG), _settings()).named_parameters()
+        for n, p in apply_lora(from_teacher(teacher, HEDGEHOG), _settings()).named_parameters()
         if p.requires_grad
     }
     big = _one_sgd_step(teacher, blocks, mask, 4, 1, tmp_path / "a")
@@ -210,7 +210,7 @@ def _lora_init(initial: dict[str, torch.Tensor], name: str, like: dict[str, torc
 # ----- merging, the whole stage, resume, NaN ----------------------------------------------------------------
 def test_merged_model_equals_the_peft_model(setup) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    peft_model = apply_lora(from_llama(teacher, HEDGEHOG), _settings())
+    peft_model = apply_lora(from_teacher(teacher, HEDGEHOG), _settings())
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -222,7 +222,7 @@ def test_merged_model_equals_the_peft_model(setup) -> None:  # noqa: ANN001
         got = merged(input_ids=blocks[:2]).logits
     assert type(merged) is RecAttnForCausalLM
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    plain = from_llama(teacher, HEDGEHOG)
+    plain = from_teacher(teacher, HEDGEHOG)
     assert (got - plain(input_ids=blocks[:2]).logits).abs().max() > 1e-3  # the adapters did change something
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
@@ -230,7 +230,7 @@ def test_merged_model_equals_the_peft_model(setup) -> None:  # noqa: ANN001
 def test_finetune_trains_lora_merges_and_saves(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
     torch.manual_seed(0)
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     before = {k: v.clone() for k, v in student.state_dict().items()}
     merged, result = finetune(
         teacher, student, blocks, _settings(tokens=6 * 2 * 32), tmp_path / "t", progress=False
@@ -253,12 +253,12 @@ def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path, method:
     settings = _settings(tokens=4 * 2 * 32, method=method, lr=1e-3 if method else 1e-2)
     torch.manual_seed(0)
     reference, _ = finetune(
-        teacher, from_llama(teacher, HEDGEHOG), blocks, settings, tmp_path / "a", progress=False
+        teacher, from_teacher(teacher, HEDGEHOG), blocks, settings, tmp_path / "a", progress=False
     )
     torch.manual_seed(0)
     finetune(
         teacher,
-        from_llama(teacher, HEDGEHOG),
+        from_teacher(teacher, HEDGEHOG),
         blocks,
         settings,
         tmp_path / "b",
@@ -267,7 +267,7 @@ def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path, method:
     )
     torch.manual_seed(0)
     resumed, result = finetune(
-        teacher, from_llama(teacher, HEDGEHOG), blocks, settings, tmp_path / "b", progress=False
+        teacher, from_teacher(teacher, HEDGEHOG), blocks, settings, tmp_path / "b", progress=False
     )
     assert result.resumed_from == 2 and result.steps == 4
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
@@ -278,7 +278,7 @@ def test_full_method_trains_every_weight(setup, tmp_path: Path) -> None:  # noqa
     """``method: full``: no adapters, every tensor of the student moves, the mixers' own parameters in their own
     optimizer group when ``mixer_lr`` is set (no ``train_mixer`` needed)."""
     teacher, blocks = setup
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     before = {k: v.clone() for k, v in student.state_dict().items()}
     total = sum(p.numel() for p in student.parameters())
     settings = _settings(method="full", lr=1e-3, mixer_lr=0.125)
@@ -305,7 +305,7 @@ def test_nan_loss_stops_stage2(setup, tmp_path: Path) -> None:  # noqa: ANN001
         bad_teacher.lm_head.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteLossError, match=r"stage 2: loss is nan at step 0"):
         finetune(
-            bad_teacher, from_llama(teacher, HEDGEHOG), blocks, _settings(loss="kl"), tmp_path, progress=False
+            bad_teacher, from_teacher(teacher, HEDGEHOG), blocks, _settings(loss="kl"), tmp_path, progress=False
         )
 
 
@@ -321,7 +321,7 @@ def test_kl_needs_a_teacher(setup, tmp_path: Path) -> None:  # noqa: ANN001
 
 def test_train_mixer_also_trains_the_mixer_parameters(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    student = from_llama(teacher, HEDGEHOG)
+    student = from_teacher(teacher, HEDGEHOG)
     before = {k: v.clone() for k, v in student.state_dict().items()}
     merged, _ = finetune(teacher, student, blocks, _settings(train_mixer=True), tmp_path, progress=False)
     state = merged.state_dict()
@@ -341,7 +341,7 @@ def _fox_settings(**kw: object) -> DistillSettings:
 def test_mixer_group_has_its_own_lr_and_eps(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
     settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20)
-    peft_model = apply_lora(from_llama(teacher, FOX), settings)
+    peft_model = apply_lora(from_teacher(teacher, FOX), settings)
     trainer = DistillTrainer(
         model=peft_model,
         args=training_arguments(settings, tmp_path, 0, 1, False),
@@ -374,13 +374,13 @@ def test_mixer_lr_sets_the_gate_step(setup, tmp_path: Path) -> None:  # noqa: AN
     defaults the same gates barely move (their gradients are below Adam's eps)."""
     teacher, blocks = setup
     merged, result = finetune(
-        teacher, from_llama(teacher, FOX), blocks, _fox_settings(mixer_lr=0.25, mixer_eps=1e-20), tmp_path / "a",
+        teacher, from_teacher(teacher, FOX), blocks, _fox_settings(mixer_lr=0.25, mixer_eps=1e-20), tmp_path / "a",
         progress=False,
     )
     assert result.steps == 1
     step = _gate_biases(merged) - 18.0
     torch.testing.assert_close(step.abs(), torch.full_like(step, 0.25), rtol=1e-3, atol=0)
-    default, _ = finetune(teacher, from_llama(teacher, FOX), blocks, _fox_settings(), tmp_path / "b",
+    default, _ = finetune(teacher, from_teacher(teacher, FOX), blocks, _fox_settings(), tmp_path / "b",
                           progress=False)
     assert (_gate_biases(default) - 18.0).abs().max() <= 1e-4 * 1.001  # at most lr: the stuck gates
 
@@ -388,7 +388,7 @@ def test_mixer_lr_sets_the_gate_step(setup, tmp_path: Path) -> None:  # noqa: AN
 def test_lora_follows_lr_beside_the_mixer_group(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
     settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20)
-    peft_model = apply_lora(from_llama(teacher, FOX), settings)
+    peft_model = apply_lora(from_teacher(teacher, FOX), settings)
     before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
     trainer = DistillTrainer(
         model=peft_model,
@@ -414,14 +414,14 @@ def test_resume_with_a_mixer_group(setup, tmp_path: Path) -> None:  # noqa: ANN0
     teacher, blocks = setup
     settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20, tokens=4 * 2 * 32)
     torch.manual_seed(0)
-    reference, _ = finetune(teacher, from_llama(teacher, FOX), blocks, settings, tmp_path / "a", progress=False)
+    reference, _ = finetune(teacher, from_teacher(teacher, FOX), blocks, settings, tmp_path / "a", progress=False)
     torch.manual_seed(0)
-    finetune(teacher, from_llama(teacher, FOX), blocks, settings, tmp_path / "b", progress=False,
+    finetune(teacher, from_teacher(teacher, FOX), blocks, settings, tmp_path / "b", progress=False,
              stop_after_step=2)
     saved = torch.load(next((tmp_path / "b").glob("checkpoint-2")) / "optimizer.pt", weights_only=False)
     assert saved["param_groups"][-1]["eps"] == 1e-20 and len(saved["param_groups"]) == 3
     torch.manual_seed(0)
-    resumed, result = finetune(teacher, from_llama(teacher, FOX), blocks, settings, tmp_path / "b",
+    resumed, result = finetune(teacher, from_teacher(teacher, FOX), blocks, settings, tmp_path / "b",
                                progress=False)
     assert result.resumed_from == 2 and result.steps == 4
     assert (_gate_biases(reference) - 18.0).abs().max() > 0.5  # four steps of up to 0.25 (cosine-decayed)

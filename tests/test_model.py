@@ -20,7 +20,7 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import hf_recattn
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM, RecAttnModel, from_llama
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, RecAttnModel, from_teacher
 
 VOCAB = 100
 MIXED = [
@@ -219,7 +219,7 @@ def _llama(rope: dict | None, seed: int = 0, max_positions: int = 64) -> LlamaFo
 def test_rope_scaling_matches_llama(rope_type: str, tmp_path) -> None:  # noqa: ANN001
     max_positions = 16 if rope_type == "dynamic" else 64
     teacher = _llama(ROPES[rope_type], max_positions=max_positions)
-    student = from_llama(teacher)
+    student = from_teacher(teacher)
     assert student.config.rope_parameters["rope_type"] == rope_type
     x = ids(length=40)
     with torch.no_grad():

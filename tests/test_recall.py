@@ -20,7 +20,7 @@ import pytest
 import torch
 from tiny_lm import save_tiny_teacher, tiny_dims, tiny_tokenizer
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_llama
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_teacher
 from hf_recattn import evaluation as ev
 from hf_recattn.cli import main
 from hf_recattn.data.corpus import token_blocks
@@ -394,7 +394,7 @@ def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path)
 
 def test_eval_command_recall_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     teacher = save_tiny_teacher(tmp_path / "teacher")
-    from_llama(teacher, "softmax").save_pretrained(tmp_path / "student")
+    from_teacher(teacher, "softmax").save_pretrained(tmp_path / "student")
     tiny_tokenizer().save_pretrained(tmp_path / "student")
     docs = tmp_path / "docs"
     docs.mkdir()

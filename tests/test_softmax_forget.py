@@ -17,7 +17,7 @@ from mixer_steps import left_padded
 from reference import real_rows, rel_err
 from reference_forget import alibi_log_forget, forget_softmax_attention, fox_log_forget
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixer_softmax import FOX_LOSSLESS_BIAS, alibi_slopes
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
@@ -192,7 +192,7 @@ def test_default_fox_starts_as_plain_softmax_and_is_trainable() -> None:
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fox_converts_a_llama_losslessly(impl: str, padded: bool) -> None:
-    from test_from_llama import batch, llama, max_diff_real
+    from test_from_teacher import batch, llama, max_diff_real
 
     teacher = llama(impl)
     x, mask = batch(padded, length=16)
@@ -200,9 +200,9 @@ def test_fox_converts_a_llama_losslessly(impl: str, padded: bool) -> None:
         want = teacher(x, attention_mask=mask).logits
         for spec in ({"mixer": "softmax", "forget": "fox"}, {"mixer": "sliding_window", "window": 64,
                                                              "forget": "fox"}):
-            student = from_llama(teacher, attention=spec)
+            student = from_teacher(teacher, attention=spec)
             assert max_diff_real(student(x, attention_mask=mask).logits, want, mask) <= ATOL_CONVERT
-        alibi = from_llama(teacher, attention={"mixer": "softmax", "forget": "alibi"})
+        alibi = from_teacher(teacher, attention={"mixer": "softmax", "forget": "alibi"})
         assert max_diff_real(alibi(x, attention_mask=mask).logits, want, mask) > 1e-3  # ALiBi changes logits
 
 
@@ -261,7 +261,7 @@ def test_fox_converts_the_embedded_teacher_losslessly() -> None:
     model, tokenizer = load_teacher("embedded")
     ids = tokenizer("The key idea of attention is that every token looks back at " * 16, return_tensors="pt")
     ids = ids.input_ids[:, :256]
-    student = from_llama(model, {"mixer": "softmax", "forget": "fox"})
+    student = from_teacher(model, {"mixer": "softmax", "forget": "fox"})
     with torch.no_grad():
         diff = (student(ids).logits - model(ids).logits).abs().max().item()
     assert diff <= ATOL_CONVERT, diff

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_lm import save_tiny_teacher, write_tiny_gguf
 
-from hf_recattn import from_llama
+from hf_recattn import from_teacher
 from hf_recattn.conversion import teacher as teacher_mod
 from hf_recattn.conversion.teacher import (
     embedded_gguf_path,
@@ -40,7 +40,7 @@ def test_folder_teacher_loads_and_converts_exactly(tmp_path: Path, model_type: s
     with torch.no_grad():
         expected = original(ids).logits
         assert torch.equal(model(ids).logits, expected)
-        student = from_llama(model, "softmax")
+        student = from_teacher(model, "softmax")
         # the same function computed by our runtime: only float reordering differs
         assert (student(ids).logits - expected).abs().max().item() <= 1e-5
     attn = student.model.layers[0].self_attn
@@ -54,7 +54,7 @@ def test_folder_teacher_loads_and_converts_exactly(tmp_path: Path, model_type: s
 def test_recattn_config_o_proj_bias_roundtrip(tmp_path: Path) -> None:
     save_tiny_teacher(tmp_path / "q", "qwen2")
     model, tokenizer = load_teacher(str(tmp_path / "q"))
-    student = from_llama(model, "softmax")
+    student = from_teacher(model, "softmax")
     assert student.config.attention_bias is True and student.config.o_proj_bias is False
     student.save_pretrained(tmp_path / "s")
     tokenizer.save_pretrained(tmp_path / "s")
@@ -151,7 +151,7 @@ def test_unsupported_architectures_are_named(tmp_path: Path) -> None:
 
 def test_recattn_checkpoint_is_not_a_teacher_but_evaluable(tmp_path: Path) -> None:
     model = save_tiny_teacher(tmp_path / "t")
-    from_llama(model, "softmax").save_pretrained(tmp_path / "s")
+    from_teacher(model, "softmax").save_pretrained(tmp_path / "s")
     with pytest.raises(ValueError, match="'recattn'"):
         load_teacher(str(tmp_path / "s"))
     with pytest.raises(ValueError, match="tokenizer"):  # our checkpoints must carry their tokenizer
@@ -188,7 +188,7 @@ def test_embedded_teacher_is_sane_and_converts_exactly() -> None:
     blocks = token_blocks(tokenizer, heldout, 1024, max_tokens=4096)
     ppl = perplexity(model, blocks, batch_size=2)
     assert 2.0 < ppl < 40.0, ppl
-    student = from_llama(model, "softmax")
+    student = from_teacher(model, "softmax")
     ids = blocks[:1, :256]
     with torch.no_grad():
         diff = (student(ids).logits - model(ids).logits).abs().max().item()

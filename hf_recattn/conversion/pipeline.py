@@ -41,7 +41,7 @@ from ..provenance import provenance
 from ..training import parallel
 from .checkpoints import check_output_folder, claim_output_folder
 from .comparison import compare_models, report_sample
-from .from_llama import student_from_teacher
+from .from_teacher import student_from_teacher
 from .init_checkpoint import check_init, init_facts, load_converted
 from .job import Job, Log, Teacher, read_json
 from .recipe import Recipe, check_against_teacher, load_recipe

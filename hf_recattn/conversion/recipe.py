@@ -283,7 +283,7 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
     import torch
 
     from ..modeling.modeling import RecAttnForCausalLM
-    from .from_llama import recattn_config_from
+    from .from_teacher import recattn_config_from
 
     src = recipe.source
     for key, wanted in recipe.expects.items():

@@ -74,7 +74,7 @@ def _student_spec(requested: dict[str, Any], teacher: dict[str, Any]) -> dict[st
     return spec
 
 
-def from_llama(
+def from_teacher(
     model_or_path: PreTrainedModel | str | os.PathLike,
     attention: Any = "softmax",
     attention_overrides: dict | None = None,

@@ -1,4 +1,4 @@
-"""from_llama: a softmax copy reproduces LlamaForCausalLM; only mixer parameters are new; bad teachers fail.
+"""from_teacher: a softmax copy reproduces LlamaForCausalLM; only mixer parameters are new; bad teachers fail.
 
 Tolerance: fp32 logits, max abs diff ``ATOL`` (the issue's 1e-4) on real (non-pad) positions.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hf_recattn import RecAttnForCausalLM, from_llama
+from hf_recattn import RecAttnForCausalLM, from_teacher
 
 ATOL = 1e-4
 VOCAB = 100
@@ -73,9 +73,9 @@ def test_softmax_copy_reproduces_llama(impl: str, padded: bool, source: str, tmp
     teacher = llama(impl)
     if source == "folder":
         teacher.save_pretrained(tmp_path)
-        student = from_llama(str(tmp_path), attention={"mixer": "softmax"}, attn_implementation=impl)
+        student = from_teacher(str(tmp_path), attention={"mixer": "softmax"}, attn_implementation=impl)
     else:
-        student = from_llama(teacher, attention={"mixer": "softmax"})
+        student = from_teacher(teacher, attention={"mixer": "softmax"})
     assert isinstance(student, RecAttnForCausalLM) and not student.training
     assert student.config._attn_implementation == impl
     assert student.model.layers[0].self_attn.mixer._implementation() == impl
@@ -93,7 +93,7 @@ def test_softmax_copy_reproduces_llama(impl: str, padded: bool, source: str, tmp
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_only_mixer_parameters_are_new(tie: bool) -> None:
     teacher = llama(tie=tie, num_hidden_layers=3)
-    student = from_llama(teacher, attention=["softmax", *NEW_PARAMS])
+    student = from_teacher(teacher, attention=["softmax", *NEW_PARAMS])
     t_state, s_state = teacher.state_dict(), student.state_dict()
     assert set(t_state) <= set(s_state)
     for name, tensor in t_state.items():
@@ -112,7 +112,7 @@ def test_only_mixer_parameters_are_new(tie: bool) -> None:
 
 def test_mixed_attention_runs_and_differs_from_teacher() -> None:
     teacher = llama(num_hidden_layers=3)
-    student = from_llama(
+    student = from_teacher(
         teacher, attention="softmax", attention_overrides={"1": NEW_PARAMS[0], "-1": "linear"}
     )
     assert [s["mixer"] for s in student.config.layer_specs()] == ["softmax", "linear", "linear"]
@@ -126,10 +126,10 @@ def test_non_llama_teacher_is_a_clear_error(tmp_path) -> None:  # noqa: ANN001
         GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
     )
     with pytest.raises(ValueError, match=r"teacher model_type 'gpt2' is not a supported Llama-variant family"):
-        from_llama(gpt2)
+        from_teacher(gpt2)
     gpt2.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"'gpt2' is not a supported"):
-        from_llama(str(tmp_path))
+        from_teacher(str(tmp_path))
 
 
 def test_heads_not_dividing_is_a_clear_error() -> None:
@@ -138,7 +138,7 @@ def test_heads_not_dividing_is_a_clear_error() -> None:
     with pytest.raises(
         ValueError, match=r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"
     ):
-        from_llama(teacher)
+        from_teacher(teacher)
 
 
 @pytest.mark.parametrize(
@@ -150,12 +150,12 @@ def test_head_counts_not_matching_the_weights_is_a_clear_error(field: str, value
     with pytest.raises(
         ValueError, match=rf"teacher weights do not match its config .*{field}={value}.*{tensor}"
     ):
-        from_llama(teacher)
+        from_teacher(teacher)
 
 
 def test_bad_attention_spec_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"layer 1: unknown mixer 'lineer'"):
-        from_llama(llama(), attention=["softmax", "lineer"])
+        from_teacher(llama(), attention=["softmax", "lineer"])
 
 
 @pytest.mark.parametrize(
@@ -170,7 +170,7 @@ def test_bad_attention_spec_is_a_clear_error() -> None:
 )
 def test_llama_shape_variants_reproduce_logits(shape: dict) -> None:
     teacher = llama(**shape)
-    student = from_llama(teacher)
+    student = from_teacher(teacher)
     x, mask = batch(True)
     with torch.no_grad():
         assert (
@@ -179,3 +179,9 @@ def test_llama_shape_variants_reproduce_logits(shape: dict) -> None:
             )
             <= ATOL
         )
+
+
+def test_from_llama_is_the_earlier_name_of_from_teacher() -> None:
+    import hf_recattn
+
+    assert hf_recattn.from_llama is hf_recattn.from_teacher
