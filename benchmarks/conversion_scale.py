@@ -43,11 +43,11 @@ from results_file import RESULTS, add_out_argument, run_record, write_results
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
 from hf_recattn.conversion.attention_transfer import attention_transfer
-from hf_recattn.conversion.finetune import finetune
 from hf_recattn.conversion.from_teacher import from_teacher
 from hf_recattn.conversion.recipe import load_recipe
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.training.attention_objective import mixer_parameters
+from hf_recattn.training.distill import finetune
 
 SIZES = ("tiny", "smollm2-135m")
 STAGES = ("stage1", "stage2")

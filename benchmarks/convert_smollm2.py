@@ -33,13 +33,13 @@ from transformers import TrainerCallback, set_seed
 
 from hf_recattn.atomic import atomic_folder, write_json
 from hf_recattn.conversion.attention_transfer import attention_transfer
-from hf_recattn.conversion.finetune import finetune
 from hf_recattn.conversion.from_teacher import student_from_teacher
 from hf_recattn.conversion.recipe import check_against_teacher, load_recipe
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import clean_text, embedded_texts, load_splits, token_blocks
 from hf_recattn.evaluation import perplexity
 from hf_recattn.provenance import provenance
+from hf_recattn.training.distill import finetune
 from hf_recattn.training.forms import fastest_forms
 
 DEFAULT_RECIPES = ("hybrid-w64-hedgehog", "hybrid-w64-taylor2", "linear-hedgehog", "taylor2-norm", "heinsen")

@@ -11,19 +11,18 @@ from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
 from transformers import default_data_collator
 
 from hf_recattn import RecAttnForCausalLM, from_teacher
-from hf_recattn.conversion.finetune import (
+from hf_recattn.data.corpus import token_blocks
+from hf_recattn.training.distill import (
     BlockDataset,
     DistillTrainer,
-    apply_lora,
     distill_loss_sum,
     finetune,
-    merge_lora,
+    trainable_student,
     training_arguments,
 )
-from hf_recattn.data.corpus import token_blocks
 from hf_recattn.training.distill_settings import DistillSettings
 from hf_recattn.training.runner import NonFiniteLossError
-from hf_recattn.training.trainable import LoraSettings
+from hf_recattn.training.trainable import LoraSettings, merge_lora
 
 HEDGEHOG = {"mixer": "linear", "feature_map": "hedgehog"}
 
@@ -143,7 +142,7 @@ def _one_sgd_step(
     torch.manual_seed(0)
     student = from_teacher(teacher, HEDGEHOG)
     settings = _settings(batch_size=batch, grad_accum=accum, tokens=4 * 32)
-    peft_model = apply_lora(student, settings)
+    peft_model = trainable_student(student, settings)
     with torch.no_grad():  # non-zero B so that both LoRA factors get gradients
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -186,7 +185,7 @@ def test_accumulation_1x4_equals_4x1(setup, tmp_path: Path) -> None:  # noqa: AN
     torch.manual_seed(0)
     initial = {
         n: p.detach().clone()
-        for n, p in apply_lora(from_teacher(teacher, HEDGEHOG), _settings()).named_parameters()
+        for n, p in trainable_student(from_teacher(teacher, HEDGEHOG), _settings()).named_parameters()
         if p.requires_grad
     }
     big = _one_sgd_step(teacher, blocks, mask, 4, 1, tmp_path / "a")
@@ -210,7 +209,7 @@ def _lora_init(initial: dict[str, torch.Tensor], name: str, like: dict[str, torc
 # ----- merging, the whole stage, resume, NaN ----------------------------------------------------------------
 def test_merged_model_equals_the_peft_model(setup) -> None:  # noqa: ANN001
     teacher, blocks = setup
-    peft_model = apply_lora(from_teacher(teacher, HEDGEHOG), _settings())
+    peft_model = trainable_student(from_teacher(teacher, HEDGEHOG), _settings())
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -341,7 +340,7 @@ def _fox_settings(**kw: object) -> DistillSettings:
 def test_mixer_group_has_its_own_lr_and_eps(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
     settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20)
-    peft_model = apply_lora(from_teacher(teacher, FOX), settings)
+    peft_model = trainable_student(from_teacher(teacher, FOX), settings)
     trainer = DistillTrainer(
         model=peft_model,
         args=training_arguments(settings, tmp_path, 0, 1, False),
@@ -388,7 +387,7 @@ def test_mixer_lr_sets_the_gate_step(setup, tmp_path: Path) -> None:  # noqa: AN
 def test_lora_follows_lr_beside_the_mixer_group(setup, tmp_path: Path) -> None:  # noqa: ANN001
     teacher, blocks = setup
     settings = _fox_settings(mixer_lr=0.25, mixer_eps=1e-20)
-    peft_model = apply_lora(from_teacher(teacher, FOX), settings)
+    peft_model = trainable_student(from_teacher(teacher, FOX), settings)
     before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
     trainer = DistillTrainer(
         model=peft_model,

@@ -12,7 +12,7 @@ from torch import nn
 from ..atomic import write_json
 from ..data.corpus import token_blocks
 from ..training import parallel
-from .finetune import finetune
+from ..training.distill import finetune
 from .job import Job, Log, Teacher
 from .recipe import Recipe
 from .retrieval_data import mix_blocks, retrieval_blocks
