@@ -10,6 +10,11 @@ then the same for 1 micro-batch of 4 and for 4 micro-batches of 1, whatever the 
 of every micro-batch and Trainer counts the tokens over all of them, so the step is the one process's step.
 
 Batches carry ``shift_labels`` (the next-token targets), which is what Trainer counts when present.
+
+With ``loss_chunk_size`` the loss is taken over chunks of that many predicted positions from the student's and the
+teacher's final hidden states (``distill_loss.chunked_loss_sum``): one chunk's logits alive at a time, the same
+loss and gradient up to floating-point rounding. ``gradient_checkpointing`` recomputes the student's decoder
+layers in the backward (Trainer's ``activation_checkpointing``).
 """
 
 from __future__ import annotations
