@@ -339,3 +339,38 @@ def test_lr_schedule_and_empty_input(setup) -> None:  # noqa: ANN001
             _settings(1),
             progress=False,
         )
+
+
+def test_teacher_stops_after_the_last_trained_layer(setup, monkeypatch) -> None:  # noqa: ANN001
+    """Training layer 0 of 3 runs the teacher up to layer 0's attention only, with the same losses and parameters,
+    bit for bit, as running its whole stack."""
+    _, blocks = setup
+    teacher = tiny_teacher(setup[0].config.vocab_size, layers=3)
+    ids = blocks[:2]
+    full = objective.teacher_attention_io(teacher, ids)
+    assert sorted(full) == [0, 1, 2]
+    seen: list[int] = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, o, i=i: seen.append(i))
+             for i, layer in enumerate(teacher.model.layers)]
+    part = objective.teacher_attention_io(teacher, ids, last_layer=1)
+    for hook in hooks:
+        hook.remove()
+    assert seen == [0] and sorted(part) == [0, 1]  # layer 1's MLP and layer 2 never ran
+    for i in part:
+        assert all(torch.equal(a, b) for a, b in zip(part[i], full[i], strict=True))
+
+    def run(whole_stack: bool) -> tuple[object, dict[str, torch.Tensor]]:
+        if whole_stack:
+            real = objective.teacher_attention_io
+            monkeypatch.setattr(objective, "teacher_attention_io", lambda t, x, last=None: real(t, x))
+        torch.manual_seed(0)
+        student = from_teacher(teacher, HEDGEHOG)
+        result = attention_transfer(teacher, student, blocks, _settings(3), progress=False, layers=[0])
+        monkeypatch.undo()
+        return result, mixer_state_dict(student)
+
+    (stopped, params), (whole, whole_params) = run(False), run(True)
+    assert (stopped.first_loss, stopped.last_loss) == (whole.first_loss, whole.last_loss)
+    assert stopped.first_loss != stopped.last_loss
+    for name, value in params.items():
+        assert torch.equal(value, whole_params[name]), name

@@ -290,8 +290,8 @@ def test_nan_during_stage1_stops_with_a_clear_message(
     real = objective.teacher_attention_io
     calls = {"n": 0}
 
-    def poisoned(teacher: torch.nn.Module, ids: torch.Tensor) -> dict:
-        io = real(teacher, ids)
+    def poisoned(teacher: torch.nn.Module, ids: torch.Tensor, last_layer: int | None = None) -> dict:
+        io = real(teacher, ids, last_layer)
         calls["n"] += 1
         if calls["n"] == 2:
             hidden, out = io[0]

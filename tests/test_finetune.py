@@ -273,6 +273,23 @@ def test_finetune_resumes_from_trainer_checkpoint(setup, tmp_path: Path, method:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_chunked_loss_and_gradient_checkpointing_train_the_same(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """Stage 2 with ``loss_chunk_size`` (not dividing the block) and ``gradient_checkpointing``: the same run up to
+    floating-point rounding, with the KL to the teacher and per-token weights."""
+    teacher, blocks = setup
+    weights = torch.ones(blocks.shape, dtype=torch.float32)
+    weights[:, 10:14] = 5.0
+    trained = {}
+    for name, extra in {"plain": {}, "lean": {"loss_chunk_size": 9, "gradient_checkpointing": True}}.items():
+        torch.manual_seed(0)
+        trained[name] = finetune(teacher, from_teacher(teacher, HEDGEHOG), blocks, _settings(**extra),
+                                 tmp_path / name, progress=False, weights=weights)
+    (plain, plain_result), (lean, lean_result) = trained["plain"], trained["lean"]
+    assert lean_result.final_loss == pytest.approx(plain_result.final_loss, rel=1e-5)
+    for (name, a), b in zip(plain.state_dict().items(), lean.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_full_method_trains_every_weight(setup, tmp_path: Path) -> None:  # noqa: ANN001
     """``method: full``: no adapters, every tensor of the student moves, the mixers' own parameters in their own
     optimizer group when ``mixer_lr`` is set (no ``train_mixer`` needed)."""

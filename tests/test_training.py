@@ -287,6 +287,26 @@ def test_lora_chat_merged_loads_with_and_without_the_package(
     assert (got - want).abs().max() <= 1e-5
 
 
+def test_lora_chunked_loss_and_gradient_checkpointing_make_the_same_steps(
+        pretrained: Any, files: dict[str, Path], tmp_path: Path) -> None:
+    """``loss_chunk_size`` and ``training.activation_checkpointing`` change the memory a LoRA finetune needs, not
+    its steps (up to floating-point rounding)."""
+    sgd = {"optim": "sgd", "lr_scheduler_type": "constant", "warmup_steps": 0}
+    runs = {}
+    lean = {"loss_chunk_size": 7, "training": {"activation_checkpointing": True}}
+    for name, values in {"plain": {}, "lean": lean}.items():
+        values = {**values, "training": {**sgd, **values.get("training", {})}}
+        config = _finetune_yaml(tmp_path / f"{name}.yaml", method="lora", lora={"r": 4, "alpha": 8}, **values)
+        runs[name] = finetune(str(pretrained.model_dir), str(files["chat"]), config, output_dir=str(tmp_path / name))
+    losses = {name: [row["loss"] for row in run.log_history if "loss" in row] for name, run in runs.items()}
+    assert losses["lean"] == pytest.approx(losses["plain"], rel=1e-5) and len(losses["plain"]) == 3
+    assert runs["lean"].eval_metrics["eval_loss"] == pytest.approx(runs["plain"].eval_metrics["eval_loss"], rel=1e-5)
+    plain, lean = _weights(runs["plain"].model_dir), _weights(runs["lean"].model_dir)
+    for key, value in plain.items():
+        torch.testing.assert_close(lean[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert any(not torch.equal(value, _weights(pretrained.model_dir)[key]) for key, value in plain.items())
+
+
 # ----- bad input, refused before training ------------------------------------------------------------------
 def _bad_pretrain(files: dict[str, Path], out: Path, case: str) -> dict[str, Any]:
     config = _pretrain_config(files, out)
@@ -304,6 +324,8 @@ def _bad_pretrain(files: dict[str, Path], out: Path, case: str) -> dict[str, Any
         config["block_size"] = 512
     elif case == "data key":
         config["data"]["text_colum"] = "body"
+    elif case == "chunk size":
+        config["loss_chunk_size"] = 0
     return config
 
 
@@ -315,6 +337,7 @@ BAD_PRETRAIN = {
     "no text column": "data.text_column: {root}/chat.jsonl has no column 'text' (columns: ['messages'])",
     "block size": "block_size 512 is above the model's max_position_embeddings 128",
     "data key": "data: text_colum: not a data option (did you mean text_column",
+    "chunk size": "loss_chunk_size must be a positive integer (tokens per chunk), got 0",
 }
 
 
@@ -357,6 +380,7 @@ def test_bad_finetune_inputs(pretrained: Any, files: dict[str, Path], tmp_path: 
         (dict(lora={"r": 0}), "lora.r must be > 0"),  # the same LoRA checks as a recipe's stage2.lora
         (dict(lora={"dropout": "high"}), "lora.dropout must be float"),
         (dict(training={"num_train_epoch": 1}), "did you mean num_train_epochs"),
+        (dict(loss_chunk_size=-2), "loss_chunk_size must be a positive integer (tokens per chunk), got -2"),
     ]
     for values, expected in cases:
         config = _finetune_yaml(tmp_path / "ft.yaml", **values)

@@ -2,7 +2,8 @@
 teacher's attention.
 
 The teacher runs frozen with forward hooks on every ``self_attn``: they record what each attention layer received
-(the normed hidden states) and what it returned (its output after ``o_proj``). Each trained student layer then runs
+(the normed hidden states) and what it returned (its output after ``o_proj``); its forward stops after the attention
+of the last layer trained (no later layer, no final norm). Each trained student layer then runs
 only its attention (``RecAttnAttention.attend``) on the *teacher's* inputs, and the MSE to the teacher's output
 trains that layer's new mixer parameters, nothing else (the copied q/k/v/o projections stay frozen, unless some are
 named to train: for mixers without parameters of their own). With an ``attention_kl`` weight the loss adds the KL
@@ -94,15 +95,33 @@ def capture_attention_io(teacher: nn.Module) -> Iterator[dict[int, tuple[torch.T
             handle.remove()
 
 
+class _LastLayerReached(Exception):
+    """Raised by the hook of the last layer needed, to stop the teacher's forward there."""
+
+
 @torch.no_grad()
 def teacher_attention_io(
-    teacher: nn.Module, input_ids: torch.Tensor
+    teacher: nn.Module, input_ids: torch.Tensor, last_layer: int | None = None
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Run the teacher's decoder stack (not its LM head); return every layer's attention input and output."""
+    """Run the teacher's decoder stack (not its LM head); return every layer's attention input and output. With
+    ``last_layer``, the forward stops once that layer's attention has run: layers 0..``last_layer`` only."""
     base = getattr(teacher, "model", teacher)
     with capture_attention_io(teacher) as record:
-        base(input_ids=input_ids, use_cache=False)
+        handle = None
+        if last_layer is not None:
+            handle = decoder_layers(teacher)[last_layer].self_attn.register_forward_hook(_stop_forward)
+        try:
+            base(input_ids=input_ids, use_cache=False)
+        except _LastLayerReached:
+            pass
+        finally:
+            if handle is not None:
+                handle.remove()
     return dict(record)
+
+
+def _stop_forward(module: nn.Module, args: tuple, output: Any) -> None:
+    raise _LastLayerReached
 
 
 def attention_kl_divergence(log_p: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -159,7 +178,7 @@ class TransferObjective(nn.Module):
         self.values = LayerValues()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        io = teacher_attention_io(self.teacher, input_ids)
+        io = teacher_attention_io(self.teacher, input_ids, max(self.layers))
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         position_embeddings = self.rotary(io[0][0].to(self.dtype), position_ids=positions)
         values = LayerValues()

@@ -10,6 +10,11 @@ then the same for 1 micro-batch of 4 and for 4 micro-batches of 1, whatever the 
 of every micro-batch and Trainer counts the tokens over all of them, so the step is the one process's step.
 
 Batches carry ``shift_labels`` (the next-token targets), which is what Trainer counts when present.
+
+With ``loss_chunk_size`` the loss is taken over chunks of that many predicted positions from the student's and the
+teacher's final hidden states (``distill_loss.chunked_loss_sum``): one chunk's logits alive at a time, the same
+loss and gradient up to floating-point rounding. ``gradient_checkpointing`` recomputes the student's decoder
+layers in the backward (Trainer's ``activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -17,17 +22,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
 from .arguments import build_training_arguments
+from .distill_loss import chunked_loss_sum, distill_loss_sum
 from .distill_settings import DistillSettings
 from .forms import fastest_forms
+from .lm_outputs import causal_lm, final_logits, hidden_forward
 from .parallel import local_share
 from .runner import (
     CausalLMTrainer,
@@ -74,45 +81,7 @@ class BlockDataset(torch.utils.data.Dataset):
         return item
 
 
-# ----- the loss ---------------------------------------------------------------------------------------------
-def distill_loss_sum(
-    student_logits: torch.Tensor,
-    shift_labels: torch.Tensor,
-    teacher_logits: torch.Tensor | None = None,
-    loss: str = "ce",
-    temperature: float = 1.0,
-    kl_weight: float = 1.0,
-    shift_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int]:
-    """Summed loss over the predicted positions (``shift_labels != -100``) and their count.
-
-    ``ce``: cross-entropy to the next token. ``kl``: ``T^2 * KL(teacher_T || student_T)`` per position, the
-    distributions taken at temperature ``T``. ``ce+kl``: ``ce + kl_weight * kl``. ``shift_weights`` (shaped like
-    ``shift_labels``) scales each position's loss; the count stays the number of positions.
-    """
-    mask = shift_labels != -100
-    count = int(mask.sum())
-    vocab = student_logits.shape[-1]
-    logits = student_logits[mask].float()
-    weights = None if shift_weights is None else shift_weights[mask].float()
-    total = logits.new_zeros(())
-    if loss in ("ce", "ce+kl"):
-        ce = F.cross_entropy(logits.view(-1, vocab), shift_labels[mask].view(-1), reduction="none")
-        total = total + (ce if weights is None else ce * weights).sum()
-    if loss in ("kl", "ce+kl"):
-        if teacher_logits is None:
-            raise ValueError(f"stage 2: loss {loss!r} needs the teacher's logits")
-        t = temperature
-        log_p_teacher = F.log_softmax(teacher_logits[mask].float() / t, dim=-1)
-        log_p_student = F.log_softmax(logits / t, dim=-1)
-        kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1) * (t * t)
-        kl = (kl if weights is None else kl * weights).sum()
-        total = total + (kl_weight if loss == "ce+kl" else 1.0) * kl
-    elif loss != "ce":
-        raise ValueError(f"stage 2: unknown loss {loss!r}; use ce, kl or ce+kl")
-    return total, count
-
-
+# ----- the trainer ------------------------------------------------------------------------------------------
 class DistillTrainer(CausalLMTrainer):
     """Trainer with cross-entropy and/or KL to a frozen teacher, normalized over the accumulated batch."""
 
@@ -127,9 +96,10 @@ class DistillTrainer(CausalLMTrainer):
         kl_weight: float = 1.0,
         mixer_lr: float | None = None,
         mixer_eps: float | None = None,
+        loss_chunk_size: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, loss_chunk_size=loss_chunk_size, **kwargs)
         self.mixer_lr = mixer_lr
         self.mixer_eps = mixer_eps
         if loss != "ce" and teacher is None:
@@ -163,19 +133,21 @@ class DistillTrainer(CausalLMTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        shift_labels = inputs["shift_labels"]
         forward = {"input_ids": inputs["input_ids"]}
         if "attention_mask" in inputs:
             forward["attention_mask"] = inputs["attention_mask"]
-        outputs = model(**forward, use_cache=False)
-        teacher_logits = None
-        if self.distill_loss != "ce":
-            with torch.no_grad():
-                teacher_logits = self.teacher(**forward, use_cache=False).logits
-        total, count = distill_loss_sum(
-            outputs.logits, shift_labels, teacher_logits, self.distill_loss, self.temperature, self.kl_weight,
-            inputs.get("shift_weights"),
-        )
+        if self.loss_chunk_size:
+            total, count, outputs = self._chunked_loss_sum(model, forward, inputs)
+        else:
+            outputs = model(**forward, use_cache=False)
+            teacher_logits = None
+            if self.distill_loss != "ce":
+                with torch.no_grad():
+                    teacher_logits = self.teacher(**forward, use_cache=False).logits
+            total, count = distill_loss_sum(
+                outputs.logits, inputs["shift_labels"], teacher_logits, self.distill_loss, self.temperature,
+                self.kl_weight, inputs.get("shift_weights"),
+            )
         if num_items_in_batch is not None:
             denominator = float(num_items_in_batch)
         else:  # no count from Trainer (outside train()): this micro-batch's mean, scaled for accumulation
@@ -189,6 +161,24 @@ class DistillTrainer(CausalLMTrainer):
                 f" (last good checkpoint: {last or 'none yet'}); lower stage2.lr or check stage 1"
             )
         return (value, outputs) if return_outputs else value
+
+    def _chunked_loss_sum(
+        self, model: nn.Module, forward: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, int, Any]:
+        """The summed loss over chunks of ``loss_chunk_size`` positions from the final hidden states, its count and
+        the student's outputs (logits of no position)."""
+        student = causal_lm(self.accelerator.unwrap_model(model))
+        hidden, outputs = hidden_forward(model, student, forward)
+        teacher_head = teacher_hidden = None
+        if self.distill_loss != "ce":
+            with torch.no_grad():
+                teacher_hidden, _ = hidden_forward(self.teacher, self.teacher, forward)
+            teacher_head = partial(final_logits, self.teacher)
+        total, count = chunked_loss_sum(
+            partial(final_logits, student), hidden, inputs["shift_labels"], self.loss_chunk_size, teacher_head,
+            teacher_hidden, self.distill_loss, self.temperature, self.kl_weight, inputs.get("shift_weights"),
+        )
+        return total, count, outputs
 
 
 def separate_mixer_group(optimizer: torch.optim.Optimizer, model: nn.Module, group: dict[str, Any]) -> int:
@@ -257,6 +247,7 @@ def training_arguments(
         "remove_unused_columns": False,
         "disable_tqdm": not progress,
         "use_cpu": not torch.cuda.is_available(),
+        **({"activation_checkpointing": True} if settings.gradient_checkpointing else {}),
         **overrides,
     }
     return build_training_arguments(values, "stage 2", has_eval=False, output_dir=str(output_dir))
@@ -327,6 +318,7 @@ def _finetune(
         kl_weight=settings.kl_weight,
         mixer_lr=settings.mixer_lr if settings.trains_mixer else None,
         mixer_eps=settings.mixer_eps if settings.trains_mixer else None,
+        loss_chunk_size=settings.loss_chunk_size,
         callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
     )
     began = time.perf_counter()

@@ -41,6 +41,12 @@ class DistillSettings:
     #: ``lora`` (None: the adapters above, merged at the end) or ``full`` (every weight trains, the mixers'
     #: own parameters included; ``lora`` is then refused)
     method: str | None = None
+    #: tokens per chunk of the loss, taken from the final hidden states with one chunk's logits (the student's and
+    #: the teacher's) alive at a time and recomputed in the backward; None: the whole block's logits at once (the
+    #: chunks' sums add in another order: equal up to floating-point rounding)
+    loss_chunk_size: int | None = None
+    #: recompute each student decoder layer's activations in the backward instead of keeping them
+    gradient_checkpointing: bool | None = None
 
     @property
     def trains_mixer(self) -> bool:
@@ -71,6 +77,8 @@ class DistillSettings:
             if not math.isfinite(value):
                 raise ValueError(f"{at}.{key} must be finite, got {value!r}")
             positive(value, f"{at}.{key}")
+        if self.loss_chunk_size is not None:
+            positive(self.loss_chunk_size, f"{at}.loss_chunk_size")
         if self.method is not None and self.method not in DISTILL_METHODS:
             raise ValueError(f"{at}.method must be one of {list(DISTILL_METHODS)}, got {self.method!r}")
 

@@ -15,7 +15,14 @@ import torch
 from transformers import DataCollatorForSeq2Seq, default_data_collator, set_seed
 
 from .data import chat_examples, load_documents, packed_blocks
-from .run_config import FINETUNE_KEYS, block_size, lora_section, read_training_yaml, run_arguments
+from .run_config import (
+    FINETUNE_KEYS,
+    block_size,
+    lora_section,
+    loss_chunk_size,
+    read_training_yaml,
+    run_arguments,
+)
 from .runner import (
     CausalLMTrainer,
     RunResult,
@@ -59,6 +66,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     the merged model is written to ``OUTPUT_DIR/model``. Rerun to resume."""
     run = read_training_yaml(config_or_path, FINETUNE_KEYS)
     where, values = run.where, run.values
+    chunk = loss_chunk_size(values.get("loss_chunk_size"), where)
     if data is not None:
         run.data.source = data
     spec = model or values.get("model")
@@ -101,7 +109,8 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     collator = (DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True) if chat
                 else default_data_collator)
     trainer = CausalLMTrainer(model=trained, args=args, train_dataset=train, eval_dataset=held,
-                              data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+                              data_collator=collator, processing_class=tokenizer, callbacks=callbacks,
+                              loss_chunk_size=chunk)
     with quiet_gradient_checkpointing_notice():
         resumed = train_with_resume(trainer)
         merged = None

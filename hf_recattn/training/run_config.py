@@ -20,8 +20,8 @@ from .arguments import build_training_arguments
 from .checks import as_mapping, build_settings, check_keys
 from .trainable import LoraSettings
 
-PRETRAIN_KEYS = {"model", "tokenizer", "data", "block_size", "training"}
-FINETUNE_KEYS = {"model", "data", "block_size", "method", "lora", "training"}
+PRETRAIN_KEYS = {"model", "tokenizer", "data", "block_size", "loss_chunk_size", "training"}
+FINETUNE_KEYS = {"model", "data", "block_size", "loss_chunk_size", "method", "lora", "training"}
 _DATA_KEYS = {
     "source", "eval_source", "text_column", "messages_column", "eval_fraction", "eval_documents",
     "streaming", "num_proc", "max_documents", "split", "config_name", "cache_dir",
@@ -123,6 +123,14 @@ def block_size(value: Any, where: str, limit: int | None, default: int) -> int:
     if limit is not None and size > limit:
         raise ValueError(f"{where}: block_size {size} is above the model's max_position_embeddings {limit}")
     return size
+
+
+def loss_chunk_size(value: Any, where: str) -> int | None:
+    """The ``loss_chunk_size``: tokens per chunk of the loss taken from the final hidden states (``runner.py``), a
+    positive integer; None (unset): the model's own loss over the whole logits."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{where}: loss_chunk_size must be a positive integer (tokens per chunk), got {value!r}")
+    return value
 
 
 def lora_section(value: Any, where: str) -> tuple[LoraSettings, bool]:

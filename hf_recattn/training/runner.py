@@ -1,4 +1,5 @@
-"""Running Trainer: eval perplexity in the logs, resuming from the last checkpoint, the final atomic save."""
+"""Running Trainer: eval perplexity in the logs, the causal-LM loss over chunks of positions when asked, resuming
+from the last checkpoint, the final atomic save."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import Trainer
 
 from ..atomic import move_into_place
+from .distill_loss import chunked_loss_sum
+from .lm_outputs import causal_lm, final_logits, hidden_forward
 
 FINAL_MODEL = "model"
 _TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -26,7 +33,44 @@ class NonFiniteLossError(RuntimeError):
 
 
 class CausalLMTrainer(Trainer):
-    """Trainer that also logs ``eval_perplexity`` = exp(``eval_loss``) with every evaluation."""
+    """Trainer that also logs ``eval_perplexity`` = exp(``eval_loss``) with every evaluation.
+
+    ``loss_chunk_size``: the causal-LM cross-entropy (the model's own, summed over the predicted tokens and divided
+    by Trainer's count of them, or their mean) is taken over chunks of that many tokens from the final hidden states
+    (``distill_loss.chunked_loss_sum``), so the whole [B, T, V] logits never exist; None: the model's own loss.
+    """
+
+    def __init__(self, *args: Any, loss_chunk_size: int | None = None, **kwargs: Any) -> None:
+        if loss_chunk_size is not None and loss_chunk_size <= 0:
+            raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size!r}")
+        super().__init__(*args, **kwargs)
+        self.loss_chunk_size = loss_chunk_size
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        if not self.loss_chunk_size:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs["labels"]
+        shift_labels = inputs.get("shift_labels")
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        forward = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        lm = causal_lm(self.accelerator.unwrap_model(model))
+        hidden, outputs = hidden_forward(model, lm, forward)
+        total, count = chunked_loss_sum(partial(final_logits, lm), hidden, shift_labels, self.loss_chunk_size)
+        if num_items_in_batch is None:
+            loss = total / count if count else total
+        else:  # as Trainer scales the model's own loss
+            loss = total / torch.as_tensor(num_items_in_batch).to(total.device)
+            if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
+                processes = self.accelerator.num_processes // self.get_tp_size()
+                loss = loss * (processes if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:

@@ -1,0 +1,47 @@
+"""A causal LM's last hidden states and its final logits, apart: what a loss over chunks of positions needs
+(``distill_loss.chunked_loss_sum``), so that the whole [B, T, V] logits never exist at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+#: ``logits_to_keep`` that keeps no position: the model's forward runs its LM head on nothing
+_NO_POSITIONS: list[int] = []
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The causal-LM module inside ``model``'s wrappers (a peft model's base model); ``model`` itself otherwise."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def final_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``lm``'s logits of ``hidden`` (its last hidden states, any leading shape) as its own forward computes them:
+    the LM head, then the config's ``logits_scaling`` (a divisor, Granite) and ``final_logit_softcapping``
+    (``cap * tanh(x / cap)``, Gemma 2 / 3) where set."""
+    logits = lm.get_output_embeddings()(hidden)
+    scaling = getattr(lm.config, "logits_scaling", None)
+    if scaling is not None and scaling != 1.0:
+        logits = logits / scaling
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def hidden_forward(model: nn.Module, lm: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """Run ``model`` (``lm`` or a wrapper of it: peft, DDP) on ``inputs`` with its LM head on no position; return
+    the last hidden states of ``lm``'s decoder [B, T, H] and the model's outputs (their logits [B, 0, V])."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    device = inputs["input_ids"].device
+    handle = lm.get_decoder().register_forward_hook(keep)
+    try:
+        outputs = model(**inputs, use_cache=False, logits_to_keep=torch.tensor(_NO_POSITIONS, device=device).long())
+    finally:
+        handle.remove()
+    return captured[-1], outputs
