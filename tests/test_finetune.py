@@ -15,11 +15,11 @@ from hf_recattn.data.corpus import token_blocks
 from hf_recattn.training.distill import (
     BlockDataset,
     DistillTrainer,
-    distill_loss_sum,
     finetune,
     trainable_student,
     training_arguments,
 )
+from hf_recattn.training.distill_loss import distill_loss_sum
 from hf_recattn.training.distill_settings import DistillSettings
 from hf_recattn.training.runner import NonFiniteLossError
 from hf_recattn.training.trainable import LoraSettings, merge_lora
