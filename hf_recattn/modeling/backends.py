@@ -88,7 +88,7 @@ def _refuse_unrunnable(chosen: str, setting: str) -> None:
         return
     if not registered():
         raise ValueError(f"{setting} but no Triton kernel is registered (is triton installed? "
-                         "pip install hf-recattn[kernels])")
+                         'pip install "hf-recattn[kernels]")')
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{setting} needs a CUDA device, or TRITON_INTERPRET=1 set before triton is imported "
                          "(Triton's interpreter, for tests on the CPU)")
