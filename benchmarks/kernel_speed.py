@@ -4,7 +4,7 @@ One SmolLM2-135M-shaped attention layer's worth of heads (batch 1, 9 heads of di
 sequence lengths, forward (under ``torch.no_grad``, as in prefill) and forward+backward (gradients of every
 input, as in training). Implementations:
 
-* ``ours gdr``: ``hf_recattn.ops.chunk_gated_delta_rule`` (chunk 64);
+* ``ours gdr``: ``hf_recattn.ops.chunk_gated_delta_rule`` (chunk 64; on a GPU its Triton kernels, forced);
 * ``hf gdr``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's CPU path, chunk 64);
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)``, causal softmax attention;
 * ``ours linear``: ``hf_recattn.ops.chunk_linear_attn`` (chunk 64), plain causal linear attention.
@@ -98,9 +98,12 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
     else:
         tensors = [q, k, v, g, beta]
         fn = chunk_gated_delta_rule if impl == "ours gdr" else _hf_chunk_gated_delta_rule()
+        # on a GPU, "ours gdr" times the kernels, backward included (which auto leaves out while unverified)
+        choice = "triton" if dev.type == "cuda" and impl == "ours gdr" else "auto"
 
         def run(x: list[torch.Tensor]) -> torch.Tensor:
-            return fn(*x, chunk_size=args.chunk_size, use_qk_l2norm_in_kernel=True)[0]
+            with use_kernels(choice):
+                return fn(*x, chunk_size=args.chunk_size, use_qk_l2norm_in_kernel=True)[0]
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if mode == "fwd":

@@ -14,7 +14,7 @@ import pytest
 import torch
 from generation_cases import PAD, all_cases, left_padded_batch, one_thread, tiny_model
 
-from hf_recattn import ops
+from hf_recattn import cli, ops
 from hf_recattn.modeling import backends
 from hf_recattn.modeling.backends import use_kernels
 
@@ -118,9 +118,58 @@ def test_bad_choices_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_forced_kernels_on_the_cpu_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine, CPU tensors
     x = torch.zeros(1, 2, 3, 16)
     with use_kernels("triton"), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         backends.pick("chunk_delta", x)
+
+
+def test_a_forced_mode_the_machine_cannot_run_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"use_kernels\('triton'\) needs a CUDA device, or TRITON_INTERPRET=1"):
+        with use_kernels("triton"):
+            raise AssertionError("the block ran")
+    monkeypatch.setenv(backends.ENV, "triton")
+    with pytest.raises(ValueError, match="HF_RECATTN_KERNELS=triton needs a CUDA device"):
+        backends.check_mode()
+    assert cli.main(["mixers"]) == 2  # the command line stops before any work, with one line
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backends.registered()
+    monkeypatch.setattr(backends, "_kernels", {})  # triton not installed: nothing registered
+    with pytest.raises(ValueError, match="HF_RECATTN_KERNELS=triton but no Triton kernel is registered"):
+        backends.check_mode()
+    monkeypatch.setenv(backends.ENV, "auto")
+    assert backends.check_mode() == "auto"
+
+
+def test_auto_does_not_train_with_an_unverified_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends, "KERNEL_DEVICES", ("cpu",))  # pretend the CPU is CUDA
+    kernels = {"chunk_delta": object(), "chunk_linear": object()}
+    backends.registered()
+    for name, fn in kernels.items():
+        monkeypatch.setitem(backends._kernels, name, fn)
+    assert "chunk_delta" in backends._unverified_backward and "chunk_linear" not in backends._unverified_backward
+    x, leaf = torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16, requires_grad=True)
+    with use_kernels("auto"):
+        assert backends.pick("chunk_delta", x, leaf) is None  # gradients recorded: the torch form
+        assert backends.pick("chunk_linear", x, leaf) is kernels["chunk_linear"]  # verified backward
+        assert backends.pick("chunk_delta", x) is kernels["chunk_delta"]  # the forward alone
+        with torch.no_grad():
+            assert backends.pick("chunk_delta", x, leaf) is kernels["chunk_delta"]
+    with use_kernels("triton"):
+        assert backends.pick("chunk_delta", x, leaf) is kernels["chunk_delta"]  # an explicit opt-in runs it
+
+
+def test_auto_trains_a_delta_rule_on_the_torch_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends, "KERNEL_DEVICES", ("cpu",))
+    ran = []
+    backends.registered()
+    kernel = backends._kernels["chunk_delta"]
+    monkeypatch.setitem(backends._kernels, "chunk_delta", lambda *a, **kw: ran.append(1) or kernel(*a, **kw))
+    for kernel_form, torch_form in zip(_run_delta("auto"), _run_delta("torch"), strict=True):
+        torch.testing.assert_close(kernel_form, torch_form, rtol=0, atol=0)
+    assert not ran
 
 
 def test_heads_wider_than_a_kernel_takes_are_refused_by_name() -> None:

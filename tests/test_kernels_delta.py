@@ -15,6 +15,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from bounds import OutOfBounds, checked_memory  # noqa: E402
+
 from hf_recattn.kernels.decode import fused_delta_step, fused_linear_step  # noqa: E402
 from hf_recattn.kernels.delta import chunk_delta_rule  # noqa: E402
 from hf_recattn.modeling.ops_delta import delta_chunked, delta_step  # noqa: E402
@@ -266,3 +270,52 @@ def test_decode_bad_input() -> None:
         fused_linear_step(q.double(), k, v, state)
     with pytest.raises(ValueError, match="beta must be"):
         fused_delta_step(q, k, v, state, gates[0], gates[1][:, :1], gates[2])
+
+
+# ----- memory bounds (tests/bounds.py): the GPU faults on what the interpreter reads quietly --------------------
+@triton.jit
+def _copy_one_past(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Copies n + 1 elements: the last load reads past src (the kind of access a GPU reports as illegal)."""
+    offsets = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=offsets <= n), mask=offsets <= n)
+
+
+def test_the_bounds_check_catches_an_access_past_a_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst = torch.arange(8.0), torch.zeros(16)
+    with pytest.raises(OutOfBounds, match="_copy_one_past: load"), checked_memory(monkeypatch):
+        _copy_one_past[(1,)](src, dst, 8, BLOCK=16)
+    with checked_memory(monkeypatch) as checker:
+        _copy_one_past[(1,)](src, dst, 7, BLOCK=16)
+    assert checker.accesses == 2 and torch.equal(dst[:8], src)
+
+
+def _run_checked(monkeypatch: pytest.MonkeyPatch, h: int, t: int, d: int, chunk_size: int, dtype: torch.dtype,
+                 initial: bool) -> int:
+    """Forward and backward of every input (final state used) under the bounds check: the accesses checked."""
+    x = {name: None if a is None else a.to(dtype if name in "qkv" else torch.float32).requires_grad_()
+         for name, a in _inputs(1, h, t, d, d, initial).items()}
+    with checked_memory(monkeypatch) as checker:
+        o, final = chunk_delta_rule(**x, output_final_state=True, chunk_size=chunk_size)
+        (o.float().square().sum() + final.sum()).backward()
+    assert all(a.grad is not None and torch.isfinite(a.grad).all() for a in x.values() if a is not None)
+    return checker.accesses
+
+
+@pytest.mark.parametrize(("t", "chunk_size", "dtype"), [(100, 16, torch.bfloat16), (100, 32, torch.float32),
+                                                        (2048, 64, torch.float32)])
+def test_chunked_kernels_stay_inside_their_tensors(monkeypatch: pytest.MonkeyPatch, t: int, chunk_size: int,
+                                                    dtype: torch.dtype) -> None:
+    """Every load and store of the six kernels, at the length that faulted on a GPU (2,048 tokens) and with a
+    last partial chunk, lies inside one of its tensor arguments."""
+    assert _run_checked(monkeypatch, 1 if t >= 2048 else 2, t, 16, chunk_size, dtype, initial=t < 2048) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [16, 64, 128])
+@pytest.mark.parametrize("heads", [1, 9])
+def test_chunked_kernels_stay_inside_their_tensors_at_model_sizes(
+    monkeypatch: pytest.MonkeyPatch, heads: int, chunk_size: int, dtype: torch.dtype
+) -> None:
+    """As above at the shapes of the GPU run that faulted: 2,048 tokens, heads of 64, several head counts."""
+    assert _run_checked(monkeypatch, heads, 2048, 64, chunk_size, dtype, initial=True) > 0

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from ..extras import MissingExtra, install_command
+from ..modeling import backends
 from .catalog import add_mixers, add_state_size, add_zoo
 from .common import SubParsers
 from .convert import add_convert
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        backends.check_mode()  # a kernel choice this machine cannot run: refused before any work
         return int(args.handler(args) or 0)
     except MissingExtra as err:  # an optional dependency group is not installed: name it, no traceback
         print(f"hf-recattn {args.command} needs the {err.extra} extra: {install_command(err.extra)}", file=sys.stderr)

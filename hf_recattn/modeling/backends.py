@@ -7,9 +7,12 @@ the torch forms, which compute the same function.
 The choice, set with the ``HF_RECATTN_KERNELS`` environment variable or ``use_kernels(...)``:
 
 * ``auto`` (default): the kernel for CUDA tensors of a dtype it supports, the torch forms otherwise. A CUDA call
-  the kernel cannot take (say float64) runs on torch after one warning.
+  the kernel cannot take (say float64) runs on torch after one warning. A kernel registered with an unverified
+  backward (one that has not passed its check on GPU hardware) runs only where no gradient is asked for: a call
+  that records gradients runs the torch form, whose backward is the torch one.
 * ``triton``: the kernel for every call, CPU tensors included (Triton runs those only under ``TRITON_INTERPRET=1``,
-  for tests); a call it cannot take, or a kernel that is not there, is an error.
+  for tests), unverified backwards included; a call it cannot take, or a kernel that is not there, is an error.
+  ``check_mode`` refuses it up front where it cannot run at all (no triton, no CUDA device nor interpreter).
 * ``torch``: never a kernel.
 """
 
@@ -32,14 +35,23 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_DEVICES = ("cuda",)
 
 _kernels: dict[str, Callable] = {}
+#: ops whose kernel's backward has not passed its GPU check: ``auto`` runs their torch form when gradients are on
+_unverified_backward: set[str] = set()
 _loader: Callable[[], None] | None = None
 _override = threading.local()
 _warned: set[tuple[str, str]] = set()
 
 
-def register(name: str, fn: Callable) -> None:
-    """Make ``fn`` the kernel for the op ``name`` (called by ``hf_recattn.kernels`` at import)."""
+def register(name: str, fn: Callable, backward_verified: bool = True) -> None:
+    """Make ``fn`` the kernel for the op ``name`` (called by ``hf_recattn.kernels`` at import).
+
+    ``backward_verified=False``: its backward has not passed its GPU check, so ``auto`` does not run it.
+    """
     _kernels[name] = fn
+    if backward_verified:
+        _unverified_backward.discard(name)
+    else:
+        _unverified_backward.add(name)
 
 
 def set_loader(load: Callable[[], None]) -> None:
@@ -69,11 +81,34 @@ def mode() -> str:
     return chosen
 
 
+def _refuse_unrunnable(chosen: str, setting: str) -> None:
+    """ValueError naming ``setting`` if ``chosen`` is ``triton`` where kernels cannot run at all: triton not
+    installed (no kernel registered), or neither a CUDA device nor Triton's interpreter."""
+    if chosen != "triton":
+        return
+    if not registered():
+        raise ValueError(f"{setting} but no Triton kernel is registered (is triton installed? "
+                         'pip install "hf-recattn[kernels]")')
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{setting} needs a CUDA device, or TRITON_INTERPRET=1 set before triton is imported "
+                         "(Triton's interpreter, for tests on the CPU)")
+
+
+def check_mode() -> str:
+    """The current choice (``mode()``), refused up front where it cannot run at all: call it before any work."""
+    chosen = mode()
+    override = getattr(_override, "mode", None)
+    _refuse_unrunnable(chosen, f"use_kernels({override!r})" if override else f"{ENV}={chosen}")
+    return chosen
+
+
 @contextmanager
 def use_kernels(choice: str) -> Iterator[None]:
-    """Run the block with kernels chosen as ``choice`` (``auto``, ``triton`` or ``torch``) in this thread."""
+    """Run the block with kernels chosen as ``choice`` (``auto``, ``triton`` or ``torch``) in this thread; a choice
+    this machine cannot run is refused on entry."""
     if choice not in MODES:
         raise ValueError(f"use_kernels({choice!r}): choose one of {', '.join(MODES)}")
+    _refuse_unrunnable(choice, f"use_kernels({choice!r})")
     previous = getattr(_override, "mode", None)
     _override.mode = choice
     try:
@@ -94,6 +129,11 @@ def _unsupported(tensors: tuple[torch.Tensor, ...], extra: str | None) -> str | 
     if bad:
         return f"dtype {', '.join(bad)} (kernels take {', '.join(str(d) for d in KERNEL_DTYPES)})"
     return None
+
+
+def _records_gradients(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether autograd records this call (a backward may follow)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def pick(name: str, *tensors: torch.Tensor | None, unsupported: str | None = None) -> Callable | None:
@@ -123,7 +163,7 @@ def pick(name: str, *tensors: torch.Tensor | None, unsupported: str | None = Non
         if reason is not None:
             raise ValueError(f"{ENV}=triton: the {name!r} kernel cannot take {reason}")
         return kernel
-    if kernel is None:
+    if kernel is None or (name in _unverified_backward and _records_gradients(present)):
         return None
     if reason is not None:
         if (name, reason) not in _warned:
