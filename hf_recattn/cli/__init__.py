@@ -18,15 +18,20 @@ from .push import add_push
 from .serve import add_serve
 from .train import add_finetune, add_pretrain
 
+#: what ``hf-recattn --help`` says above the list of commands
+DESCRIPTION = (
+    "Recurrent forms of attention as Hugging Face Transformers models: convert a softmax checkpoint, train, "
+    "evaluate, generate, serve and publish. Run 'hf-recattn COMMAND --help' for a command's options."
+)
+#: the ``add_*`` function of every command, in the order ``--help`` lists them
 SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
-    add_state_size, add_mixers, add_demo, add_eval, add_generate, add_serve
+    add_state_size, add_mixers, add_demo, add_eval, add_generate, add_serve,
+    add_convert, add_push, add_zoo, add_pretrain, add_finetune, add_corpus,
 ]
-SUBCOMMANDS += [add_convert, add_push, add_zoo]
-SUBCOMMANDS += [add_pretrain, add_finetune, add_corpus]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-recattn", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hf-recattn", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
