@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
-from hf_recattn.conversion import finetune as ft
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 from hf_recattn.training import attention_objective as objective
+from hf_recattn.training.distill import finetune as distill_finetune
 from hf_recattn.training.parallel import local_share
 
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
@@ -235,7 +235,7 @@ def test_continues_from_an_earlier_conversion(
     more = write_recipe(tmp_path / "more.yaml", tiny_recipe_dict(
         init=str(first / "model"), stage1={"tokens": 0}, stage2={"skip_tokens": 256}))
     seen: dict[str, object] = {}
-    real_finetune = ft.finetune
+    real_finetune = distill_finetune
 
     def spy(teacher: object, student: torch.nn.Module, blocks: torch.Tensor, *args: object, **kwargs: object):
         seen["weights"] = {k: v.clone() for k, v in student.state_dict().items()}
