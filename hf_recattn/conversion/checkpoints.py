@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import clean_temporaries, write_json
-from ..training.runner import latest_trainer_checkpoint  # noqa: F401 (its home before the training package)
 
 RUN_FILE = "run.json"
 
