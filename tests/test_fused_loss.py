@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from distill_fixtures import tiny_recipe_dict, tiny_teacher, tiny_texts, tiny_tokenizer
-from transformers import Gemma2Config, default_data_collator
+from script_modules import load_script
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    default_data_collator,
+)
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_teacher
 from hf_recattn.conversion.recipe import check_against_teacher, recipe_from_dict
@@ -30,7 +37,7 @@ from hf_recattn.training.distill import BlockDataset, DistillTrainer, finetune, 
 from hf_recattn.training.distill_loss import distill_loss_sum
 from hf_recattn.training.distill_settings import DistillSettings
 from hf_recattn.training.fused_loss import fused_loss_sum, use_liger
-from hf_recattn.training.lm_outputs import final_logits
+from hf_recattn.training.lm_outputs import final_logits, linear_head
 from hf_recattn.training.run_config import loss_kernel
 from hf_recattn.training.runner import CausalLMTrainer
 from hf_recattn.training.trainable import LoraSettings, set_trainable
@@ -112,6 +119,27 @@ def test_liger_cross_entropy_takes_weights_and_a_bias() -> None:
     got = _run(student, None, True, "ce", 1.0, True)
     for name, a, b in zip(("loss", "count", "hidden", "weight", "bias"), got, want, strict=True):
         _close(a, b, name)
+
+
+def test_the_linear_head_is_each_models_final_logits() -> None:
+    """``softcap(inputs(h) @ W^T + scaled_bias())`` is ``final_logits(h)``: the scaling folded into the hidden states
+    and the bias; no ``LinearHead`` for a LoRA-wrapped or sharded head."""
+    small = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    biased = _recattn(0, logits_scaling=3.0, final_logit_softcapping=2.0)
+    biased.lm_head.bias = torch.nn.Parameter(torch.randn(VOCAB))
+    models = [biased, GraniteForCausalLM(GraniteConfig(**small, logits_scaling=4.0)),
+              Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=1.5)), tiny_teacher(VOCAB)]
+    for model in models:
+        head = linear_head(model)
+        hidden = torch.randn(5, model.config.hidden_size)
+        logits = torch.nn.functional.linear(head.inputs(hidden), head.weight, head.scaled_bias())
+        if head.softcap is not None:
+            logits = head.softcap * torch.tanh(logits / head.softcap)
+        torch.testing.assert_close(logits, final_logits(model, hidden), rtol=1e-6, atol=1e-6)
+    sharded = _recattn(0)
+    sharded.lm_head.weight = torch.nn.Parameter(sharded.lm_head.weight[:10].clone())
+    assert linear_head(sharded) is None
 
 
 def test_nothing_predicted_is_a_zero_in_the_graph() -> None:
@@ -330,3 +358,11 @@ def test_a_lora_head_under_liger_is_refused_by_the_trainer(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"^stage2.loss_kernel: liger cannot compute this loss: the student's LM "
                                          r"head is not a plain nn.Linear"):
         trainer.compute_loss(student, inputs)
+
+
+def test_the_gpu_check_script_runs_in_the_interpreter(capsys: pytest.CaptureFixture) -> None:
+    """``scripts/check_fused_loss.py`` (the hardware check) at a tiny shape on the CPU: every case passes."""
+    pytest.importorskip("liger_kernel")
+    script = load_script("scripts", "check_fused_loss")
+    assert script.main(["--device", DEVICE, "--shapes", "16,8,20", "--dtypes", "float32"]) == 0
+    assert "all cases pass" in capsys.readouterr().out

@@ -13,8 +13,9 @@ Batches carry ``shift_labels`` (the next-token targets), which is what Trainer c
 
 With ``loss_chunk_size`` the loss is taken over chunks of that many predicted positions from the student's and the
 teacher's final hidden states (``distill_loss.chunked_loss_sum``): one chunk's logits alive at a time, the same
-loss and gradient up to floating-point rounding. ``gradient_checkpointing`` recomputes the student's decoder
-layers in the backward (Trainer's ``activation_checkpointing``).
+loss and gradient up to floating-point rounding. ``loss_kernel`` takes it from the hidden states on Liger Kernel's
+fused ops instead where it chooses them (``fused_loss.py``). ``gradient_checkpointing`` recomputes the student's
+decoder layers in the backward (Trainer's ``activation_checkpointing``).
 """
 
 from __future__ import annotations

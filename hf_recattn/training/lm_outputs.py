@@ -52,9 +52,10 @@ class LinearHead:
 
 
 def linear_head(lm: nn.Module) -> LinearHead | None:
-    """``lm``'s LM head as a ``LinearHead``, or None when it is not a plain ``nn.Linear`` (a peft layer, say)."""
+    """``lm``'s LM head as a ``LinearHead``, or None when it is not a plain ``nn.Linear`` holding its whole weight (a
+    peft layer, a sharded head)."""
     head = lm.get_output_embeddings()
-    if type(head) is not nn.Linear:
+    if type(head) is not nn.Linear or tuple(head.weight.shape) != (head.out_features, head.in_features):
         return None
     scaling = getattr(lm.config, "logits_scaling", None)
     cap = getattr(lm.config, "final_logit_softcapping", None)

@@ -1,5 +1,5 @@
-"""Running Trainer: eval perplexity in the logs, the causal-LM loss over chunks of positions when asked, resuming
-from the last checkpoint, the final atomic save."""
+"""Running Trainer: eval perplexity in the logs, the causal-LM loss over chunks of positions or on Liger Kernel's
+fused op when asked, resuming from the last checkpoint, the final atomic save."""
 
 from __future__ import annotations
 
