@@ -10,6 +10,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("datasets", "peft", "accelerate", "evaluate"),
     "serve": ("fastapi", "uvicorn", "openai", "pydantic", "starlette", "rich"),
     "eval": ("lm_eval",),
+    "fused": ("liger_kernel",),
 }
 
 

@@ -29,6 +29,7 @@ import yaml
 
 from ..modeling.mixers import validate_spec
 from ..training.checks import build_settings, typed
+from ..training.fused_loss import config_misfit, refusal
 from .layer_selection import check_layers
 from .settings import EvalSettings, RetrievalHeadSettings, Stage1Settings, Stage2Settings
 
@@ -84,6 +85,8 @@ class Recipe:
             values.pop("layers")
         if values["stage2"]["method"] == "lora":  # the default spelled out: the same run as leaving it unset
             values["stage2"]["method"] = None
+        if values["stage2"]["loss_kernel"] == "auto":  # the default spelled out, as above
+            values["stage2"]["loss_kernel"] = None
         for section, keys in _LATER_SETTINGS.items():
             for key in keys:
                 if values[section][key] is None:
@@ -116,7 +119,7 @@ SECTIONS: dict[str, type] = {
 _LATER_SETTINGS = {
     "stage1": ("attention_kl",),
     "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens", "method", "loss_chunk_size",
-               "gradient_checkpointing"),
+               "gradient_checkpointing", "loss_kernel"),
 }
 
 
@@ -310,6 +313,7 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
                     f"{src}: stage2.lora.targets: {target!r} matches no module of the student "
                     "(Llama names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)"
                 )
+    _check_loss_kernel(recipe, config, teacher_config)
     kv_heads = config.num_hidden_layers * config.num_key_value_heads
     if recipe.retrieval_heads.max_heads > kv_heads:
         raise ValueError(f"{src}: retrieval_heads.max_heads {recipe.retrieval_heads.max_heads} exceeds the teacher's "
@@ -329,3 +333,15 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
             f"{teacher_config.vocab_size}"
         )
     return config
+
+
+def _check_loss_kernel(recipe: Recipe, config: Any, teacher_config: Any) -> None:
+    """``stage2.loss_kernel: liger`` refused before any stage where the models' configs say that its ops cannot
+    compute stage 2's loss (a soft-capped KL, LoRA on the LM head)."""
+    s2 = recipe.stage2
+    if not s2.tokens or s2.loss_kernel != "liger":
+        return
+    lora_on_head = s2.method != "full" and "lm_head" in s2.lora.targets
+    reason = config_misfit(s2.loss, {"student": config, "teacher": teacher_config}, lora_on_head)
+    if reason is not None:
+        raise refusal(f"{recipe.source}: stage2.loss_kernel", reason)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..training.checks import check_schedule, positive
 from ..training.distill_settings import DistillSettings
+from ..training.fused_loss import check_weighted_kl
 from ..training.trainable import ATTENTION_PROJECTIONS
 
 
@@ -79,6 +80,8 @@ class Stage2Settings(DistillSettings):
                                  f"({self.block_size}): whole blocks are skipped")
         self._check_retrieval(at, section)
         self._check_loss(at)
+        check_weighted_kl(self.loss_kernel, f"{at}.loss_kernel", self.loss,
+                          f"{section}.retrieval_share" if self.retrieval_share else None)
 
     def _check_retrieval(self, at: str, section: str) -> None:
         share, weight = self.retrieval_share, self.answer_weight

@@ -13,8 +13,9 @@ Batches carry ``shift_labels`` (the next-token targets), which is what Trainer c
 
 With ``loss_chunk_size`` the loss is taken over chunks of that many predicted positions from the student's and the
 teacher's final hidden states (``distill_loss.chunked_loss_sum``): one chunk's logits alive at a time, the same
-loss and gradient up to floating-point rounding. ``gradient_checkpointing`` recomputes the student's decoder
-layers in the backward (Trainer's ``activation_checkpointing``).
+loss and gradient up to floating-point rounding. ``loss_kernel`` takes it from the hidden states on Liger Kernel's
+fused ops instead where it chooses them (``fused_loss.py``). ``gradient_checkpointing`` recomputes the student's
+decoder layers in the backward (Trainer's ``activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .arguments import build_training_arguments
 from .distill_loss import chunked_loss_sum, distill_loss_sum
 from .distill_settings import DistillSettings
 from .forms import fastest_forms
+from .fused_loss import fused_loss_sum, use_liger
 from .lm_outputs import causal_lm, final_logits, hidden_forward
 from .parallel import local_share
 from .runner import (
@@ -86,6 +88,7 @@ class DistillTrainer(CausalLMTrainer):
     """Trainer with cross-entropy and/or KL to a frozen teacher, normalized over the accumulated batch."""
 
     loss_is_scaled_for_ga = True
+    loss_kernel_setting = "stage2.loss_kernel"
 
     def __init__(
         self,
@@ -97,9 +100,10 @@ class DistillTrainer(CausalLMTrainer):
         mixer_lr: float | None = None,
         mixer_eps: float | None = None,
         loss_chunk_size: int | None = None,
+        loss_kernel: str = "auto",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, loss_chunk_size=loss_chunk_size, **kwargs)
+        super().__init__(*args, loss_chunk_size=loss_chunk_size, loss_kernel=loss_kernel, **kwargs)
         self.mixer_lr = mixer_lr
         self.mixer_eps = mixer_eps
         if loss != "ce" and teacher is None:
@@ -136,8 +140,9 @@ class DistillTrainer(CausalLMTrainer):
         forward = {"input_ids": inputs["input_ids"]}
         if "attention_mask" in inputs:
             forward["attention_mask"] = inputs["attention_mask"]
-        if self.loss_chunk_size:
-            total, count, outputs = self._chunked_loss_sum(model, forward, inputs)
+        fused = self.uses_liger(causal_lm(self.accelerator.unwrap_model(model)), "shift_weights" in inputs)
+        if self.loss_chunk_size or fused:
+            total, count, outputs = self._chunked_loss_sum(model, forward, inputs, fused)
         else:
             outputs = model(**forward, use_cache=False)
             teacher_logits = None
@@ -162,11 +167,15 @@ class DistillTrainer(CausalLMTrainer):
             )
         return (value, outputs) if return_outputs else value
 
+    def uses_liger(self, lm: nn.Module, weighted: bool = False) -> bool:
+        """Whether the loss of the student ``lm`` (and the teacher) runs on the Liger ops (``fused_loss.use_liger``)."""
+        return use_liger(self.loss_kernel, self.loss_kernel_setting, lm, self.teacher, self.distill_loss, weighted)
+
     def _chunked_loss_sum(
-        self, model: nn.Module, forward: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]
+        self, model: nn.Module, forward: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], fused: bool
     ) -> tuple[torch.Tensor, int, Any]:
-        """The summed loss over chunks of ``loss_chunk_size`` positions from the final hidden states, its count and
-        the student's outputs (logits of no position)."""
+        """The summed loss from the final hidden states, its count and the student's outputs (logits of no
+        position): on the Liger ops if ``fused``, else over chunks of ``loss_chunk_size`` positions."""
         student = causal_lm(self.accelerator.unwrap_model(model))
         hidden, outputs = hidden_forward(model, student, forward)
         teacher_head = teacher_hidden = None
@@ -174,6 +183,11 @@ class DistillTrainer(CausalLMTrainer):
             with torch.no_grad():
                 teacher_hidden, _ = hidden_forward(self.teacher, self.teacher, forward)
             teacher_head = partial(final_logits, self.teacher)
+        if fused:
+            total, count = fused_loss_sum(student, hidden, inputs["shift_labels"], self.teacher, teacher_hidden,
+                                          self.distill_loss, self.temperature, self.kl_weight,
+                                          inputs.get("shift_weights"))
+            return total, count, outputs
         total, count = chunked_loss_sum(
             partial(final_logits, student), hidden, inputs["shift_labels"], self.loss_chunk_size, teacher_head,
             teacher_hidden, self.distill_loss, self.temperature, self.kl_weight, inputs.get("shift_weights"),
@@ -319,6 +333,7 @@ def _finetune(
         mixer_lr=settings.mixer_lr if settings.trains_mixer else None,
         mixer_eps=settings.mixer_eps if settings.trains_mixer else None,
         loss_chunk_size=settings.loss_chunk_size,
+        loss_kernel=settings.loss_kernel or "auto",
         callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
     )
     began = time.perf_counter()

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from .checks import check_schedule, positive
+from .fused_loss import check_loss_kernel
 from .trainable import METHODS, LoraSettings
 
 #: what a distillation finetune trains (the mixers alone are what attention transfer trains)
@@ -47,6 +48,9 @@ class DistillSettings:
     loss_chunk_size: int | None = None
     #: recompute each student decoder layer's activations in the backward instead of keeping them
     gradient_checkpointing: bool | None = None
+    #: what computes the loss (``fused_loss.py``): ``liger`` (Liger Kernel's fused linear + loss ops, no logits kept,
+    #: CUDA), ``torch`` (the forms above) or ``auto`` (None: liger where it runs and takes the loss, else torch)
+    loss_kernel: str | None = None
 
     @property
     def trains_mixer(self) -> bool:
@@ -79,6 +83,8 @@ class DistillSettings:
             positive(value, f"{at}.{key}")
         if self.loss_chunk_size is not None:
             positive(self.loss_chunk_size, f"{at}.loss_chunk_size")
+        if self.loss_kernel is not None:
+            check_loss_kernel(self.loss_kernel, f"{at}.loss_kernel")
         if self.method is not None and self.method not in DISTILL_METHODS:
             raise ValueError(f"{at}.method must be one of {list(DISTILL_METHODS)}, got {self.method!r}")
 

@@ -20,6 +20,7 @@ from .run_config import (
     block_size,
     lora_section,
     loss_chunk_size,
+    loss_kernel,
     read_training_yaml,
     run_arguments,
 )
@@ -67,6 +68,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     run = read_training_yaml(config_or_path, FINETUNE_KEYS)
     where, values = run.where, run.values
     chunk = loss_chunk_size(values.get("loss_chunk_size"), where)
+    kernel = loss_kernel(values.get("loss_kernel"), where)
     if data is not None:
         run.data.source = data
     spec = model or values.get("model")
@@ -110,7 +112,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
                 else default_data_collator)
     trainer = CausalLMTrainer(model=trained, args=args, train_dataset=train, eval_dataset=held,
                               data_collator=collator, processing_class=tokenizer, callbacks=callbacks,
-                              loss_chunk_size=chunk)
+                              loss_chunk_size=chunk, loss_kernel=kernel)
     with quiet_gradient_checkpointing_notice():
         resumed = train_with_resume(trainer)
         merged = None

@@ -1,8 +1,10 @@
 """A causal LM's last hidden states and its final logits, apart: what a loss over chunks of positions needs
-(``distill_loss.chunked_loss_sum``), so that the whole [B, T, V] logits never exist at once."""
+(``distill_loss.chunked_loss_sum``, ``fused_loss.fused_loss_sum``), so that the whole [B, T, V] logits never exist
+at once."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +30,37 @@ def final_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         logits = logits / scaling
     cap = getattr(lm.config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """An LM head as a fused linear + loss kernel takes it: ``final_logits(h)`` is
+    ``softcap(inputs(h) @ weight.T + scaled_bias())``, ``softcap(x) = cap * tanh(x / cap)`` where ``softcap`` is set."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scaling: float | None  # the config's ``logits_scaling``: a divisor, folded into the hidden states and the bias
+    softcap: float | None
+
+    def inputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states with the scaling folded in: ``(h / s) W^T + b / s = (h W^T + b) / s`` up to rounding."""
+        return hidden if self.scaling is None else hidden / self.scaling
+
+    def scaled_bias(self) -> torch.Tensor | None:
+        """The bias with the scaling folded in (``inputs``)."""
+        return self.bias if self.bias is None or self.scaling is None else self.bias / self.scaling
+
+
+def linear_head(lm: nn.Module) -> LinearHead | None:
+    """``lm``'s LM head as a ``LinearHead``, or None when it is not a plain ``nn.Linear`` holding its whole weight (a
+    peft layer, a sharded head)."""
+    head = lm.get_output_embeddings()
+    if type(head) is not nn.Linear or tuple(head.weight.shape) != (head.out_features, head.in_features):
+        return None
+    scaling = getattr(lm.config, "logits_scaling", None)
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    return LinearHead(head.weight, head.bias, None if scaling in (None, 1.0) else float(scaling),
+                      None if cap is None else float(cap))
 
 
 def hidden_forward(model: nn.Module, lm: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:

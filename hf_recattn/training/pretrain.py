@@ -9,7 +9,7 @@ from transformers import default_data_collator, set_seed
 
 from .data import load_documents, load_tokenizer, packed_blocks
 from .model_presets import model_values
-from .run_config import PRETRAIN_KEYS, block_size, loss_chunk_size, read_training_yaml, run_arguments
+from .run_config import PRETRAIN_KEYS, block_size, loss_chunk_size, loss_kernel, read_training_yaml, run_arguments
 from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
 
 DEFAULT_BLOCK_SIZE = 512
@@ -28,6 +28,7 @@ def pretrain(config_or_path: str | Path | dict[str, Any], output_dir: str | None
     run = read_training_yaml(config_or_path, PRETRAIN_KEYS)
     where, values = run.where, run.values
     chunk = loss_chunk_size(values.get("loss_chunk_size"), where)
+    kernel = loss_kernel(values.get("loss_kernel"), where)
     model_kwargs = model_values(values.get("model"), where)
     streaming = run.data.streaming
     args = run_arguments(run, where, output_dir)
@@ -59,6 +60,6 @@ def pretrain(config_or_path: str | Path | dict[str, Any], output_dir: str | None
     model = RecAttnForCausalLM(config)
     trainer = CausalLMTrainer(model=model, args=args, train_dataset=train, eval_dataset=held,
                               data_collator=default_data_collator, processing_class=tokenizer,
-                              callbacks=callbacks, loss_chunk_size=chunk)
+                              callbacks=callbacks, loss_chunk_size=chunk, loss_kernel=kernel)
     resumed = train_with_resume(trainer)
     return summarize(trainer, save_final(trainer, tokenizer), resumed)

@@ -18,10 +18,11 @@ import yaml
 
 from .arguments import build_training_arguments
 from .checks import as_mapping, build_settings, check_keys
+from .fused_loss import check_loss_kernel
 from .trainable import LoraSettings
 
-PRETRAIN_KEYS = {"model", "tokenizer", "data", "block_size", "loss_chunk_size", "training"}
-FINETUNE_KEYS = {"model", "data", "block_size", "loss_chunk_size", "method", "lora", "training"}
+PRETRAIN_KEYS = {"model", "tokenizer", "data", "block_size", "loss_chunk_size", "loss_kernel", "training"}
+FINETUNE_KEYS = {"model", "data", "block_size", "loss_chunk_size", "loss_kernel", "method", "lora", "training"}
 _DATA_KEYS = {
     "source", "eval_source", "text_column", "messages_column", "eval_fraction", "eval_documents",
     "streaming", "num_proc", "max_documents", "split", "config_name", "cache_dir",
@@ -131,6 +132,14 @@ def loss_chunk_size(value: Any, where: str) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{where}: loss_chunk_size must be a positive integer (tokens per chunk), got {value!r}")
     return value
+
+
+def loss_kernel(value: Any, where: str) -> str:
+    """The ``loss_kernel`` (``fused_loss.py``): ``auto`` (unset), ``torch`` or ``liger``, refused where it cannot
+    run at all (liger-kernel not installed, no CUDA device)."""
+    choice = "auto" if value is None else value
+    check_loss_kernel(choice, f"{where}: loss_kernel")
+    return choice
 
 
 def lora_section(value: Any, where: str) -> tuple[LoraSettings, bool]:

@@ -1,5 +1,5 @@
-"""Running Trainer: eval perplexity in the logs, the causal-LM loss over chunks of positions when asked, resuming
-from the last checkpoint, the final atomic save."""
+"""Running Trainer: eval perplexity in the logs, the causal-LM loss over chunks of positions or on Liger Kernel's
+fused op when asked, resuming from the last checkpoint, the final atomic save."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from transformers import Trainer
 
 from ..atomic import move_into_place
 from .distill_loss import chunked_loss_sum
+from .fused_loss import check_loss_kernel, fused_loss_sum, use_liger
 from .lm_outputs import causal_lm, final_logits, hidden_forward
 
 FINAL_MODEL = "model"
@@ -38,13 +39,26 @@ class CausalLMTrainer(Trainer):
     ``loss_chunk_size``: the causal-LM cross-entropy (the model's own, summed over the predicted tokens and divided
     by Trainer's count of them, or their mean) is taken over chunks of that many tokens from the final hidden states
     (``distill_loss.chunked_loss_sum``), so the whole [B, T, V] logits never exist; None: the model's own loss.
+    ``loss_kernel``: ``liger`` takes that cross-entropy from the final hidden states on Liger Kernel's fused op
+    instead (``fused_loss.py``), ``auto`` where it runs and takes the loss, ``torch`` never.
     """
 
-    def __init__(self, *args: Any, loss_chunk_size: int | None = None, **kwargs: Any) -> None:
+    #: the setting that ``loss_kernel`` errors name
+    loss_kernel_setting = "loss_kernel"
+
+    def __init__(
+        self, *args: Any, loss_chunk_size: int | None = None, loss_kernel: str = "auto", **kwargs: Any
+    ) -> None:
         if loss_chunk_size is not None and loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size!r}")
+        check_loss_kernel(loss_kernel, self.loss_kernel_setting)
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
+        self.loss_kernel = loss_kernel
+
+    def uses_liger(self, lm: nn.Module, weighted: bool = False) -> bool:
+        """Whether the loss of the causal LM ``lm`` runs on the Liger ops (``fused_loss.use_liger``)."""
+        return use_liger(self.loss_kernel, self.loss_kernel_setting, lm, weighted=weighted)
 
     def compute_loss(
         self,
@@ -53,16 +67,20 @@ class CausalLMTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        if not self.loss_chunk_size:
+        lm = causal_lm(self.accelerator.unwrap_model(model))
+        fused = self.uses_liger(lm)
+        if not (self.loss_chunk_size or fused):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels = inputs["labels"]
         shift_labels = inputs.get("shift_labels")
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         forward = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        lm = causal_lm(self.accelerator.unwrap_model(model))
         hidden, outputs = hidden_forward(model, lm, forward)
-        total, count = chunked_loss_sum(partial(final_logits, lm), hidden, shift_labels, self.loss_chunk_size)
+        if fused:
+            total, count = fused_loss_sum(lm, hidden, shift_labels)
+        else:
+            total, count = chunked_loss_sum(partial(final_logits, lm), hidden, shift_labels, self.loss_chunk_size)
         if num_items_in_batch is None:
             loss = total / count if count else total
         else:  # as Trainer scales the model's own loss
