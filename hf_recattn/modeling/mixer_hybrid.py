@@ -32,6 +32,12 @@ token, and a window without it loses much of their quality). Sink tokens never e
 may be ``"none"``: softmax over the window and the sinks only (what the conversion report calls
 window-only).
 
+``cache_slots`` G keeps, per KV head, the G pairs the far state recalls worst as exact softmax keys (LoLA): a real
+token leaving the window waits in a pending buffer (still a softmax key); when a row's buffer holds W tokens, the
+cache and the buffer are scored by the far part's ``far_recall_error``, the top G stay cached and the rest are
+evicted (into the far state, for a far part reading leaving keys). hybrid_cache.py keeps the books; docs/mixers.md
+gives the rule and its timing. The state then also holds the pending buffer (W slots) and the cache (G slots).
+
 The recurrent state holds the last W keys / values (with a mask of which are real tokens), the N sink keys /
 values (with a mask of the filled slots) and the far mixer's state (keys prefixed "far."). Both parts read
 the same rotary-embedded q and k (the hybrid spec's ``rope`` decides; the nested far spec's ``rope`` is
@@ -164,7 +170,9 @@ class HybridMixer(Mixer):
 
     * ``sink_tokens``: the attention sinks of StreamingLLM, Xiao et al., "Efficient Streaming Language Models
       with Attention Sinks", arXiv:2309.17453;
-    * ``far``: any family declaring the far-part protocol; each names its own paper.
+    * ``far``: any family declaring the far-part protocol; each names its own paper;
+    * ``cache_slots``: the sparse cache of LoLA, McDermott et al., "LoLA: Low-Rank Linear Attention With Sparse
+      Caching", arXiv:2505.23666.
     """
 
     name = "hybrid"
