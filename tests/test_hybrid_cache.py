@@ -322,6 +322,22 @@ def test_decisions_equal_across_forms_and_chunk_sizes(far: str) -> None:
                     assert torch.equal(got[name], want[name]), (size, name)
 
 
+@pytest.mark.parametrize("far", ["linear-elu", "delta"])
+def test_a_masked_decision_at_every_step_changes_nothing(far: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a decode step runs the decision every step, masked to the rows whose pending buffer is full
+    (no wait for the host); forced here on the CPU, the steps give the same outputs and states."""
+    q, k, v, x = checks.random_inputs(SHAPE, 14, seed=7)
+    mask = left_padded(14, PAD)
+    mixer = make(far, sink_tokens=1)
+    with torch.no_grad():
+        want, want_state = run_steps(mixer, q, k, v, x, mask)
+        monkeypatch.setattr(mixer_hybrid, "decision_spans", lambda decide: [(0, 1, True)])
+        got, got_state = run_steps(mixer, q, k, v, x, mask)
+    assert torch.equal(got, want)
+    for name in want_state:
+        assert torch.equal(got_state[name], want_state[name]), name
+
+
 def test_left_padding_changes_nothing() -> None:
     mixer = make("linear-elu", sink_tokens=1)
     checks.assert_left_padding_changes_nothing(mixer, checks.random_inputs(SHAPE, 15, seed=4), 4, FP32)
