@@ -30,6 +30,23 @@ no family: it reads what the far family's class declares. A family serves as a f
 otherwise it only hands the terms back to ``far_output``. ``count`` is free for the family's own use (e.g. the
 number of real keys each query read).
 
+With the hybrid's ``cache_slots`` (an exact cache of the pairs the far state recalls worst, see docs/mixers.md),
+a far family also declares:
+
+* ``far_recall_problem(spec) -> str | None`` (classmethod): why the validated far ``spec`` cannot score recall, or
+  None. ``FarPart``'s default says the family declares no score; the hybrid refuses ``cache_slots`` > 0 with the
+  reason, prefixed by ``option 'cache_slots' ``.
+* ``far_recall_error(k, v, state) -> Tensor [B, Hkv, N]``: how badly ``state`` recalls each pair (k [B, Hkv, N, D],
+  v [B, Hkv, N, E], as the hybrid holds them: rotary-embedded, before any of the family's own transforms): the
+  larger, the more the pair is worth keeping exactly. It reads only the state, since a cached pair is re-scored
+  long after its own layer input has gone. A family reading ``LEAVING`` keys scores the self-recall error of its
+  normalized state, ||v - num(k) / den(k)||; a delta-rule family the residual of its update, ||v - S k||.
+* ``LEAVING`` families only, as the cache decides which keys enter the far state and when:
+  ``far_read(q, inputs, state) -> FarTerms``, the terms of the queries [B, H, T, D] over the state without adding
+  anything to it, and ``far_add(k, v, weight, state) -> State``, the state with each pair added with its
+  ``weight`` [B, Hkv, N] (0 or 1: the heads keep different pairs). A family reading ``ARRIVING`` tokens keeps
+  its forms: every token is in its state anyway, and the cache holds exact copies beside it.
+
 ``FarPart`` gives the defaults of a family whose output is its own business (``ARRIVING``, ``combine='sum'``
 only): its far forms are its ``parallel`` / ``chunked`` / ``step`` forms, the finished output stands in ``num``
 and ``far_output`` returns it. Such a family declares ``far_reads = ARRIVING`` and inherits the rest.
@@ -86,6 +103,12 @@ class FarPart:
     def far_part_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         """The spec the hybrid builds the far part from."""
         return spec
+
+    @classmethod
+    def far_recall_problem(cls, spec: dict[str, Any]) -> str | None:
+        """Why the validated ``spec`` cannot score recall for the hybrid's cache, or None (see the module)."""
+        name = getattr(cls, "name", cls.__name__)
+        return f"needs a far part that scores recall (far_recall_error); a {name} far part declares none"
 
     def far_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> FarTerms:
         return FarTerms(self.parallel(q, k, v, inputs))

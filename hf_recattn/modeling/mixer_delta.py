@@ -230,6 +230,21 @@ class DeltaMixer(GatedMixer, FarPart):
         o, new_state["S"] = delta_step(qg, kd, vd, *self._coefficients(inputs), start, in_place=writable(start))
         return self.finish_output(o, inputs), new_state
 
+    # ----- beside the hybrid's exact cache (cache_slots) ----------------------------------------------------------
+    @classmethod
+    def far_recall_problem(cls, spec: dict[str, Any]) -> str | None:
+        return None
+
+    def far_recall_error(self, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        """||v - k^ S||, the residual the rule's update computes, with k^ and v made as ``_prepare`` makes them for
+        one token alone (activation, feature map, key norm): a cached pair's neighbours in the short convolution
+        and its layer input (the write strength b) are gone when it is re-scored, so neither enters."""
+        S = state["S"]
+        if self.spec["activation"] == "silu":
+            k, v = F.silu(k), F.silu(v)
+        keys = self._norm(self.feature_map(k, is_query=False)).to(S.dtype)
+        return (v.to(S.dtype) - keys @ S).norm(dim=-1)
+
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         hk, d = self.shape.num_kv_heads, self.shape.head_dim
         width = self.feature_map.out_dim

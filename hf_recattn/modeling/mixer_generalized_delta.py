@@ -140,6 +140,18 @@ class GeneralizedDeltaMixer(GatedMixer, FarPart):
         """Hk D^2, whatever the context."""
         return self.shape.num_kv_heads * self.shape.head_dim**2
 
+    @classmethod
+    def far_recall_problem(cls, spec: dict[str, Any]) -> str | None:
+        """Beside the hybrid's exact cache (cache_slots): the residual ``far_recall_error`` scores."""
+        return None
+
+    def far_recall_error(self, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        """||v - k^ S|| with the removal key k^ = (k * k_k) / |k * k_k|: what the update removes before it writes
+        (the rate a and the written key read the layer input, gone when a cached pair is re-scored)."""
+        S = state["S"]
+        removal = qk_norm(k * self.key_gain[:, None].to(k.dtype), "l2", self.eps).to(S.dtype)
+        return (v.to(S.dtype) - removal @ S).norm(dim=-1)
+
     def init_parameters(self, init: Any) -> None:
         """See the module docstring (``init`` skips loaded parameters)."""
         hk, d = self.shape.num_kv_heads, self.shape.head_dim

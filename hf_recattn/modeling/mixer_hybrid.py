@@ -32,6 +32,12 @@ token, and a window without it loses much of their quality). Sink tokens never e
 may be ``"none"``: softmax over the window and the sinks only (what the conversion report calls
 window-only).
 
+``cache_slots`` G keeps, per KV head, the G pairs the far state recalls worst as exact softmax keys (LoLA): a real
+token leaving the window waits in a pending buffer (still a softmax key); when a row's buffer holds W tokens, the
+cache and the buffer are scored by the far part's ``far_recall_error``, the top G stay cached and the rest are
+evicted (into the far state, for a far part reading leaving keys). hybrid_cache.py keeps the books; docs/mixers.md
+gives the rule and its timing. The state then also holds the pending buffer (W slots) and the cache (G slots).
+
 The recurrent state holds the last W keys / values (with a mask of which are real tokens), the N sink keys /
 values (with a mask of the filled slots) and the far mixer's state (keys prefixed "far."). Both parts read
 the same rotary-embedded q and k (the hybrid spec's ``rope`` decides; the nested far spec's ``rope`` is
@@ -49,6 +55,17 @@ from torch import nn
 
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
 from .gated_parts import logit
+from .hybrid_cache import (
+    Timing,
+    block_timing,
+    decision_spans,
+    gather_heads,
+    gather_tokens,
+    keep_slots,
+    pending_after,
+    pending_pairs,
+    undecided_visible,
+)
 from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option, check_open_unit
 from .registry import MIXERS, build_mixer, mixer_class, validate_spec
@@ -103,6 +120,46 @@ def _far_state(state: State) -> State:
     return {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
 
 
+def _real_tokens(inputs: MixerInputs, q: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: which of the block's tokens are real."""
+    mask = inputs.token_mask
+    return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if mask is None else mask.bool()
+
+
+def _slice_inputs(inputs: MixerInputs, start: int, stop: int) -> MixerInputs:
+    """The inputs of tokens start..stop-1 of the block (``inputs`` itself when that is the whole block)."""
+    t = inputs.hidden_states.shape[1]
+    if start == 0 and stop == t:
+        return inputs
+    mask = inputs.padding_mask
+    return MixerInputs(
+        hidden_states=inputs.hidden_states[:, start:stop],
+        padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + stop],
+        past_length=inputs.past_length + start,
+    )
+
+
+def _where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` in the batch rows [B] marked, ``old`` in the others."""
+    return torch.where(rows.view(-1, *(1,) * (old.dim() - 1)), new, old)
+
+
+class CacheBlock(NamedTuple):
+    """A block of new tokens with the cache on: the queries, keys and values and their inputs, U's keys, values
+    and real tokens (pending, window, new: see hybrid_cache.py), the decisions' timing and the sinks (their keys,
+    values and visibility [B, 1, 1, T, N + T] and which new tokens are sinks), or None without sinks."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    inputs: MixerInputs
+    keys: torch.Tensor
+    values: torch.Tensor
+    real: torch.Tensor
+    timing: Timing
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
 class HybridMixer(Mixer):
     """Sliding-window softmax + a recurrent far mixer, mixed per head by a learnable weight.
 
@@ -113,7 +170,9 @@ class HybridMixer(Mixer):
 
     * ``sink_tokens``: the attention sinks of StreamingLLM, Xiao et al., "Efficient Streaming Language Models
       with Attention Sinks", arXiv:2309.17453;
-    * ``far``: any family declaring the far-part protocol; each names its own paper.
+    * ``far``: any family declaring the far-part protocol; each names its own paper;
+    * ``cache_slots``: the sparse cache of LoLA, McDermott et al., "LoLA: Low-Rank Linear Attention With Sparse
+      Caching", arXiv:2505.23666.
     """
 
     name = "hybrid"
@@ -135,6 +194,10 @@ class HybridMixer(Mixer):
         ),
         "mix_init": Option((float,), 0.5, "initial window weight g = sigmoid(lambda), in (0, 1)"),
         "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
+        "cache_slots": Option(
+            (int,), 0, "exact key/value slots per KV head for the pairs the far state recalls worst (0: none)",
+            minimum=0,
+        ),
     }
     state_kind = "window"
 
@@ -148,12 +211,18 @@ class HybridMixer(Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         check_open_unit(spec, where, "mix_init")
         if spec["far"] == NO_FAR:
+            if spec["cache_slots"]:
+                raise ValueError(f"{where}: option 'cache_slots' needs a far part (its state scores the pairs and "
+                                 "takes those the cache evicts), got far='none'")
             return
         far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])
         far = validate_spec(far, f"{where}: option 'far'")
         problem = _far_spec_problem(far, spec["combine"])
         if problem is not None:
             raise ValueError(f"{where}: option 'far' {problem}")
+        problem = MIXERS[far["mixer"]].far_recall_problem(far) if spec["cache_slots"] else None
+        if problem is not None:
+            raise ValueError(f"{where}: option 'cache_slots' {problem}")
         spec["far"] = far
 
     @classmethod
@@ -176,6 +245,13 @@ class HybridMixer(Mixer):
         self.scale = shape.head_dim**-0.5
         self.mix_init = float(spec["mix_init"])
         self.sink_tokens = int(spec["sink_tokens"])
+        self.cache_slots = int(spec["cache_slots"])
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and self.cache_slots > limit:
+            raise ValueError(
+                f"layer {shape.layer_idx}: option 'cache_slots'={self.cache_slots} exceeds max_position_embeddings="
+                f"{limit}, the most tokens a sequence can hold"
+            )
         self.far: Mixer | None = None
         if spec["far"] != NO_FAR:
             family = mixer_class(spec["far"]["mixer"], f"layer {shape.layer_idx}: option 'far'")
@@ -252,10 +328,9 @@ class HybridMixer(Mixer):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
     ) -> tuple[torch.Tensor, State]:
         w, t = self.window, q.shape[2]
-        new_real = inputs.token_mask
-        if new_real is None:
-            new_real = torch.ones(q.shape[0], t, dtype=torch.bool, device=q.device)
-        new_real = new_real.bool()
+        if self.cache_slots:
+            return self._cached_block(q, k, v, inputs, state, far_form)
+        new_real = _real_tokens(inputs, q)
         new_state: State = {}
         qg = group_queries(q, self.shape.num_kv_heads)
         if self.sink_tokens:
@@ -344,8 +419,14 @@ class HybridMixer(Mixer):
     def _with_far(self, read: FarRead, scores: torch.Tensor, soft_values: torch.Tensor) -> torch.Tensor:
         """Combine the softmax part (``scores`` over ``soft_values``: sinks, then window) with the far part (see
         ``_far_terms``); the far state moves into ``read.new_state``."""
-        hk, g = self.shape.num_kv_heads, self.shape.groups
         terms, far_inputs = self._far_terms(read)
+        return self._combine(terms, far_inputs, scores, soft_values)
+
+    def _combine(
+        self, terms: FarTerms, far_inputs: MixerInputs, scores: torch.Tensor, soft_values: torch.Tensor
+    ) -> torch.Tensor:
+        """The softmax part (``scores`` over ``soft_values``) and the far part's ``terms`` by ``combine``."""
+        hk, g = self.shape.num_kv_heads, self.shape.groups
         mix = self.mix_logit.view(hk, g, 1)  # against [B, Hkv, G, T]
         if self.combine == "shared":
             num_f, den_f = terms.num, terms.den
@@ -370,11 +451,103 @@ class HybridMixer(Mixer):
         share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
         return share * near + (1.0 - share) * far_out
 
+    # ----- the exact cache (cache_slots): hybrid_cache.py's bookkeeping around the same softmax and far part ---
+    def _cached_block(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
+    ) -> tuple[torch.Tensor, State]:
+        """``_block`` with the cache: the queries run in spans cut after each decision; a decision moves pairs
+        between the cache and (a far part reading leaving keys) the far state."""
+        w = self.window
+        new_real = _real_tokens(inputs, q)
+        new_state: State = {}
+        sinks = None
+        if self.sink_tokens:
+            sink_keys, sink_values, new_sink, sink_visible, sink_state = self._sinks(k, v, new_real, state)
+            new_state.update(sink_state)
+            new_real = new_real & ~new_sink
+            sinks = (sink_keys, sink_values, sink_visible, new_sink)
+        real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # U: pending, window, new
+        timing = block_timing(state["pmask"], state["wmask"], new_real, w)
+        blk = CacheBlock(q, k, v, inputs, torch.cat([state["pk"], state["wk"], k], dim=2),
+                         torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks)
+        cache, far = (state["ck"], state["cv"], state["cmask"]), _far_state(state)
+        outs = []
+        for start, stop, decides in decision_spans(timing.decide):
+            out, far = self._cached_span(blk, start, stop, cache, far, far_form)
+            outs.append(out)
+            if decides:
+                cache, far = self._decide(blk, stop - 1, cache, far)
+        slots, pmask = pending_after(timing, w)
+        keep = pmask[:, None, :, None]
+        new_state.update({
+            "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": real[:, -w:],
+            "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
+            "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
+            "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2],
+        })
+        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
+        return torch.cat(outs, dim=1), new_state
+
+    def _cached_span(
+        self, blk: CacheBlock, start: int, stop: int, cache: tuple[torch.Tensor, ...], far: State, far_form: FarForm
+    ) -> tuple[torch.Tensor, State]:
+        """The outputs of queries start..stop-1 over the sinks, the cache, the tokens not decided yet and the far
+        state, and the far state after them (one reading arriving tokens has read theirs)."""
+        q = blk.q[:, :, start:stop]
+        inputs = _slice_inputs(blk.inputs, start, stop)
+        ck, cv, cmask = cache
+        columns = 2 * self.window + stop
+        keys, values = [ck, blk.keys[:, :, :columns]], [cv, blk.values[:, :, :columns]]
+        new_sink = None if blk.sinks is None else blk.sinks[3]
+        visible = [
+            cmask[:, None, None, None, :].expand(-1, 1, 1, stop - start, -1),
+            undecided_visible(blk.timing, blk.real, self.window, start, stop, new_sink),
+        ]
+        if blk.sinks is not None:
+            keys.insert(0, blk.sinks[0])
+            values.insert(0, blk.sinks[1])
+            visible.insert(0, blk.sinks[2][..., start:stop, :])
+        qg = group_queries(q, self.shape.num_kv_heads)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, torch.cat(keys, dim=2)) * self.scale
+        scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
+        if self.far.far_reads == ARRIVING:
+            k, v = blk.k[:, :, start:stop], blk.v[:, :, start:stop]
+            terms, far = far_form(q, k, v, inputs, far)
+        else:
+            terms = self.far.far_read(q, inputs, far)
+        return self._combine(terms, inputs, scores, torch.cat(values, dim=2)), far
+
+    def _decide(
+        self, blk: CacheBlock, j: int, cache: tuple[torch.Tensor, ...], far: State
+    ) -> tuple[tuple[torch.Tensor, ...], State]:
+        """The decision after query j in the rows whose pending buffer is then full: the cache's pairs and the
+        pending ones scored against the far state, the G worst recalled kept, the others (a far part reading
+        leaving keys) added to it in token order. The other rows keep their cache and far state."""
+        rows = blk.timing.decide[:, j]
+        ck, cv, cmask = cache
+        pending = pending_pairs(blk.timing, j, self.window)
+        keys = torch.cat([ck, gather_tokens(blk.keys, pending)], dim=2)
+        values = torch.cat([cv, gather_tokens(blk.values, pending)], dim=2)
+        filled = torch.cat([cmask, torch.ones_like(pending, dtype=torch.bool)], dim=1)
+        score = self.far.far_recall_error(keys, values, far).detach()  # the choice is discrete: no gradient
+        keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
+        cache = (
+            _where_rows(rows, gather_heads(keys, keep), ck),
+            _where_rows(rows, gather_heads(values, keep), cv),
+            _where_rows(rows, new_mask, cmask),
+        )
+        if self.far.far_reads != ARRIVING:
+            added = self.far.far_add(keys, values, evicted.to(values.dtype), far)
+            far = {name: _where_rows(rows, added[name], x) for name, x in far.items()}
+        return cache, far
+
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
     ) -> torch.Tensor:
-        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), self._far_parallel)
+        # with the cache an arriving far part runs chunked: each decision scores against its state at that token
+        form = self._far_chunked if self.cache_slots else self._far_parallel
+        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), form)
         return out
 
     def chunked(
@@ -384,12 +557,7 @@ class HybridMixer(Mixer):
         outs = []
         for start in range(0, t, self.chunk_size):
             stop = min(start + self.chunk_size, t)
-            mask = inputs.padding_mask
-            sub = MixerInputs(
-                hidden_states=inputs.hidden_states[:, start:stop],
-                padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + stop],
-                past_length=inputs.past_length + start,
-            )
+            sub = _slice_inputs(inputs, start, stop)
             out, state = self._block(
                 q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, self._far_chunked
             )
@@ -399,7 +567,7 @@ class HybridMixer(Mixer):
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        if q.shape[2] == 1 and (not self.sink_tokens or self._sinks_settled(state)):
+        if q.shape[2] == 1 and not self.cache_slots and (not self.sink_tokens or self._sinks_settled(state)):
             return self._step_one(q, k, v, inputs, state)
         return self._block(q, k, v, inputs, state, self._far_step)
 
@@ -415,13 +583,28 @@ class HybridMixer(Mixer):
             state["sk"] = torch.zeros(sinks, device=device, dtype=dtype)
             state["sv"] = torch.zeros(sinks, device=device, dtype=dtype)
             state["smask"] = torch.zeros(batch_size, self.sink_tokens, dtype=torch.bool, device=device)
+        if self.cache_slots:
+            state.update(self._init_cache(batch_size, device, dtype))
         if self.far is not None:
             state.update(
                 {FAR_PREFIX + name: x for name, x in self.far.init_state(batch_size, device, dtype).items()}
             )
         return state
 
+    def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        """The pending buffer (W slots) and the cache (G slots per KV head), empty."""
+        hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
+        return {
+            "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
+            "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
+            "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
+            "ck": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
+            "cv": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
+            "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
+        }
+
     def state_size(self, context_length: int) -> int:
-        kept = self.window + self.sink_tokens
+        """Window, sinks, pending buffer and cache (keys, values and masks) and the far state: fixed."""
+        kept = self.window + self.sink_tokens + (self.window + self.cache_slots if self.cache_slots else 0)
         buffers = 2 * self.shape.num_kv_heads * self.shape.head_dim * kept + kept
         return buffers + (0 if self.far is None else self.far.state_size(context_length))

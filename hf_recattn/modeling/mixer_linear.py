@@ -212,6 +212,32 @@ class LinearMixer(Mixer, FarPart):
     def far_output(self, terms: FarTerms, inputs: MixerInputs) -> torch.Tensor:
         return self.finish(terms.num, terms.den)
 
+    # ----- beside the hybrid's exact cache (cache_slots): read, add and score apart -----------------------------
+    @classmethod
+    def far_recall_problem(cls, spec: dict[str, Any]) -> str | None:
+        return None
+
+    def far_read(self, q: torch.Tensor, inputs: MixerInputs, state: State) -> FarTerms:
+        """phi(q) S and phi(q) z: the queries' terms over the state, which stays as it is."""
+        S, z = state["S"], state["z"]
+        qf = self.feature_map(group_queries(q, self.shape.num_kv_heads), is_query=True).to(S.dtype)
+        num = qf @ S[:, :, None]  # [B, Hkv, G, T, F] @ [B, Hkv, 1, F, E]
+        den = (qf @ z[:, :, None, :, None])[..., 0]
+        return FarTerms(num, den).to(q.dtype)
+
+    def far_add(self, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, state: State) -> State:
+        """S + sum_i w_i phi(k_i) v_i^T and z + sum_i w_i phi(k_i), per key head."""
+        S, z = state["S"], state["z"]
+        kf = self.feature_map(k, is_query=False).to(S.dtype) * weight[..., None].to(S.dtype)
+        return {"S": S + kf.transpose(-1, -2) @ v.to(S.dtype), "z": z + kf.sum(2)}
+
+    def far_recall_error(self, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        """||v - S^T phi(k) / (z^T phi(k) + eps)||: the state's normalized answer to each key (LoLA's score)."""
+        S, z = state["S"], state["z"]
+        kf = self.feature_map(k, is_query=False).to(S.dtype)
+        recall = (kf @ S) / ((kf @ z[..., None]) + self.eps)
+        return (v.to(S.dtype) - recall).norm(dim=-1)
+
     def attention_weights(self, q: torch.Tensor, k: torch.Tensor, inputs: MixerInputs) -> torch.Tensor | None:
         """phi(q_t) . phi(k_s) (decayed) over the denominator (+ eps), as the output divides them; None with an
         output norm instead of the denominator."""

@@ -38,7 +38,7 @@ from torch import nn
 from .far_part import LEAVING, FarPart, FarTerms, shared_needs
 from .feature_maps import FeatureMap
 from .mixer_base import Mixer, MixerInputs, MixerShape, State, group_queries, state_dtype, ungroup_output, writable
-from .ops_taylor import packed_dim, quadratic_weights, taylor_chunked, taylor_step
+from .ops_taylor import packed_dim, packed_powers, quadratic_weights, taylor_chunked, taylor_step
 from .options import Option
 from .output_norms import OUTPUT_NORMS, OutputNorm
 
@@ -290,6 +290,39 @@ class TaylorMixer(Mixer, FarPart):
 
     def far_output(self, terms: FarTerms, inputs: MixerInputs) -> torch.Tensor:
         return self.finish(terms.num, terms.den, terms.count, inputs)
+
+    # ----- beside the hybrid's exact cache (cache_slots): read, add and score apart -----------------------------
+    @classmethod
+    def far_recall_problem(cls, spec: dict[str, Any]) -> str | None:
+        if spec["denominator"] != "exact":
+            return "needs a taylor far part with denominator='exact' (its recall score is the normalized state's)"
+        return None
+
+    def _far_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The keys [B, Hkv, N, D] as ``_prepare`` makes them (feature map), without queries."""
+        return self._prepare(k.new_zeros(k.shape[0], self.shape.num_heads, 0, k.shape[3]), k)[1]
+
+    def far_read(self, q: torch.Tensor, inputs: MixerInputs, state: State) -> FarTerms:
+        """Phi(s q) S and Phi(s q) z: the queries' terms over the packed state, which stays as it is."""
+        S, z = state["S"], state["z"]
+        no_keys = q.new_zeros(q.shape[0], self.shape.num_kv_heads, 0, q.shape[3], dtype=S.dtype)
+        qg, _ = self._prepare(q.to(S.dtype), no_keys)
+        fq = packed_powers(qg, int(self.order))
+        return FarTerms(fq @ S[:, :, None], (fq @ z[:, :, None, :, None])[..., 0]).to(q.dtype)
+
+    def far_add(self, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, state: State) -> State:
+        """S + sum_i w_i Phi(k_i) v_i^T and z + sum_i w_i Phi(k_i), per key head."""
+        S, z = state["S"], state["z"]
+        fk = packed_powers(self._far_keys(k.to(S.dtype)), int(self.order)) * weight[..., None].to(S.dtype)
+        return {**state, "S": S + fk.transpose(-1, -2) @ v.to(S.dtype), "z": z + fk.sum(2)}
+
+    def far_recall_error(self, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        """||v - num / den|| for each key read as a query (T_N(s k . k_i) weights; den floored at eps, as
+        ``finish`` does)."""
+        S, z = state["S"], state["z"]
+        fk = packed_powers(self._far_keys(k.to(S.dtype)) * self.scale, int(self.order))
+        recall = (fk @ S) / (fk @ z[..., None]).clamp_min(self.eps)
+        return (v.to(S.dtype) - recall).norm(dim=-1)
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(

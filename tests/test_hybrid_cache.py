@@ -1,0 +1,547 @@
+"""The hybrid's exact cache (``cache_slots``, LoLA-style): a float64 per-token reference written here from the rule,
+every form and every kind of far part against it, the eviction order on hand-made sequences (and variants of the
+rule broken on purpose, which those tests must catch), left padding, fixed state size, generation and bad specs.
+
+The rule (docs/mixers.md): a real token leaving the window joins the pending buffer; when a row's pending buffer
+holds W tokens, after that query, the cache's pairs and the pending ones are scored against the far state
+(``far_recall_error``), the G highest stay cached (ties: the older), the others are evicted (into the far state for
+a far part reading leaving keys, in token order). A query sees sinks, cache, pending and window by softmax, plus the
+far state. Tolerances: fp32 forms within 1e-5 relative of the reference, float64 within 1e-10; float64 gradients
+within 1e-9.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import mixer_checks as checks
+import pytest
+import torch
+import torch.nn.functional as F
+from generation_cases import PAD as PAD_ID
+from generation_cases import Case, left_padded_batch, one_thread, tiny_model
+from mixer_checks import PAD, SHAPE
+from mixer_steps import left_padded, run_chunked, run_steps
+from reference import phi_elu, phi_hedgehog, real_rows, rel_err
+from reference_delta import delta_reference
+from reference_recurrent_softmax import finish, taylor_value
+from test_delta import params_live, params_of
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.modeling import mixer_hybrid
+from hf_recattn.modeling.far_part import ARRIVING, LEAVING, FarPart, FarTerms
+from hf_recattn.modeling.mixer_base import Mixer, MixerInputs, State, group_queries, ungroup_output
+from hf_recattn.modeling.mixers import MIXERS, build_mixer, register_mixer, validate_spec
+from hf_recattn.modeling.options import Option
+from hf_recattn.modeling.variants import variant_models
+
+HK, D = SHAPE.num_kv_heads, SHAPE.head_dim
+EPS = 1e-6
+FP32, FP64, GRAD = 1e-5, 1e-10, 1e-9
+FARS: dict[str, tuple[Any, str]] = {
+    "linear-elu": ({"mixer": "linear", "feature_map": "elu"}, "shared"),
+    "linear-hedgehog": ({"mixer": "linear", "feature_map": "hedgehog"}, "shared"),
+    "linear-relu-l2": ({"mixer": "linear", "feature_map": "relu", "normalize": "l2"}, "sum"),
+    "taylor2": ({"mixer": "taylor", "order": 2}, "shared"),
+    "toy": ("toy_recall", "shared"),
+    "delta": ({"mixer": "delta", "rule": "gated", "conv_size": 3, "init": "convert", "half_life_min": 2.0,
+               "half_life_max": 8.0}, "sum"),
+    "delta-noconv": ({"mixer": "delta", "rule": "delta", "conv_size": 0, "init": "convert"}, "sum"),
+    "rwkv7": ({"mixer": "generalized_delta", "init": "convert", "decay_rank": 4, "iclr_rank": 4}, "sum"),
+}
+
+
+# ----- a far part registered here, by the protocol alone -------------------------------------------------------
+class ToyRecall(Mixer, FarPart):
+    """Linear attention with elu + 1 features written out in plain torch: only what the cache needs of a far part
+    reading leaving keys (read, add, score), and its terms' normalization."""
+
+    name = "toy_recall"
+    far_reads = LEAVING
+    far_shared = True
+
+    @classmethod
+    def far_recall_problem(cls, spec: dict[str, Any]) -> str | None:
+        return None
+
+    def far_read(self, q: torch.Tensor, inputs: MixerInputs, state: State) -> FarTerms:
+        qf = F.elu(group_queries(q, HK)) + 1.0
+        return FarTerms(torch.einsum("bhgtf,bhfe->bhgte", qf, state["S"]), torch.einsum("bhgtf,bhf->bhgt", qf,
+                                                                                         state["z"]))
+
+    def far_add(self, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, state: State) -> State:
+        kf = (F.elu(k) + 1.0) * weight[..., None]
+        return {"S": state["S"] + torch.einsum("bhnf,bhne->bhfe", kf, v), "z": state["z"] + kf.sum(2)}
+
+    def far_recall_error(self, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        kf = F.elu(k) + 1.0
+        recall = torch.einsum("bhnf,bhfe->bhne", kf, state["S"]) / (torch.einsum("bhnf,bhf->bhn", kf, state["z"])
+                                                                    + EPS)[..., None]
+        return (v - recall).norm(dim=-1)
+
+    def far_output(self, terms: FarTerms, inputs: MixerInputs) -> torch.Tensor:
+        return ungroup_output(terms.num / (terms.den[..., None] + EPS))
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        return {"S": torch.zeros(batch_size, HK, D, D, dtype=dtype), "z": torch.zeros(batch_size, HK, D, dtype=dtype)}
+
+    def state_size(self, context_length: int) -> int:
+        return HK * D * (D + 1)
+
+
+class ToyMute(Mixer, FarPart):
+    """A far part reading every token, with FarPart's defaults: it declares no recall score."""
+
+    name = "toy_mute"
+    options = {"causal": Option((bool,), True, "causal")}
+    far_reads = ARRIVING
+
+
+@pytest.fixture(autouse=True, scope="module")
+def toys() -> Iterator[None]:
+    for cls in (ToyRecall, ToyMute):
+        register_mixer(cls)
+    yield
+    for cls in (ToyRecall, ToyMute):
+        MIXERS.pop(cls.name)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    one_thread()
+
+
+def make(far: str, dtype: torch.dtype = torch.float32, window: int = 3, slots: int = 2, **options: Any) -> Mixer:
+    """A hybrid with the cache over the named far part, its parameters moved off their initial values."""
+    spec, combine = FARS[far]
+    spec = validate_spec({"mixer": "hybrid", "far": spec, "combine": combine, "window": window,
+                          "cache_slots": slots, "chunk_size": 4, **options}, "layer 5")
+    mixer = build_mixer(spec, SHAPE)
+    checks.perturb_parameters(mixer, scale=0.3)
+    return mixer.to(dtype)
+
+
+# ----- the float64 reference ------------------------------------------------------------------------------
+class Leaving(NamedTuple):
+    """A far part reading leaving keys, one vector at a time: kappa(q, k, query head, key head) for the queries,
+    kappa_r(k, k_i, key head) and the floor of the denominator for the recall score, its own output rule."""
+
+    kernel: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    recall: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    floor: Callable[[torch.Tensor], torch.Tensor]
+    finish: str = "linear"
+    gain: torch.Tensor | None = None
+
+
+class Arriving(NamedTuple):
+    """A far part reading every token: its own output [B, T, H, E] and the recall error of (k, v) against its
+    state after token t of row b, key head hk: ``residual(b, t, hk, k, v)``."""
+
+    out: torch.Tensor
+    residual: Callable[[int, int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _near_terms(qv: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[Any, Any]:
+    weights = [torch.exp(qv @ key / math.sqrt(qv.shape[0])) for key in keys]
+    return sum(w * value for w, value in zip(weights, values, strict=True)), sum(weights)
+
+
+def _output(far: Leaving | Arriving, share: torch.Tensor, combine: str, b: int, t: int, h: int, hk: int,
+            qv: torch.Tensor, near: tuple[Any, Any], evicted: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One query head's output from its softmax terms and the far part."""
+    g = share[h]
+    near_num, near_den = near
+    if isinstance(far, Arriving):
+        return g * near_num / near_den + (1 - g) * far.out[b, t, h]
+    weights = [far.kernel(qv, key, h, hk) for key, _ in evicted]
+    far_num = sum((w * value for w, (_, value) in zip(weights, evicted, strict=True)), torch.zeros_like(qv))
+    far_den = sum(weights, torch.zeros((), dtype=qv.dtype))
+    if combine == "shared":
+        return (g * near_num + (1 - g) * far_num) / (g * near_den + (1 - g) * far_den)
+    gain = None if far.gain is None else far.gain[h]
+    return g * near_num / near_den + (1 - g) * finish(far_num, far_den, len(evicted), far.finish, EPS, gain)
+
+
+def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, value: torch.Tensor,
+           evicted: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """How badly the far state recalls (key, value) after token t."""
+    if isinstance(far, Arriving):
+        return float(far.residual(b, t, hk, key, value).detach())
+    weights = [far.recall(key, other, hk) for other, _ in evicted]
+    num = sum((w * v for w, (_, v) in zip(weights, evicted, strict=True)), torch.zeros_like(value))
+    den = far.floor(sum(weights, torch.zeros((), dtype=key.dtype)))
+    return float(torch.linalg.vector_norm(value - num / den).detach())
+
+
+def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mixer: Mixer,
+                     far: Leaving | Arriving) -> torch.Tensor:
+    """The hybrid with the cache, token by token, one row and key head at a time: lists of token positions for the
+    sinks, the cache, the pending buffer and the evicted pairs."""
+    q, k, v = q.double(), k.double(), v.double()
+    bsz, heads, seq, _ = q.shape
+    groups, window, slots = heads // HK, mixer.window, mixer.cache_slots
+    share = torch.sigmoid(mixer.mix_logit.double())
+    rows: dict[tuple[int, int, int], torch.Tensor] = {}
+    for b in range(bsz):
+        real = [t for t in range(seq) if bool(mask[b, t])]
+        sinks = real[: mixer.sink_tokens]
+        for hk in range(HK):
+            cache: list[int] = []
+            pending: list[int] = []
+            evicted: list[int] = []
+            for t in range(seq):
+                if t - window in real and t - window not in sinks:
+                    pending.append(t - window)
+                if t in real:
+                    win = [s for s in range(t - window + 1, t + 1) if s in real and s not in sinks]
+                    near = [s for s in sinks if s <= t] + cache + pending + win
+                    pairs = [(k[b, hk, s], v[b, hk, s]) for s in evicted]
+                    for h in range(hk * groups, (hk + 1) * groups):
+                        terms = _near_terms(q[b, h, t], [k[b, hk, s] for s in near], [v[b, hk, s] for s in near])
+                        rows[(b, t, h)] = _output(far, share, mixer.combine, b, t, h, hk, q[b, h, t], terms, pairs)
+                if len(pending) == window:
+                    candidates = cache + pending
+                    pairs = [(k[b, hk, s], v[b, hk, s]) for s in evicted]
+                    scores = [_score(far, b, t, hk, k[b, hk, s], v[b, hk, s], pairs) for s in candidates]
+                    ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])  # stable: the older first
+                    cache = sorted(candidates[i] for i in ranked[:slots])
+                    evicted += [s for s in candidates if s not in cache]
+                    pending = []
+    zero = torch.zeros(v.shape[-1], dtype=torch.float64)
+    return torch.stack([torch.stack([torch.stack([rows.get((b, t, h), zero) for h in range(heads)])
+                                     for t in range(seq)]) for b in range(bsz)])
+
+
+def far_of(mixer: Mixer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+           mask: torch.Tensor) -> Leaving | Arriving:
+    """The reference's view of the mixer's far part (live parameters, so that gradients reach them)."""
+    far, name = mixer.far, mixer.far.name
+    if name == "delta":
+        params = params_live(far) if q.dtype == torch.float64 else params_of(far)
+        out, _ = delta_reference(q, k, v, x, mask, params)
+        states: dict[int, torch.Tensor] = {}
+
+        def residual(b: int, t: int, hk: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            if t not in states:  # the state after token t: the reference run on the first t + 1 tokens
+                states[t] = delta_reference(q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], x[:, : t + 1],
+                                            mask[:, : t + 1], params)[1]["S"]
+            key, value = F.silu(key), F.silu(value)
+            unit = key / torch.sqrt((key * key).sum() + far.eps)
+            return torch.linalg.vector_norm(value - unit @ states[t][b, hk].double())
+
+        return Arriving(out, residual)
+    if name == "taylor":
+        scale = far.scale
+
+        def t2(a: torch.Tensor, b: torch.Tensor, *heads: int) -> torch.Tensor:
+            return taylor_value(scale * (a @ b), 2)
+
+        return Leaving(t2, t2, lambda den: den.clamp_min(EPS))
+    if name == "linear" and far.spec["feature_map"] == "hedgehog":
+        qw, kw = far.feature_map.q_weight.double(), far.feature_map.k_weight.double()
+
+        def hedgehog(a: torch.Tensor, b: torch.Tensor, h: int, hk: int) -> torch.Tensor:
+            return phi_hedgehog(a, qw[h]) @ phi_hedgehog(b, kw[hk])
+
+        def hedgehog_keys(a: torch.Tensor, b: torch.Tensor, hk: int) -> torch.Tensor:
+            return phi_hedgehog(a, kw[hk]) @ phi_hedgehog(b, kw[hk])
+
+        return Leaving(hedgehog, hedgehog_keys, lambda den: den + EPS)
+    phi = phi_elu if name == "toy_recall" or far.spec["feature_map"] == "elu" else F.relu
+    gain = None if getattr(far, "output_norm", None) is None else far.output_norm.weight.double()
+    finish_kind = "linear" if gain is None else far.spec["normalize"]
+    return Leaving(lambda a, b, *heads: phi(a) @ phi(b), lambda a, b, hk: phi(a) @ phi(b), lambda den: den + EPS,
+                   finish_kind, gain)
+
+
+def reference_of(mixer: Mixer) -> Callable[[checks.Inputs, torch.Tensor], torch.Tensor]:
+    def reference(inputs: checks.Inputs, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v, x = inputs
+        return cached_reference(q, k, v, mask, mixer, far_of(mixer, q, k, v, x, mask))
+
+    return reference
+
+
+# ----- every form and far part against the reference -----------------------------------------------------------
+@pytest.mark.parametrize("sinks", [0, 1])
+@pytest.mark.parametrize("far", ["linear-elu", "linear-hedgehog", "linear-relu-l2", "taylor2", "toy", "delta"])
+def test_forms_match_the_reference(far: str, sinks: int) -> None:
+    """fp32: parallel, chunked (chunks of 4 over 14 tokens), token steps and a prefill of 5 + steps; left padding."""
+    mixer = make(far, sink_tokens=sinks)
+    inputs = checks.random_inputs(SHAPE, 14, seed=1)
+    mask = left_padded(14, PAD)
+    with torch.no_grad():
+        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
+        expected = reference_of(mixer)(inputs, mask)
+    assert rel_err(real_rows(parallel, mask), expected) < FP32
+    assert state["cmask"].all() and state["far.S"].abs().sum() > 0  # the cache filled, pairs went to the far part
+    without = make("linear-elu" if far == "toy" else far, slots=0, sink_tokens=sinks)  # the toy has no own forms
+    without.load_state_dict(mixer.state_dict())
+    with torch.no_grad():
+        plain = without.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
+    assert rel_err(real_rows(plain, mask), expected) > 1e-3  # the cache matters
+
+
+@pytest.mark.parametrize("far", ["linear-elu", "linear-relu-l2", "taylor2", "toy", "delta"])
+def test_float64_forms_match_the_reference_closely(far: str) -> None:
+    mixer = make(far, torch.float64, window=2, slots=3, sink_tokens=1)
+    inputs = checks.random_inputs(SHAPE, 13, torch.float64, seed=2)
+    mask = left_padded(13, PAD)
+    with torch.no_grad():
+        expected = reference_of(mixer)(inputs, mask)
+        for form in ("parallel", "chunked"):
+            assert rel_err(real_rows(checks.outputs_of(mixer, form, inputs, mask), mask), expected) < FP64, form
+
+
+@pytest.mark.parametrize("far", ["linear-elu", "linear-hedgehog", "taylor2", "delta"])
+def test_parallel_gradients_match_the_reference(far: str) -> None:
+    """float64 gradients of q, k, v, x and every parameter through the parallel form (the choice itself is discrete:
+    no gradient through the ranking, in either)."""
+    mixer = make(far, torch.float64, window=2, slots=2, sink_tokens=1)
+    unused = () if far == "delta" else ("x",)
+    checks.assert_gradients_match(mixer, reference_of(mixer), 11, GRAD, unused=unused)
+
+
+@pytest.mark.parametrize("far", ["linear-hedgehog", "delta"])
+def test_decisions_equal_across_forms_and_chunk_sizes(far: str) -> None:
+    """Chunks of any size (those not dividing the 17 tokens included) and token steps end in the same cache,
+    pending buffer and window, bit for bit; the far state too for a far part reading leaving keys."""
+    q, k, v, x = checks.random_inputs(SHAPE, 17, seed=3)
+    mask = left_padded(17, PAD)
+    mixer = make(far, window=3, slots=2)
+    with torch.no_grad():
+        _, want = run_steps(mixer, q, k, v, x, mask)
+        for size in (1, 2, 3, 5, 7, 17, 64):
+            mixer.chunk_size = size
+            _, got = run_chunked(mixer, q, k, v, x, mask)
+            for name in want:
+                if name.startswith("far.") and far == "delta":
+                    assert rel_err(got[name], want[name]) < FP32, (size, name)
+                else:
+                    assert torch.equal(got[name], want[name]), (size, name)
+
+
+@pytest.mark.parametrize("far", ["linear-elu", "delta"])
+def test_a_masked_decision_at_every_step_changes_nothing(far: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a decode step runs the decision every step, masked to the rows whose pending buffer is full
+    (no wait for the host); forced here on the CPU, the steps give the same outputs and states."""
+    q, k, v, x = checks.random_inputs(SHAPE, 14, seed=7)
+    mask = left_padded(14, PAD)
+    mixer = make(far, sink_tokens=1)
+    with torch.no_grad():
+        want, want_state = run_steps(mixer, q, k, v, x, mask)
+        monkeypatch.setattr(mixer_hybrid, "decision_spans", lambda decide: [(0, 1, True)])
+        got, got_state = run_steps(mixer, q, k, v, x, mask)
+    assert torch.equal(got, want)
+    for name in want_state:
+        assert torch.equal(got_state[name], want_state[name]), name
+
+
+def test_rwkv7_far_part_forms_agree() -> None:
+    """RWKV-7 (arriving, scored by its removal key): every form gives the parallel outputs and the same cache."""
+    mixer = make("rwkv7", sink_tokens=1)
+    inputs = checks.random_inputs(SHAPE, 14, seed=8)
+    with torch.no_grad():
+        _, state = checks.assert_forms_agree(mixer, inputs, left_padded(14, PAD), FP32)
+    assert state["cmask"].all()
+
+
+def test_left_padding_changes_nothing() -> None:
+    mixer = make("linear-elu", sink_tokens=1)
+    checks.assert_left_padding_changes_nothing(mixer, checks.random_inputs(SHAPE, 15, seed=4), 4, FP32)
+
+
+def test_state_size_is_fixed() -> None:
+    """Window, pending buffer, cache and sinks (keys, values, masks) and the far state, whatever the context."""
+    mixer = make("linear-elu", window=3, slots=5, sink_tokens=2)
+    plain = make("linear-elu", window=3, slots=0, sink_tokens=2)
+    assert mixer.state_size(7) == mixer.state_size(10**6) == plain.state_size(1) + (3 + 5) * (2 * HK * D + 1)
+    state = mixer.init_state(3, torch.device("cpu"), torch.float32)
+    assert sum(t.numel() for t in state.values()) == 3 * mixer.state_size(1)
+    q, k, v, x = checks.random_inputs(SHAPE, 20, seed=5)
+    with torch.no_grad():
+        _, later = run_chunked(mixer, q, k, v, x, left_padded(20, PAD))
+    assert {n: t.shape for n, t in later.items()} == {n: t.shape for n, t in mixer.init_state(2, q.device,
+                                                                                               q.dtype).items()}
+
+
+def test_without_slots_the_state_is_as_before() -> None:
+    mixer = make("linear-elu", slots=0)
+    assert set(mixer.init_state(1, torch.device("cpu"), torch.float32)) == {"wk", "wv", "wmask", "far.S", "far.z"}
+
+
+# ----- the eviction order, on hand-made sequences ------------------------------------------------------------------
+SEQ = 12
+NEW_AT = 5  # the one token with a new key; every other token is the same pair
+
+
+def hand_made(dtype: torch.dtype = torch.float32) -> checks.Inputs:
+    """Every token the same pair (k0, v0) but token 5, (k1, v1 = v0 + a unit step): once the far state holds k0, it
+    recalls k0 exactly (score ~ eps) and k1 as v0 (score 1), while |v0| = 4 is what any pair scores against an empty
+    state."""
+    q, _, _, x = checks.random_inputs(SHAPE, SEQ, dtype, seed=6)
+    k = torch.zeros(2, HK, SEQ, D, dtype=dtype)
+    v = torch.zeros(2, HK, SEQ, D, dtype=dtype)
+    k[..., 0], v[..., 0] = 3.0, 4.0
+    k[:, :, NEW_AT, 0], k[:, :, NEW_AT, 1] = 0.0, 3.0
+    v[:, :, NEW_AT, 1] = 1.0
+    return q, k, v, x
+
+
+def assert_keeps_the_new_key(far: str = "linear-elu") -> None:
+    """W = 2, G = 1: the first decision (empty state, all tied) keeps the oldest k0 pair; once the state predicts
+    k0, the cached k0 pair is re-scored and dropped for k1, which then stays: every form, both rows (the second
+    left-padded by 3, so its decisions fall later)."""
+    mixer = make(far, window=2, slots=1)
+    q, k, v, x = hand_made()
+    mask = left_padded(SEQ, PAD)
+    with torch.no_grad():
+        for _, state in (run_steps(mixer, q, k, v, x, mask), run_chunked(mixer, q, k, v, x, mask)):
+            assert state["cmask"].all()
+            assert torch.equal(state["ck"][:, :, 0], k[:, :, NEW_AT]), "the new key is cached"
+            assert torch.equal(state["cv"][:, :, 0], v[:, :, NEW_AT])
+
+
+@pytest.mark.parametrize("far", ["linear-elu", "toy", "taylor2"])
+def test_a_pair_the_state_predicts_is_dropped_and_a_new_key_kept(far: str) -> None:
+    assert_keeps_the_new_key(far)
+
+
+def test_a_predicted_pair_is_never_kept_over_new_keys() -> None:
+    """G = 2 and two new keys: at the end the cache holds exactly the two new keys, no copy of the repeated pair."""
+    mixer = make("linear-elu", window=2, slots=2)
+    q, k, v, x = hand_made()
+    k[:, :, 8, 0], k[:, :, 8, 2], v[:, :, 8, 2] = 0.0, 3.0, 1.0  # a second new key at token 8
+    with torch.no_grad():
+        _, state = run_steps(mixer, q, k, v, x, torch.ones(2, SEQ, dtype=torch.bool))
+    assert torch.equal(state["ck"], k[:, :, [NEW_AT, 8]])
+
+
+def test_a_delta_far_part_keeps_what_its_state_misses() -> None:
+    """Arriving far part (DeltaNet, no convolution): the state holds every token; the repeated pair is recalled
+    better and better, the new key poorly, so after its decisions the cache holds it."""
+    mixer = make("delta-noconv", window=2, slots=1)
+    q, k, v, x = hand_made()
+    with torch.no_grad():
+        _, state = run_steps(mixer, q, k, v, x, torch.ones(2, SEQ, dtype=torch.bool))
+    assert torch.equal(state["ck"][:, :, 0], k[:, :, NEW_AT])
+
+
+def _negated(original: Callable) -> Callable:
+    def score(self: Any, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        return -original(self, k, v, state)
+
+    return score
+
+
+def _stale_cache(original: Callable, slots: int) -> Callable:
+    """The G cached pairs keep the score they entered with: here, against the empty state of the first decision."""
+    def score(self: Any, k: torch.Tensor, v: torch.Tensor, state: State) -> torch.Tensor:
+        fresh = original(self, k, v, state)
+        empty = original(self, k, v, {name: torch.zeros_like(x) for name, x in state.items()})
+        return torch.cat([empty[..., :slots], fresh[..., slots:]], dim=-1)
+
+    return score
+
+
+def _never_evicts(score: torch.Tensor, filled: torch.Tensor, slots: int) -> tuple[torch.Tensor, ...]:
+    """The cache keeps its pairs: the first G filled candidates stay, the pending ones only fill empty slots."""
+    order = torch.argsort((~filled).to(torch.int8), dim=-1, stable=True)[:, None, :slots].expand(-1, score.shape[1],
+                                                                                                  -1)
+    kept = torch.zeros_like(score, dtype=torch.bool).scatter(-1, order, True)
+    cmask = torch.arange(slots)[None, :] < filled.sum(1, keepdim=True).clamp_max(slots)
+    return order, filled[:, None, :] & ~kept, cmask
+
+
+@pytest.mark.parametrize("broken", ["negated score", "no re-scoring", "never evicts"])
+def test_broken_rules_are_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rule broken on purpose fails the eviction-order check above (that is the test that catches it)."""
+    cls = MIXERS["linear"]
+    if broken == "negated score":
+        monkeypatch.setattr(cls, "far_recall_error", _negated(cls.far_recall_error))
+    elif broken == "no re-scoring":
+        monkeypatch.setattr(cls, "far_recall_error", _stale_cache(cls.far_recall_error, 1))
+    else:
+        monkeypatch.setattr(mixer_hybrid, "keep_slots", _never_evicts)
+    with pytest.raises(AssertionError, match="the new key is cached"):
+        assert_keeps_the_new_key()
+
+
+# ----- through the model: generation, packing, variants ----------------------------------------------------------
+MODEL_SPECS = {
+    "linear": {"mixer": "hybrid", "window": 2, "cache_slots": 2, "sink_tokens": 1,
+               "far": {"mixer": "linear", "feature_map": "hedgehog"}},
+    "taylor": {"mixer": "hybrid", "window": 2, "cache_slots": 3, "far": {"mixer": "taylor", "order": 2}},
+    "delta": {"mixer": "hybrid", "window": 2, "cache_slots": 2, "combine": "sum", "far": {"mixer": "delta"}},
+    "rwkv7": {"mixer": "hybrid", "window": 2, "cache_slots": 2, "combine": "sum", "far": "rwkv7"},
+    "retrieval": {"mixer": "retrieval_heads", "heads": [1], "others": {
+        "mixer": "hybrid", "window": 2, "cache_slots": 1, "far": {"mixer": "linear", "feature_map": "elu"}}},
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_SPECS))
+def test_cached_generation_equals_uncached(name: str) -> None:
+    """Greedy tokens with the cache equal the full forward's at every step; logits within 1e-4; left-padded rows
+    of 6, 8 and 9 tokens and 8 new ones (decisions every 2 tokens, so several fall in prefill and in decoding)."""
+    model = tiny_model(Case(name, MODEL_SPECS[name]))
+    ids, mask = left_padded_batch()
+    kwargs = dict(attention_mask=mask, pad_token_id=PAD_ID, max_new_tokens=8, do_sample=False)
+    plain = model.generate(ids, use_cache=False, **kwargs)
+    cached = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(cached.sequences, plain)
+    full_mask = torch.cat([mask, torch.ones(3, 8, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        full = model(cached.sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(cached.logits, 1), full[:, ids.shape[1] - 1 : -1], rtol=0, atol=1e-4)
+
+
+def test_packed_documents_reset_the_cache() -> None:
+    """Documents packed in one row (position ids restarting) give their logits alone: each starts with an empty
+    cache, pending buffer and far state."""
+    model = tiny_model(Case("linear", MODEL_SPECS["linear"]))
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, 64, (n,), generator=gen) for n in (9, 5, 11)]
+    ids, positions = torch.cat(docs)[None], torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions).logits[0]
+        alone = torch.cat([model(doc[None]).logits[0] for doc in docs])
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+
+
+def test_variants_drop_the_cache() -> None:
+    """window-only is softmax over the window (the cache is the far state's choice, so it goes with it); far-only is
+    the far mixer alone."""
+    model = tiny_model(Case("linear", MODEL_SPECS["linear"]))
+    variants = variant_models(model)
+    window = variants["window-only"].config.layer_spec(0)
+    assert window["far"] == "none" and window["cache_slots"] == 0 and window["sink_tokens"] == 1
+    assert variants["far-only"].config.layer_spec(0)["mixer"] == "linear"
+
+
+# ----- bad input -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "pattern"),
+    [
+        ({"cache_slots": -1}, r"layer 2: option 'cache_slots' must be >= 0"),
+        ({"cache_slots": 1.5}, r"layer 2: option 'cache_slots' must be int"),
+        ({"cache_slots": 2, "far": "none"}, r"layer 2: option 'cache_slots' needs a far part .* got far='none'"),
+        ({"cache_slots": 2, "far": "toy_mute", "combine": "sum"},
+         r"layer 2: option 'cache_slots' needs a far part that scores recall \(far_recall_error\); a toy_mute far "
+         r"part declares none"),
+        ({"cache_slots": 2, "far": {"mixer": "taylor", "denominator": "l2"}, "combine": "sum"},
+         r"layer 2: option 'cache_slots' needs a taylor far part with denominator='exact'"),
+        ({"cache_slots": 2, "far": "heinsen"}, r"layer 2: option 'far' must be a linear or taylor"),
+    ],
+)
+def test_bad_specs_name_layer_and_option(spec: dict, pattern: str) -> None:
+    checks.assert_specs_rejected([({"mixer": "hybrid", **spec}, "layer 2", pattern)])
+
+
+def test_more_slots_than_positions_is_refused() -> None:
+    config = RecAttnConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                           attention={"mixer": "hybrid", "window": 2, "cache_slots": 17})
+    with pytest.raises(ValueError, match=r"layer 0: option 'cache_slots'=17 exceeds max_position_embeddings=16"):
+        RecAttnForCausalLM(config)
