@@ -83,6 +83,60 @@ def test_perplexity_of_uniform_logits_is_the_vocab_size() -> None:
         perplexity(model, torch.zeros(3, dtype=torch.long))
 
 
+class PositionsLM(BigramLM):
+    """A BigramLM that declares ``max_position_embeddings``."""
+
+    def __init__(self, vocab: int, max_positions: int) -> None:
+        super().__init__(vocab)
+        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=max_positions)
+
+
+def test_long_blocks_keep_each_document_whole_and_in_order() -> None:
+    tok = tiny_tokenizer()
+    docs = ["the river runs past the old mill. " * 3, "birds sing. " * 12, "a b c. " * 30, "short."]
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    assert len(ids[0]) < 64 and 64 <= len(ids[1]) < 128 and 128 <= len(ids[2]) < 192
+    blocks = ev.long_blocks(tok, docs, 64, 10)
+    expected = [ids[1][:64], ids[2][:64], ids[2][64:128]]  # the first block of each long document, then the second
+    assert blocks.tolist() == expected
+    assert ev.long_blocks(tok, docs, 64, 2).tolist() == expected[:2]
+    assert ev.long_blocks(tok, docs, 4096, 3).shape == (0, 4096) and ev.long_blocks(tok, [], 8, 1).shape == (0, 8)
+    with pytest.raises(ValueError, match="length >= 2"):
+        ev.long_blocks(tok, docs, 1, 1)
+
+
+def test_long_perplexity_scores_the_long_blocks_and_names_what_it_skips() -> None:
+    tok = tiny_tokenizer()
+    docs = ["birds sing. " * 12, "a b c. " * 30]
+    model = PositionsLM(len(tok), max_positions=100)
+    result = ev.long_perplexity(model, tok, docs, (32, 64, 4096, 200), blocks=3)
+    for length in (32, 64):
+        expected = perplexity(model, ev.long_blocks(tok, docs, length, 3))
+        assert result["perplexity"][str(length)] == pytest.approx(expected, rel=1e-6)
+        assert result["blocks"][str(length)] == 3
+    assert result["skipped"] == {"4096": "beyond max_position_embeddings 100",
+                                 "200": "beyond max_position_embeddings 100"}
+    unbounded = ev.long_perplexity(BigramLM(len(tok)), tok, docs, (4096,))
+    assert unbounded["skipped"] == {"4096": "no held-out document has 4096 tokens"} and unbounded["perplexity"] == {}
+    with pytest.raises(ValueError, match="lengths"):
+        ev.long_perplexity(model, tok, docs, ())
+
+
+def test_long_documents_join_the_pieces_of_each_file() -> None:
+    from hf_recattn.data import corpus as corpus_module
+    from hf_recattn.data.embedded import Corpus, Document
+
+    docs = (Document("src/b.txt#10", "heldout", "b ten"), Document("src/a.txt#1", "heldout", "a one"),
+            Document("src/b.txt#2", "heldout", "b two"), Document("src/a.txt#0", "heldout", "a zero"),
+            Document("src/c.txt#0", "train", "c zero"), Document("src/LICENSE", "ood", "license"))
+    corpus = Corpus(docs, "sha", 3)
+    assert corpus.files("heldout") == ["a zero\n\na one", "b two\n\nb ten"]
+    assert corpus.files("ood") == ["license"] and corpus.files("train") == ["c zero"]
+    with pytest.raises(ValueError, match="split"):
+        corpus.files("test")
+    assert corpus_module.long_documents("some/folder", ["x", "y"]) == ["x", "y"]
+
+
 # ----- generation ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["softmax", {"mixer": "linear", "feature_map": "elu"}])
 def test_samples_are_greedy_through_the_cache(spec: object) -> None:
@@ -110,7 +164,7 @@ def test_chat_template_is_used_when_present() -> None:
 # ----- passkey ------------------------------------------------------------------------------------
 def test_passkey_prompt_length_and_depth() -> None:
     tok = tiny_tokenizer()
-    unit = len(tok(passkey._FILLER, add_special_tokens=False)["input_ids"])
+    unit = len(tok(ev.probe_template("passkey").parts["filler"], add_special_tokens=False)["input_ids"])
     for length, depth in ((300, 0.2), (600, 0.8)):
         ids = passkey_prompt(tok, length, "12345", depth)[0]
         assert abs(ids.shape[0] - length) <= unit + 4
@@ -180,6 +234,9 @@ def test_evaluate_quick_report_and_card(tmp_path: Path) -> None:
     assert report["eval_tokens"] == 32 and report["block_size"] == 16
     assert set(report["passkey"]["accuracy"]) == {"1024"} and len(report["samples"]) == 2
     assert report["model"]["mixers"] == {"linear": 2}
+    assert set(report["recall_by_distance"]["accuracy"]) == {"100", "1000"}  # quick: 100 and 1,000 tokens back
+    assert report["recall_by_distance"]["trials"] == 2
+    assert report["long_perplexity"]["skipped"] == {"4096": "beyond max_position_embeddings 2048"}
     path = write_report(tmp_path, report)
     assert json.loads(path.read_text())["perplexity"] == report["perplexity"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left
@@ -199,6 +256,16 @@ def test_comparison_table() -> None:
     assert lines[4].startswith("| hybrid | 22.00 | 1.100 | 50% |")
     with pytest.raises(ValueError):
         comparison_table({})
+    rows["teacher"]["recall_by_distance"] = {"accuracy": {"100": 1.0, "1000": 0.5}}
+    rows["hybrid"]["recall_by_distance"] = {"accuracy": {"100": 1.0}}
+    rows["hybrid"]["long_perplexity"] = {"perplexity": {"16384": 30.0, "4096": 25.0}}
+    lines = comparison_table(rows).splitlines()
+    assert lines[0] == ("| model | perplexity | × teacher | passkey | recall @ 100/1000 | ppl @ 4096 | "
+                        "decode ms/token | context | cache MiB |")
+    assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    assert lines[2] == "| teacher | 20.00 | 1.000 | 100% | 100/50% | - | 37.0 | 2048 | 2.00 |"
+    assert lines[3] == "| window-only | 30.00 | 1.500 | - | - | - | - | - | - |"
+    assert lines[4] == "| hybrid | 22.00 | 1.100 | 50% | 100/-% | 25.00 | - | - | - |"
 
 
 # ----- commands -----------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ from hf_recattn.evaluation import (
     passkey,
     passkey_probe,
     passkey_prompt,
-    recall,
+    probe_template,
 )
+from hf_recattn.evaluation import distance as distance_module
 from hf_recattn.evaluation.recall import (
     Haystack,
     associative_recall_probe,
@@ -41,6 +42,7 @@ from hf_recattn.evaluation.recall import (
     teacher_forced_answers,
     texts_from_blocks,
 )
+from hf_recattn.evaluation.templates import word_list
 from hf_recattn.model_card import build_model_card
 from hf_recattn.modeling.cache import CACHE_NAME
 
@@ -122,7 +124,7 @@ def test_passkey_prompt_is_exact_and_places_the_key_at_each_depth() -> None:
     tok = tiny_tokenizer()
     needle = tok("\n\nThe pass key is 24680. Remember it. 24680 is the pass key.\n\n",
                  add_special_tokens=False)["input_ids"]
-    longest = max(len(p) for p in ev.token_pieces(tok, ev.sentence_pieces(passkey._FILLER)))
+    longest = max(len(p) for p in ev.token_pieces(tok, ev.sentence_pieces(probe_template("passkey").parts["filler"])))
     for length in (512, 1024):
         for depth in ev.PASSKEY_DEPTHS:
             ids = passkey_prompt(tok, length, "24680", depth)[0].tolist()
@@ -174,6 +176,9 @@ def test_fill_and_plant_cut_at_piece_starts() -> None:
     assert body == [-1, 7, -2, 7, -3] and offsets == [0, 2, 4]
     with pytest.raises(ValueError, match="non-decreasing"):
         ev.plant([1, 2], [0], [[-1], [-2]], [0.9, 0.1])
+    assert ev.plant(list(range(10)), [0, 4, 8], [[-1]], [0.9], reserve=5) == ([0, 1, 2, 3, -1, *range(4, 10)], [4])
+    assert ev.plant(list(range(10)), [0, 4, 8], [[-1]], [0.9], reserve=10) == ev.plant(list(range(10)), [0, 4, 8],
+                                                                                        [[-1]], [0.9])  # no room
     assert ev.sentence_pieces("One. Two!\nThree\n\nFour? 5") == ["One.", " Two!", "\nThree", "\n\nFour?", " 5"]
     assert ev.sentence_pieces("Copy it (e.g. a file). It works.") == ["Copy it (e.g. a file).", " It works."]
     assert ev.sentence_pieces("a wrapped\nline. End\n\n\nnext") == ["a wrapped\nline.", " End", "\n\n\nnext"]
@@ -193,8 +198,9 @@ def test_recall_prompt_plants_every_pair_once_at_spread_depths(length: int, pair
     assert len(prompt.queries) == min(pairs, 8) == len(set(prompt.queries))
     assert pairs < 4 or list(prompt.queries) != sorted(prompt.queries)  # asked in a random order
     assert set(prompt.queries) <= set(range(pairs))
-    head = len(tok(recall._HEAD)["input_ids"])  # the text the facts are planted in starts after the head
-    filler = len(context) - head - len(tok(recall._INTRO, add_special_tokens=False)["input_ids"])
+    words = probe_template("codes").parts
+    head = len(tok(words["head"])["input_ids"])  # the text the facts are planted in starts after the head
+    filler = len(context) - head - len(tok(words["intro"], add_special_tokens=False)["input_ids"])
     filler -= sum(len(f.ids) for f in prompt.facts)
     longest = max(len(p) for text in TEXTS for p in ev.token_pieces(tok, ev.sentence_pieces(text))) + 4
     before = 0
@@ -351,6 +357,48 @@ def test_recall_probe_runs_a_real_model_end_to_end() -> None:
     assert json.loads(json.dumps(result)) == result  # JSON-ready for the report
 
 
+# ----- recall at fixed distances ------------------------------------------------------------------
+@pytest.mark.parametrize("distance", [0, 37, 300])
+def test_distance_prompt_puts_exactly_d_tokens_between_the_fact_and_the_question(distance: int) -> None:
+    tok = tiny_tokenizer()
+    words = probe_template("words")
+    prompt = ev.distance_prompt(tok, TEXTS, distance, seed=5)
+    (fact,), (at,) = prompt.facts, prompt.positions
+    head = len(tok(words.parts["head"])["input_ids"])
+    intro = tok(words.parts["intro"], add_special_tokens=False)["input_ids"]
+    assert at == head + distance_module.LEAD and _find(fact.planted, list(prompt.context)) == [at]
+    assert len(prompt.context) - len(intro) - (at + len(fact.planted)) == distance
+    assert list(prompt.context[-len(intro):]) == intro and prompt.queries == (0,)
+    assert fact.value in word_list("heldout") and tok.decode(list(fact.answer)).strip() == fact.value
+    assert prompt.length == head + distance_module.LEAD + len(fact.planted) + distance + len(intro) + len(fact.ids)
+    assert prompt == ev.distance_prompt(tok, TEXTS, distance, seed=5) != ev.distance_prompt(tok, TEXTS, distance, 6)
+    with pytest.raises(ValueError, match="distance"):
+        ev.distance_prompt(tok, TEXTS, -1)
+
+
+def test_distance_probe_finds_how_far_back_a_fact_comes_through() -> None:
+    tok = tiny_tokenizer()
+    perfect = ev.distance_recall_probe(CopyLM(len(tok)), tok, TEXTS, (50, 300, 1000), trials=2, seed=1)
+    assert perfect["accuracy"] == {"50": 1.0, "300": 1.0, "1000": 1.0} and perfect["mean_accuracy"] == 1.0
+    assert perfect["skipped"] == {} and perfect["distances"] == [50, 300, 1000] and perfect["trials"] == 2
+    rows = perfect["answers"]["300"]
+    assert len(rows) == 2 and all(r["queries"][0]["answer"] == r["queries"][0]["value"] for r in rows)
+    near = ev.distance_recall_probe(NearCopyLM(len(tok), reach=400), tok, TEXTS, (50, 300, 1000), trials=2, seed=1)
+    assert near["accuracy"] == {"50": 1.0, "300": 1.0, "1000": 0.0} and near["mean_accuracy"] == pytest.approx(2 / 3)
+    assert [r["facts"] for r in near["answers"]["1000"]] == [r["facts"] for r in perfect["answers"]["1000"]]
+    short = ev.distance_recall_probe(CopyLM(len(tok), max_positions=600), tok, TEXTS, (50, 1000), trials=1)
+    assert set(short["accuracy"]) == {"50"} and set(short["skipped"]) == {"1000"}
+    assert re.fullmatch(r"its prompts take up to \d+ tokens, beyond max_position_embeddings 600",
+                        short["skipped"]["1000"])
+    blocks = token_blocks(tok, TEXTS * 4, 64)
+    from_blocks = ev.distance_recall_probe(CopyLM(len(tok)), tok, blocks, (50,), trials=1)
+    assert from_blocks["accuracy"] == {"50": 1.0}
+    with pytest.raises(ValueError, match="trials"):
+        ev.distance_recall_probe(CopyLM(len(tok)), tok, TEXTS, (50,), trials=0)
+    with pytest.raises(ValueError, match="distances"):
+        ev.distance_recall_probe(CopyLM(len(tok)), tok, TEXTS, ())
+
+
 # ----- evaluate, the table, the card, the command ---------------------------------------------------
 def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path) -> None:
     tok = tiny_tokenizer()
@@ -368,6 +416,11 @@ def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path)
     assert set(from_blocks["associative_recall"]["accuracy"]) == {"256"}
     with pytest.raises(ValueError, match="recall_pairs"):
         RecallSizes(recall_pairs=(0,))
+    with pytest.raises(ValueError, match="distances"):
+        RecallSizes(distances=())
+    with pytest.raises(ValueError, match="long_blocks"):
+        RecallSizes(long_blocks=0)
+    assert RecallSizes().distances == (100, 1000, 4000, 16000) and RecallSizes().long_lengths == (4096, 16384)
 
     student = {**report, "associative_recall": {**recall, "mean_accuracy": 0.25,
                                                 "accuracy": {"1024": {"1": 0.5, "4": 0.25, "16": 0.0}}}}
@@ -403,7 +456,8 @@ def test_eval_command_recall_options(tmp_path: Path, capsys: pytest.CaptureFixtu
     args = ["eval", str(tmp_path / "student"), "--corpus", str(docs), "--tokens", "64", "--block-size", "32",
             "--quick", "--teacher", str(tmp_path / "teacher"), "--passkey-lengths", "128", "200",
             "--passkey-depths", "0.25", "0.75", "--passkey-trials", "2", "--recall-lengths", "200", "1024",
-            "--recall-pairs", "1", "2", "--recall-trials", "1"]
+            "--recall-pairs", "1", "2", "--recall-trials", "1", "--distances", "20", "400", "--distance-trials", "1",
+            "--long-lengths", "48", "512", "--long-blocks", "2"]
     assert main(args) == 0
     assert "| passkey | recall |" in capsys.readouterr().out
     results = json.loads((tmp_path / "student" / "eval.json").read_text())["results"]
@@ -412,10 +466,16 @@ def test_eval_command_recall_options(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert row["passkey"]["depths"] == [0.25, 0.75]
         assert row["associative_recall"]["skipped"] == [1024]  # beyond max_position_embeddings=256
         assert set(row["associative_recall"]["accuracy"]["200"]) == {"1", "2"}
+        by_distance = row["recall_by_distance"]
+        assert set(by_distance["accuracy"]) == {"20"} and set(by_distance["skipped"]) == {"400"}
+        assert row["long_perplexity"]["blocks"] == {"48": 2}
+        assert row["long_perplexity"]["skipped"] == {"512": "beyond max_position_embeddings 256"}
     teacher_facts = results["teacher"]["associative_recall"]["answers"]["200"]["2"][0]["facts"]
     assert teacher_facts == results["student"]["associative_recall"]["answers"]["200"]["2"][0]["facts"]
     assert main([*args[:2], "--recall-pairs", "0"]) == 2
     assert "--recall-pairs" in capsys.readouterr().err
+    assert main([*args[:2], "--distance-trials", "0"]) == 2
+    assert "--distance-trials" in capsys.readouterr().err
 
 
 # ----- the embedded teacher (opt-in) ---------------------------------------------------------------

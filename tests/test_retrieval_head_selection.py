@@ -7,13 +7,13 @@ import torch
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.conversion.retrieval_heads import (
-    _NEEDLE,
     _Blend,
     recall_objective,
     select_retrieval_heads,
     with_retrieval_heads,
 )
 from hf_recattn.evaluation.recall import Fact, RecallPrompt
+from hf_recattn.evaluation.templates import templates
 
 VOCAB = 40
 HYBRID = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
@@ -173,7 +173,8 @@ def test_the_objective_hides_numbers_and_facts_in_the_texts() -> None:
         hidden = p.positions[0]
         assert any(ids[s:s + len(answer)] == answer for s in range(hidden, hidden + 40))
         if i % 2 == 0:  # the whole needle sentence sits where the prompt says
-            needle = tokenizer(_NEEDLE.format(value=p.facts[0].value), add_special_tokens=False)["input_ids"]
+            sentence = templates("passkey", "train")[0].fill("fact", value=p.facts[0].value)
+            needle = tokenizer(sentence, add_special_tokens=False)["input_ids"]
             assert ids[hidden:hidden + len(needle)] == needle
     depths = [p.depths()[0] for p in prompts[::2]]
     assert depths[0] < 0.5 < depths[1]

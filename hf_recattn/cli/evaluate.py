@@ -26,7 +26,7 @@ def _label(spec: str) -> str:
 
 #: the ``hf-recattn eval`` options that set the recall probes, by RecallSizes field
 RECALL_OPTIONS = ("passkey_lengths", "passkey_depths", "passkey_trials", "recall_lengths", "recall_pairs",
-                  "recall_trials")
+                  "recall_trials", "distances", "distance_trials", "long_lengths", "long_blocks")
 
 
 def recall_sizes(args: argparse.Namespace) -> RecallSizes:
@@ -48,7 +48,7 @@ def recall_sizes(args: argparse.Namespace) -> RecallSizes:
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
     from ..conversion.teacher import load_causal_lm, load_teacher
-    from ..data.corpus import is_embedded, load_splits, token_blocks
+    from ..data.corpus import is_embedded, load_splits, long_documents, token_blocks
     from ..evaluation import comparison_table, evaluate, write_report
     from ..provenance import provenance
 
@@ -57,6 +57,7 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_causal_lm(args.checkpoint)
     _, heldout = load_splits(args.corpus, seed=args.seed)
     blocks = token_blocks(tokenizer, heldout, args.block_size, max_tokens=args.tokens, seed=args.seed)
+    long_texts = long_documents(args.corpus, heldout)
     print(f"held-out: {blocks.shape[0]} blocks of {blocks.shape[1]} tokens from {args.corpus or 'embedded'}",
           file=sys.stderr)
     rows: dict[str, dict[str, Any]] = {}
@@ -66,11 +67,11 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ValueError(f"teacher {args.teacher}: its tokenizer differs from the checkpoint's, so "
                              "perplexities on the same tokens would not be comparable")
         rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick, recall_texts=heldout,
-                                   sizes=sizes, progress="teacher")
+                                   sizes=sizes, progress="teacher", long_texts=long_texts)
         del teacher
     name = _label(args.checkpoint)
     rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick, recall_texts=heldout, sizes=sizes,
-                          progress=name)
+                          progress=name, long_texts=long_texts)
     print(comparison_table(rows))
     for sample in rows[name]["samples"]:
         print(f"\n> {sample['prompt']}\n{sample['output']}")
@@ -132,12 +133,18 @@ _PROBE_SIZE_OPTIONS: tuple[tuple[str, type, str | None, str, str], ...] = (
     ("--recall-pairs", int, "+", "N", "numbers of facts planted per associative recall prompt (default 1 4 16)"),
     ("--recall-trials", int, None, "N",
      "associative recall prompts per length and number of facts (default 3; --quick: 1)"),
+    ("--distances", int, "+", "TOKENS",
+     "recall with the fact this many tokens before the question (default 100 1000 4000 16000; --quick: 100 1000)"),
+    ("--distance-trials", int, None, "N", "recall-by-distance prompts per distance (default 3; --quick: 2)"),
+    ("--long-lengths", int, "+", "TOKENS",
+     "block lengths of the long-block perplexity, each block from one document (default 4096 16384; --quick: 4096)"),
+    ("--long-blocks", int, None, "N", "long blocks per length at most (default 4; --quick: 1)"),
 )
 
 
 def add_eval(sub: SubParsers) -> None:
-    p = add_command(sub, "eval", "held-out perplexity, passkey, associative recall, samples and decode cost of a "
-                    "checkpoint")
+    p = add_command(sub, "eval", "held-out perplexity (short and long blocks), passkey, associative recall, recall "
+                    "by distance, samples and decode cost of a checkpoint")
     p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
                    "folder, or a saved datasets folder; its held-out split is used")

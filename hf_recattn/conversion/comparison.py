@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from .. import evaluation
-from ..data.corpus import token_blocks
+from ..data.corpus import long_documents, token_blocks
 from ..modeling.variants import variant_models
 from ..training.forms import fastest_forms
 from .job import Job, Teacher
@@ -20,11 +20,12 @@ def compare_models(label: str, job: Job, teacher: Teacher, student: nn.Module,
     asked); the comparison table is logged. Returns the report's student row, comparison, ratios and table."""
     ev, tokenizer = job.recipe.eval, teacher.tokenizer
     blocks = token_blocks(tokenizer, heldout_texts, ev.block_size, max_tokens=ev.heldout_tokens, seed=0)
+    long_texts = long_documents(job.data, heldout_texts)
     job.log(f"{label} evaluating on {blocks.numel()} held-out tokens ({'quick' if ev.quick else 'full'} probes)")
 
     def evaluate(model: nn.Module, name: str) -> dict[str, Any]:
         return evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts,
-                                   progress=name if job.progress else None)
+                                   progress=name if job.progress else None, long_texts=long_texts)
 
     rows: dict[str, dict[str, Any]] = {}
     rows["teacher"] = evaluate(teacher.model, "teacher")

@@ -1,46 +1,86 @@
-"""Retrieval-shaped training blocks for stage 2: facts hidden in training text and asked for at the end.
+"""Retrieval-shaped training prompts: facts hidden in training text and asked for at the end, in the training
+templates' words.
 
 Plain text rarely asks a model to fetch one token from a thousand tokens back, so stage 2 on plain blocks gives
 a converted model's far state (or its retrieval heads) little reason to do it. ``retrieval_blocks`` builds blocks
-that do: half hide a secret number in training text and ask for it at the end (the passkey probe's kind of task
-in other words, other text and other numbers), half plant one to four associative-recall facts and ask for them
-(the recall probe's kind of task, on training text instead of held-out text). Each block comes with per-token
-loss weights: ``answer_weight`` on the tokens that answer a question, 1 elsewhere, so that a handful of answer
-tokens can count as much as the rest of the block.
+that do, in turn: a number hidden in training text and asked for at the end (the passkey probe's kind of task),
+one to four made-up names with 4-digit numbers, or one to four made-up names with words, planted and asked for in
+any order (the associative recall probe's kind of task). Each block takes its wording from a ``train`` template
+of its kind (``hf_recattn/templates/retrieval``, ``evaluation/templates.py``) and its text from the training
+texts given, so that the probes, which use the ``heldout`` templates and held-out text, ask in words and about
+text training never showed. With ``min_distance`` (stage 2 passes the recipe's longest attention window) every
+fact stays at least that many tokens of text before its question when the block has room. Each block comes with
+per-token loss weights: ``answer_weight`` on the tokens that answer a question, 1 elsewhere, so that a handful
+of answer tokens can count as much as the rest of the block.
 
 ``mix_blocks`` interleaves them evenly with the plain blocks (Trainer then shuffles them). The seeds differ from
-those of the head search and of the probes, so the evaluation's prompts are never trained on.
+those of the head search and of the probes.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from ..evaluation.facts import fact_ids
+from ..evaluation.prompts import fill_tokens, plant
 from ..evaluation.recall import Haystack, RecallPrompt, recall_prompt
-from .retrieval_heads import needle_prompt
+from ..evaluation.templates import Template, templates
+from ..modeling.mixers import validate_spec
+from .recipe import Recipe
 
-_RECALL_FACTS = (1, 2, 4)
+#: the kinds of retrieval block, in turn
+KINDS = ("passkey", "codes", "words")
+_FACT_COUNTS = (1, 2, 4)
 
 
-def retrieval_prompt(tokenizer: Any, haystack: Haystack, block_size: int, index: int, seed: int) -> RecallPrompt:
-    """Block ``index`` of the set: a secret number (even ``index``) or an associative-recall prompt (odd)."""
+def needle_prompt(tokenizer: Any, haystack: Haystack, context_length: int, depth: float, seed: str,
+                  template: Template | None = None, min_distance: int = 0) -> RecallPrompt:
+    """One number hidden in training text at ``depth`` and asked for at the end, as a one-query ``RecallPrompt``,
+    in the words of a ``passkey`` training template (default: the first). ``min_distance``: the last that many
+    tokens of text stay free of the number when the text is longer."""
+    template = template or templates("passkey", "train")[0]
+    rng = random.Random(seed)
+    value = str(rng.randrange(10_000, 100_000))
+
+    def encode(text: str, special: bool = False) -> list[int]:
+        return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    fact = fact_ids(tokenizer, template.name, value, stem=template.parts["answer"])
+    head, question = encode(template.parts["head"], True), encode(template.parts["question"])
+    needle = encode(template.fill("fact", value=value))
+    room = context_length - len(head) - len(needle) - len(question) - len(fact.ids)
+    if room < 1:
+        raise ValueError(f"context length {context_length} leaves no room for text around the hidden number")
+    filler, starts = fill_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), room)
+    body, (offset,) = plant(filler, starts, [needle], [depth], reserve=min_distance)
+    return RecallPrompt(tuple(head + body + question), (fact,), (len(head) + offset,), (0,))
+
+
+def retrieval_prompt(tokenizer: Any, haystack: Haystack, block_size: int, index: int, seed: int,
+                     min_distance: int = 0) -> RecallPrompt:
+    """Block ``index`` of the set: of kind ``KINDS[index % 3]``, in the words of a training template of it."""
     rng = random.Random(f"stage2-retrieval-{seed}-{index}")
-    if index % 2 == 0:
-        return needle_prompt(tokenizer, haystack, block_size, rng.random(), f"stage2-needle-{seed}-{index}")
-    facts = rng.choice(_RECALL_FACTS)
-    return recall_prompt(tokenizer, haystack, block_size, facts, seed=f"stage2-recall-{seed}-{index}")
+    kind = KINDS[index % len(KINDS)]
+    template = rng.choice(templates(kind, "train"))
+    if kind == "passkey":
+        return needle_prompt(tokenizer, haystack, block_size, rng.random(), f"stage2-needle-{seed}-{index}", template,
+                             min_distance)
+    return recall_prompt(tokenizer, haystack, block_size, rng.choice(_FACT_COUNTS),
+                         seed=f"stage2-recall-{seed}-{index}", template=template, min_distance=min_distance)
 
 
 def retrieval_blocks(
-    tokenizer: Any, texts: Sequence[str], count: int, block_size: int, answer_weight: float = 1.0, seed: int = 0
+    tokenizer: Any, texts: Sequence[str], count: int, block_size: int, answer_weight: float = 1.0, seed: int = 0,
+    min_distance: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` retrieval prompts of exactly ``block_size`` tokens as ``[count, block_size]`` ids, and their
     loss weights ``[count, block_size]``: weight i belongs to the prediction of token i (``answer_weight`` where
-    token i answers a question, 1 elsewhere; the first token is never predicted)."""
+    token i answers a question, 1 elsewhere; the first token is never predicted). The text comes from ``texts``
+    (training documents only); ``min_distance`` as in ``retrieval_prompt``."""
     if count < 1:
         raise ValueError(f"stage 2 retrieval data: count must be >= 1, got {count}")
     if answer_weight <= 0:
@@ -50,7 +90,7 @@ def retrieval_blocks(
     weights = torch.ones(count, block_size)
     for i in range(count):
         try:
-            prompt = retrieval_prompt(tokenizer, haystack, block_size, i, seed)
+            prompt = retrieval_prompt(tokenizer, haystack, block_size, i, seed, min_distance)
         except ValueError as err:
             raise ValueError(f"stage 2 retrieval data: block_size {block_size}: {err}") from None
         row = prompt.ids()[0]
@@ -60,6 +100,23 @@ def retrieval_blocks(
         for span in prompt.answer_spans():
             weights[i, list(span)] = answer_weight
     return ids, weights
+
+
+def recipe_window(recipe: Recipe) -> int:
+    """The longest attention window of the recipe's specs (0 without any): stage 2's facts stay beyond it."""
+    specs = recipe.attention if isinstance(recipe.attention, list) else [recipe.attention]
+    specs = [*specs, *(recipe.attention_overrides or {}).values()]
+    return max(_windows(validate_spec(spec, f"{recipe.source}: attention")) for spec in specs)
+
+
+def _windows(spec: Any) -> int:
+    """The largest ``window`` value anywhere in a (validated, nested) spec."""
+    if isinstance(spec, dict):
+        own = spec.get("window")
+        return max([own if isinstance(own, int) else 0, *(_windows(v) for v in spec.values())])
+    if isinstance(spec, Iterable) and not isinstance(spec, str):
+        return max([0, *(_windows(v) for v in spec)])
+    return 0
 
 
 def mix_blocks(

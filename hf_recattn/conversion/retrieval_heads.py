@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..evaluation.prompts import fill_tokens, plant
-from ..evaluation.recall import Haystack, RecallPrompt, fact_ids, recall_prompt
+from ..evaluation.recall import Haystack, RecallPrompt, recall_prompt
+from ..evaluation.templates import templates
 from ..modeling.mixer_base import Mixer, MixerInputs
 from ..modeling.mixer_retrieval_heads import FULL_SPEC, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
+from .retrieval_data import needle_prompt
 
 HeadSet = dict[int, list[int]]
 
@@ -74,41 +74,19 @@ class _Blend(nn.Module):
         return a * exact.to(own.dtype) + (1 - a) * own, None
 
 
-_NEEDLE_HEAD = "Somewhere in the text below is a secret number. Memorize it.\n\n"
-_NEEDLE = "\n\nThe secret number is {value}. Keep it in mind: {value} is the secret number.\n\n"
-_NEEDLE_QUESTION = "\n\nWhich number was the secret one?"
-_NEEDLE_ANSWER = " The secret number is"
-
-
-def needle_prompt(tokenizer: Any, haystack: Haystack, context_length: int, depth: float, seed: str) -> RecallPrompt:
-    """One number hidden in training text at ``depth`` and asked for at the end, as a one-query ``RecallPrompt``:
-    a task of the passkey probe's kind in other words, other text and other numbers."""
-    rng = random.Random(seed)
-    value = str(rng.randrange(10_000, 100_000))
-
-    def encode(text: str, special: bool = False) -> list[int]:
-        return tokenizer(text, add_special_tokens=special)["input_ids"]
-
-    fact = fact_ids(tokenizer, "secret number", value, stem=_NEEDLE_ANSWER)
-    head, needle, question = encode(_NEEDLE_HEAD, True), encode(_NEEDLE.format(value=value)), encode(_NEEDLE_QUESTION)
-    room = context_length - len(head) - len(needle) - len(question) - len(fact.ids)
-    if room < 1:
-        raise ValueError(f"context length {context_length} leaves no room for text around the secret number")
-    filler, starts = fill_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), room)
-    body, (offset,) = plant(filler, starts, [needle], [depth])
-    return RecallPrompt(tuple(head + body + question), (fact,), (len(head) + offset,), (0,))
-
-
 def recall_objective(tokenizer: Any, texts: Sequence[str], context_length: int, prompts: int = 3,
                      seed: int = 0) -> list[RecallPrompt]:
     """What the heads are chosen on: ``prompts`` secret numbers hidden in ``texts`` (at depths spread over the
-    context) and as many associative-recall prompts (one fact planted, asked at the end), alternating."""
+    context) and as many associative-recall prompts (one fact planted, asked at the end), alternating, in the
+    words of the first ``passkey`` and ``codes`` training templates (never the probes')."""
     haystack = Haystack(tokenizer, texts)
+    codes = templates("codes", "train")[0]
     out: list[RecallPrompt] = []
     for i in range(prompts):
         depth = (i + 0.5) / prompts
         out.append(needle_prompt(tokenizer, haystack, context_length, depth, f"retrieval-heads-needle-{seed}-{i}"))
-        out.append(recall_prompt(tokenizer, haystack, context_length, 1, seed=f"retrieval-heads-{seed}-{i}"))
+        out.append(recall_prompt(tokenizer, haystack, context_length, 1, seed=f"retrieval-heads-{seed}-{i}",
+                                 template=codes))
     return out
 
 

@@ -15,7 +15,7 @@ from ..training import parallel
 from ..training.distill import finetune
 from .job import Job, Log, Teacher
 from .recipe import Recipe
-from .retrieval_data import mix_blocks, retrieval_blocks
+from .retrieval_data import mix_blocks, recipe_window, retrieval_blocks
 from .stage1 import tokens_per_second
 
 
@@ -65,7 +65,8 @@ def _with_retrieval_data(recipe: Recipe, blocks: torch.Tensor, tokenizer: Any, t
     log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them "
         f"(answer weight {answer_weight:g})")
     try:
-        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, answer_weight, seed=recipe.seed)
+        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, answer_weight, seed=recipe.seed,
+                                          min_distance=recipe_window(recipe))
     except ValueError as err:
         raise ValueError(f"{recipe.source}: stage2.retrieval_share: {err}") from None
     return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)

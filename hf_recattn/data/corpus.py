@@ -183,6 +183,12 @@ def load_splits(
     return corpus.texts("train"), corpus.texts("heldout")
 
 
+def long_documents(source: str | os.PathLike | None, heldout: Sequence[str]) -> list[str]:
+    """Held-out text as whole documents, for long-context measures: the embedded corpus's held-out files, each
+    with its pieces joined in order; another source's held-out documents (``heldout``) as they are."""
+    return embedded_corpus().files("heldout") if is_embedded(source) else list(heldout)
+
+
 def token_blocks(
     tokenizer: Any,
     texts: Sequence[str],

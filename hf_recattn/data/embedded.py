@@ -258,6 +258,17 @@ class Corpus:
             raise ValueError(f"unknown corpus split {split!r}; use one of {SPLITS}")
         return [d.text for d in self.documents if d.split == split]
 
+    def files(self, split: str) -> list[str]:
+        """Each file of ``split`` as one text: its pieces in order, a blank line between them (files by path)."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown corpus split {split!r}; use one of {SPLITS}")
+        pieces: dict[str, list[tuple[int, str]]] = {}
+        for doc in self.documents:
+            if doc.split == split:
+                path, _, number = doc.id.partition("#")
+                pieces.setdefault(path, []).append((int(number or 0), doc.text))
+        return ["\n\n".join(text for _, text in sorted(pieces[path])) for path in sorted(pieces)]
+
     def split_sha256(self, split: str) -> str:
         return sha256_of(d for d in self.documents if d.split == split)
 

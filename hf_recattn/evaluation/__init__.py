@@ -1,9 +1,10 @@
 """Built-in evaluation of teachers and converted students, one module per job.
 
-* ``heldout``: perplexity on held-out token blocks;
-* ``passkey`` and ``recall``: the recall probes (passkey retrieval, multi-query associative recall), built from
-  the prompt builders in ``prompts`` and run through ``generation`` (``greedy_continuation``: the one greedy
-  decoding through the cache);
+* ``heldout``: perplexity on held-out token blocks, and on long blocks of one document each;
+* ``passkey``, ``recall`` and ``distance``: the recall probes (passkey retrieval, multi-query associative recall,
+  recall at fixed distances), built from the prompt builders in ``prompts`` and the facts of ``facts``, worded by
+  the held-out templates of ``templates`` (the template files and their train / held-out split), and run through
+  ``generation`` (``greedy_continuation``: the one greedy decoding through the cache);
 * ``decode``: decode cost and cache size;
 * ``suite``: all of them on one model (``evaluate``), and a sample through the cache (``cache_sample``);
 * ``progress``: the progress bars of the long passes;
@@ -16,6 +17,7 @@ conversion report are measured the same way on both. The names below are the pub
 from __future__ import annotations
 
 from .decode import cache_nbytes, decode_stats
+from .distance import DISTANCES, distance_prompt, distance_recall_probe
 from .generation import (
     DEFAULT_PROMPTS,
     Continuation,
@@ -26,28 +28,37 @@ from .generation import (
     pad_id,
     prompt_ids,
 )
-from .heldout import perplexity
+from .heldout import LONG_LENGTHS, long_blocks, long_perplexity, perplexity
 from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 from .recall import associative_recall_probe
 from .report import comparison_table, write_report
 from .suite import RecallSizes, cache_sample, describe_model, evaluate
+from .templates import Template, TemplateError, probe_template
 
 __all__ = [
     "DEFAULT_PROMPTS",
+    "DISTANCES",
+    "LONG_LENGTHS",
     "PASSKEY_DEPTHS",
     "Continuation",
     "RecallSizes",
+    "Template",
+    "TemplateError",
     "associative_recall_probe",
     "cache_nbytes",
     "cache_sample",
     "comparison_table",
     "decode_stats",
     "describe_model",
+    "distance_prompt",
+    "distance_recall_probe",
     "evaluate",
     "fill_tokens",
     "generation_samples",
     "greedy_continuation",
+    "long_blocks",
+    "long_perplexity",
     "max_positions",
     "model_device",
     "pad_id",
@@ -56,6 +67,7 @@ __all__ = [
     "passkey_prompt",
     "perplexity",
     "plant",
+    "probe_template",
     "prompt_ids",
     "sentence_pieces",
     "token_pieces",

@@ -1,13 +1,16 @@
-"""Held-out perplexity: the same blocks for teacher and student, every predicted token weighted alike."""
+"""Held-out perplexity: the same blocks for teacher and student, every predicted token weighted alike; and
+perplexity on long blocks, each from one long document (``long_perplexity``)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .generation import eval_mode, model_device
+from .generation import eval_mode, max_positions, model_device
 from .progress import progress_bar
 
 
@@ -37,3 +40,45 @@ def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 4
     if not math.isfinite(total_nll):
         return float("inf")
     return math.exp(total_nll / count)
+
+
+#: block lengths of the long-context perplexity, by default
+LONG_LENGTHS = (4096, 16384)
+
+
+def long_blocks(tokenizer: Any, documents: Sequence[str], length: int, count: int) -> torch.Tensor:
+    """Up to ``count`` blocks ``[n, length]`` of consecutive tokens of one document each, from the documents
+    with at least ``length`` tokens: the first block of each in turn, then the second, and so on. Never spans
+    two documents, so a block is long-range text, not several short documents end to end."""
+    if length < 2 or count < 1:
+        raise ValueError(f"long_blocks needs length >= 2 and count >= 1, got {length}, {count}")
+    encoded = tokenizer(list(documents), add_special_tokens=False, verbose=False)["input_ids"] if documents else []
+    rows = [ids for ids in encoded if len(ids) >= length]
+    chosen: list[list[int]] = []
+    for k in range(max((len(ids) // length for ids in rows), default=0)):
+        chosen += [ids[k * length : (k + 1) * length] for ids in rows if len(ids) >= (k + 1) * length]
+    return torch.tensor(chosen[:count], dtype=torch.long).view(-1, length)
+
+
+def long_perplexity(model: torch.nn.Module, tokenizer: Any, documents: Sequence[str],
+                    lengths: Sequence[int] = LONG_LENGTHS, blocks: int = 4,
+                    progress: str | None = None) -> dict[str, Any]:
+    """Perplexity on long blocks (``long_blocks``) of each length: ``perplexity`` and ``blocks`` by length; a
+    length beyond the model's ``max_position_embeddings``, or that no document reaches, is left out with the
+    reason under ``skipped``. Pass the same documents to teacher and student."""
+    if not lengths or any(length < 2 for length in lengths):
+        raise ValueError(f"long_perplexity needs lengths >= 2, got {list(lengths)}")
+    limit = max_positions(model)
+    result: dict[str, Any] = {"perplexity": {}, "blocks": {}, "skipped": {}}
+    for length in lengths:
+        if limit is not None and length > limit:
+            result["skipped"][str(length)] = f"beyond max_position_embeddings {limit}"
+            continue
+        rows = long_blocks(tokenizer, documents, length, blocks)
+        if rows.shape[0] == 0:
+            result["skipped"][str(length)] = f"no held-out document has {length} tokens"
+            continue
+        label = None if progress is None else f"{progress} {length}"
+        result["perplexity"][str(length)] = perplexity(model, rows, batch_size=1, progress=label)
+        result["blocks"][str(length)] = rows.shape[0]
+    return result

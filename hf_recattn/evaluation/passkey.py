@@ -1,5 +1,5 @@
 """The passkey probe: a random 5-digit key hidden at fixed depths in plain filler, answered greedily through the
-cache."""
+cache. Its wording and filler are the held-out ``passkey`` template's (``probe_template("passkey")``)."""
 
 from __future__ import annotations
 
@@ -14,29 +14,28 @@ import torch
 from .generation import eval_mode, greedy_continuation, max_positions
 from .progress import progress_bar
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
+from .templates import Template, probe_template
 
 #: where the passkey sits in its prompt (0 = start, 1 = end): a fixed grid shared by every model
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
-# filler for the passkey probe: plain sentences with no numbers, repeated to the wanted length
-_FILLER = (
-    "The river runs past the old mill and on toward the town. Birds sing in the hedges in the morning. "
-    "The road climbs slowly through the quiet hills, and the fields turn gold in late summer. "
-)
-_PASSKEY_HEAD = "There is a pass key hidden in the text below. Find it and remember it.\n\n"
-_PASSKEY_TAIL = "\n\nWhat is the pass key? The pass key is"
 
 
-def passkey_ids(tokenizer: Any, context_length: int, key: str, depth: float) -> tuple[list[int], int]:
-    """The passkey prompt's ids (exactly ``context_length``) and the offset of the needle in them."""
-    head = tokenizer(_PASSKEY_HEAD)["input_ids"]  # the tokenizer's special tokens (a BOS) go first
-    needle = tokenizer(f"\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n",
-                       add_special_tokens=False)["input_ids"]
-    tail = tokenizer(_PASSKEY_TAIL, add_special_tokens=False)["input_ids"]
+def passkey_ids(tokenizer: Any, context_length: int, key: str, depth: float,
+                template: Template | None = None) -> tuple[list[int], int]:
+    """The passkey prompt's ids (exactly ``context_length``) and the offset of the needle in them.
+
+    ``template``: a held-out ``passkey`` template with a ``filler`` (default: the probe's)."""
+    template = template or probe_template("passkey")
+    if "filler" not in template.parts:
+        raise ValueError(f"{template.where}: the passkey probe needs a template with its own filler")
+    head = tokenizer(template.parts["head"])["input_ids"]  # the tokenizer's special tokens (a BOS) go first
+    needle = tokenizer(template.fill("fact", value=key), add_special_tokens=False)["input_ids"]
+    tail = tokenizer(template.parts["question"] + template.parts["answer"], add_special_tokens=False)["input_ids"]
     room = context_length - len(head) - len(needle) - len(tail)
     if room < 1:
         raise ValueError(f"passkey: context length {context_length} leaves no room for filler (the question and "
                          f"the key take {context_length - room} tokens)")
-    pieces = token_pieces(tokenizer, sentence_pieces(" " + _FILLER.strip()))
+    pieces = token_pieces(tokenizer, sentence_pieces(" " + template.parts["filler"].strip()))
     filler, starts = fill_tokens(itertools.cycle(pieces), room)
     within = min(max((depth * context_length - len(head)) / room, 0.0), 1.0)  # the depth in the whole prompt
     body, (offset,) = plant(filler, starts, [needle], [within])

@@ -42,14 +42,21 @@ def fill_tokens(pieces: Iterable[Sequence[int]], n_tokens: int) -> tuple[list[in
 
 
 def plant(
-    filler: Sequence[int], starts: Sequence[int], inserts: Sequence[Sequence[int]], depths: Sequence[float]
+    filler: Sequence[int], starts: Sequence[int], inserts: Sequence[Sequence[int]], depths: Sequence[float],
+    reserve: int = 0,
 ) -> tuple[list[int], list[int]]:
     """Insert ``inserts[i]`` into ``filler`` at the piece start nearest to ``depths[i]`` of its length.
 
     ``depths`` must be non-decreasing; each insert goes at a later start than the one before (any token
-    boundary when the filler has too few piece starts). Returns the ids and the offset of each insert in them."""
+    boundary when the filler has too few piece starts). ``reserve``: the last that many filler tokens stay free
+    of inserts (the depths then count in the rest) when the filler has at least one token per insert besides
+    them. Returns the ids and the offset of each insert in them."""
     if len(inserts) != len(depths) or any(b < a for a, b in itertools.pairwise(depths)):
         raise ValueError("plant needs one non-decreasing depth per insert")
+    if reserve > 0 and len(filler) - reserve >= len(inserts):
+        cut = len(filler) - reserve
+        ids, offsets = plant(filler[:cut], [s for s in starts if s <= cut], inserts, depths)
+        return ids + list(filler[cut:]), offsets
     candidates = sorted({s for s in starts if 0 <= s <= len(filler)} | {len(filler)})
     if len(candidates) < len(inserts):
         candidates = list(range(len(filler) + 1))

@@ -1,12 +1,13 @@
 """Multi-query associative recall on natural text.
 
-N sentences ``The code of NAME is NNNN.`` (made-up names, distinct 4-digit codes) are planted at spread
-positions in held-out documents; at the end some of the names are asked again in a random order
-(``The code of NAME is``) and a query passes when the model reproduces the code. The passkey probe asks where in
-a context one fact is lost; this probe asks how many facts a model holds at once.
+N facts (by default the held-out ``codes`` template: ``The code of NAME is NNNN.``, made-up names, distinct
+4-digit codes) are planted at spread positions in held-out documents; at the end some of the names are asked
+again in a random order (``The code of NAME is``) and a query passes when the model reproduces the value. The
+passkey probe asks where in a context one fact is lost; this probe asks how many facts a model holds at once.
+The same prompt builder writes training prompts from the training templates (``conversion/retrieval_data.py``).
 
-A prompt depends only on the texts, the tokenizer and the seed, so a teacher and its students see the same
-tokens. Both scorings run through the model's cache: the context is prefilled once, then the queries follow.
+A prompt depends only on the texts, the tokenizer, the template and the seed, so a teacher and its students see the
+same tokens. Both scorings run through the model's cache: the context is prefilled once, then the queries follow.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any
 import torch
 
 from ..modeling.cache import CACHE_NAME, cache_of
+from .facts import Fact, fact_ids, make_facts
 from .generation import eval_mode, greedy_continuation, max_positions, model_device
 from .progress import progress_bar
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
+from .templates import Template, probe_template
 
 __all__ = [
     "RECALL_LENGTHS",
@@ -46,75 +49,14 @@ __all__ = [
 RECALL_LENGTHS = (1024, 4096)
 RECALL_PAIRS = (1, 4, 16)
 SCORINGS = ("teacher_forced", "greedy")
-_HEAD = "The text below mentions the codes of a few people. Remember every code.\n\n"
-_INTRO = "\n\nThe codes mentioned in the text above:"
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
 
 
 # ----- prompts ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Fact:
-    """One planted sentence ``The code of NAME is VALUE.`` as ids: ``prefix`` (up to ``is``), ``answer`` (the
-    value's tokens) and ``suffix`` (the full stop)."""
-
-    name: str
-    value: str
-    prefix: tuple[int, ...]
-    answer: tuple[int, ...]
-    suffix: tuple[int, ...]
-
-    @property
-    def ids(self) -> tuple[int, ...]:
-        return self.prefix + self.answer + self.suffix
-
-
-def fact_ids(tokenizer: Any, name: str, value: str, stem: str | None = None) -> Fact:
-    """The sentence ``stem VALUE.`` (by default `` The code of NAME is``), tokenized whole and split where the value
-    begins and ends."""
-
-    def encode(text: str) -> tuple[int, ...]:
-        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    stem = f" The code of {name} is" if stem is None else stem
-    prefix, with_value, full = encode(stem), encode(f"{stem} {value}"), encode(f"{stem} {value}.")
-    if len(with_value) > len(prefix) and with_value[: len(prefix)] == prefix and full[: len(with_value)] == with_value:
-        return Fact(name, value, prefix, with_value[len(prefix) :], full[len(with_value) :])
-    return Fact(name, value, prefix, encode(f" {value}"), encode("."))  # a tokenizer merging across the parts
-
-
-def _made_up_name(rng: random.Random) -> str:
-    syllables = rng.choice((2, 3))
-    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables)).capitalize()
-
-
-def make_facts(tokenizer: Any, count: int, rng: random.Random) -> list[Fact]:
-    """``count`` facts with distinct made-up names (distinct as tokens too) and distinct 4-digit codes."""
-    values = [str(v) for v in rng.sample(range(1000, 10_000), count)]
-    facts: list[Fact] = []
-    names: set[str] = set()
-    prefixes: set[tuple[int, ...]] = set()
-    for _ in range(100 * count):
-        if len(facts) == count:
-            break
-        name = _made_up_name(rng)
-        if name in names:
-            continue
-        fact = fact_ids(tokenizer, name, values[len(facts)])
-        if fact.prefix not in prefixes:
-            facts.append(fact)
-            names.add(name)
-            prefixes.add(fact.prefix)
-    if len(facts) < count:
-        raise ValueError(f"associative recall: the tokenizer tells apart only {len(facts)} of {count} names")
-    return facts
-
-
-@dataclass(frozen=True)
 class RecallPrompt:
     """One trial: ``context`` (the head, the text with the facts planted, the lead-in to the queries), the
     ``facts`` in the order they appear, where each begins in ``context`` (``positions``) and the facts asked
-    (``queries``: indices into ``facts``, in the order asked). A query repeats its fact's sentence."""
+    (``queries``: indices into ``facts``, in the order asked). A query is its fact's asked sentence."""
 
     context: tuple[int, ...]
     facts: tuple[Fact, ...]
@@ -195,27 +137,33 @@ def recall_prompt(
     pairs: int,
     seed: int | str = 0,
     max_queries: int = 8,
+    template: Template | None = None,
+    min_distance: int = 0,
 ) -> RecallPrompt:
     """One trial's prompt: ``pairs`` facts planted in the texts at spread depths (fact i near
     ``(i + u) / pairs`` of the text, u uniform in [0.2, 0.8], at a sentence start), then ``min(pairs,
     max_queries)`` of them asked in a random order. Teacher-forced (``.ids()``) it has exactly
-    ``context_length`` tokens. The same ``seed`` gives the same prompt."""
+    ``context_length`` tokens. The same ``seed`` gives the same prompt.
+
+    ``template``: a ``codes`` or ``words`` template (default: the probe's, ``probe_template("codes")``).
+    ``min_distance``: the last that many tokens of text stay free of facts when the text is longer (0: none)."""
     if pairs < 1 or max_queries < 1:
         raise ValueError(f"associative recall needs pairs >= 1 and max_queries >= 1, got {pairs}, {max_queries}")
+    template = template or probe_template("codes")
     haystack = texts if isinstance(texts, Haystack) else Haystack(tokenizer, texts)
     rng = random.Random(seed)  # a str seed is hashed deterministically
-    facts = make_facts(tokenizer, pairs, rng)
+    facts = make_facts(tokenizer, pairs, rng, template)
     queries = tuple(rng.sample(range(pairs), min(pairs, max_queries)))
-    head = tokenizer(_HEAD)["input_ids"]  # the tokenizer's special tokens (a BOS) go first
-    intro = tokenizer(_INTRO, add_special_tokens=False)["input_ids"]
-    fixed = len(head) + len(intro) + sum(len(f.ids) for f in facts) + sum(len(facts[q].ids) for q in queries)
+    head = tokenizer(template.parts["head"])["input_ids"]  # the tokenizer's special tokens (a BOS) go first
+    intro = tokenizer(template.parts["intro"], add_special_tokens=False)["input_ids"]
+    fixed = len(head) + len(intro) + sum(len(f.planted) for f in facts) + sum(len(facts[q].ids) for q in queries)
     room = context_length - fixed
     if room < pairs:
         raise ValueError(f"associative recall: context length {context_length} is too short for {pairs} pairs "
                          f"(the facts, the queries and the instructions take {fixed} tokens)")
     depths = [(i + rng.uniform(0.2, 0.8)) / pairs for i in range(pairs)]
     filler, starts = fill_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), room)
-    body, offsets = plant(filler, starts, [f.ids for f in facts], depths)
+    body, offsets = plant(filler, starts, [f.planted for f in facts], depths, reserve=min_distance)
     positions = tuple(len(head) + offset for offset in offsets)
     return RecallPrompt(tuple(head + body + intro), tuple(facts), positions, queries)
 

@@ -19,16 +19,21 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
     """A markdown table, one row per evaluated model (e.g. teacher / window-only / far-only / hybrid).
 
     The ratio column divides each perplexity by the ``reference`` row's (the first row if there is none). The
-    associative recall column appears when some row has that probe's results."""
+    associative recall column appears when some row has that probe's results; so do the recall-by-distance
+    column (accuracy at each distance) and the long-block perplexity column (the shortest long length)."""
     if not rows:
         raise ValueError("comparison_table needs at least one row")
     ref_name = reference if reference in rows else next(iter(rows))
     ref_ppl = rows[ref_name].get("perplexity")
     recall = any("associative_recall" in report for report in rows.values())
+    distances = _measured(rows, "recall_by_distance", "accuracy")
+    long = _measured(rows, "long_perplexity", "perplexity")[:1]
+    extra_head = (f" recall @ {'/'.join(distances)} |" if distances else "") + (f" ppl @ {long[0]} |" if long else "")
+    extra_rule = "---:|" * (bool(distances) + bool(long))
     lines = [
-        f"| model | perplexity | × {ref_name} | passkey |{' recall |' if recall else ''} decode ms/token | "
-        "context | cache MiB |",
-        f"|---|---:|---:|---:|{'---:|' if recall else ''}---:|---:|---:|",
+        f"| model | perplexity | × {ref_name} | passkey |{' recall |' if recall else ''}{extra_head} decode "
+        "ms/token | context | cache MiB |",
+        f"|---|---:|---:|---:|{'---:|' if recall else ''}{extra_rule}---:|---:|---:|",
     ]
     for name, report in rows.items():
         ppl = report.get("perplexity")
@@ -40,10 +45,29 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
         lines.append(
             f"| {name} | {_fmt(ppl, '.2f')} | {_fmt(ratio, '.3f')} | {_fmt(passkey, '.0%')} | "
             + (f"{_fmt(recalled, '.0%')} | " if recall else "")
+            + _long_cells(report, distances, long)
             + f"{_fmt(decode.get('median_ms_per_token'), '.1f')} | {_fmt(decode.get('context_length'), 'd')} | "
             f"{_fmt(mib, '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _measured(rows: dict[str, dict[str, Any]], field: str, key: str) -> list[str]:
+    """The lengths or distances measured by some row under ``field.key``, in increasing order."""
+    found = {k for report in rows.values() for k in ((report.get(field) or {}).get(key) or {})}
+    return sorted(found, key=int)
+
+
+def _long_cells(report: dict[str, Any], distances: list[str], long: list[str]) -> str:
+    """The row's recall-by-distance cell (e.g. ``100/50/0%``) and long-block perplexity cell, when shown."""
+    cells = ""
+    if distances:
+        accuracy = (report.get("recall_by_distance") or {}).get("accuracy") or {}
+        shares = [_fmt(None if accuracy.get(d) is None else 100 * accuracy[d], ".0f") for d in distances]
+        cells += ("-" if set(shares) == {"-"} else "/".join(shares) + "%") + " | "
+    if long:
+        cells += _fmt(((report.get("long_perplexity") or {}).get("perplexity") or {}).get(long[0]), ".2f") + " | "
+    return cells
 
 
 def write_report(out_dir: str | os.PathLike, report: dict[str, Any], name: str = "report.json") -> Path:

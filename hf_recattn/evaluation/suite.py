@@ -1,8 +1,10 @@
-"""The whole evaluation of one model: perplexity, the two recall probes, greedy samples and decode cost.
+"""The whole evaluation of one model: perplexity (512-token blocks and long blocks), the recall probes, greedy
+samples and decode cost.
 
 Every function takes any causal LM (the softmax teacher or a hf_recattn student), so the numbers in a
 conversion report are measured the same way on both. Generation always goes through the model's cache
-(the recurrent state for hf_recattn models).
+(the recurrent state for hf_recattn models). Every probe asks in the words of a held-out template
+(``templates.py``) and plants its facts in held-out text.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any
 import torch
 
 from .decode import cache_nbytes, decode_stats
+from .distance import DISTANCES, distance_recall_probe
 from .generation import DEFAULT_PROMPTS, generation_samples, greedy_continuation, prompt_ids
-from .heldout import perplexity
+from .heldout import LONG_LENGTHS, long_perplexity, perplexity
 from .passkey import PASSKEY_DEPTHS, passkey_probe
-from .recall import associative_recall_probe
+from .recall import associative_recall_probe, texts_from_blocks
 
 
 def describe_model(model: Any) -> dict[str, Any]:
@@ -39,7 +42,8 @@ def describe_model(model: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RecallSizes:
-    """How much of the two recall probes ``evaluate`` runs: context lengths, key depths, pair counts, trials."""
+    """How much of the probes ``evaluate`` runs: context lengths, key depths, pair counts, distances, long
+    perplexity block lengths, trials."""
 
     passkey_lengths: tuple[int, ...] = (1024, 4096, 8192)
     passkey_depths: tuple[float, ...] = PASSKEY_DEPTHS
@@ -47,25 +51,30 @@ class RecallSizes:
     recall_lengths: tuple[int, ...] = (1024, 4096)
     recall_pairs: tuple[int, ...] = (1, 4, 16)
     recall_trials: int = 3
+    distances: tuple[int, ...] = DISTANCES
+    distance_trials: int = 3
+    long_lengths: tuple[int, ...] = LONG_LENGTHS
+    long_blocks: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("passkey_lengths", "recall_lengths", "recall_pairs"):
+        for name in ("passkey_lengths", "recall_lengths", "recall_pairs", "distances", "long_lengths"):
             values = getattr(self, name)
             if not values or any(int(v) != v or v < 1 for v in values):
                 raise ValueError(f"{name} must be positive integers, got {list(values)}")
         if not self.passkey_depths or any(not 0.0 <= d <= 1.0 for d in self.passkey_depths):
             raise ValueError(f"passkey_depths must lie in [0, 1], got {list(self.passkey_depths)}")
-        for name in ("passkey_trials", "recall_trials"):
+        for name in ("passkey_trials", "recall_trials", "distance_trials", "long_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def for_mode(cls, quick: bool) -> RecallSizes:
-        """The full probes, or the quick ones: 1k tokens only, one trial per depth and per pair count."""
+        """The full probes, or the quick ones: 1k tokens only, one trial per depth and per pair count, recall at
+        100 and 1,000 tokens back (two trials each) and one long block of 4,096 tokens."""
         if not quick:
             return cls()
         return cls(passkey_lengths=(1024,), passkey_trials=len(PASSKEY_DEPTHS), recall_lengths=(1024,),
-                   recall_trials=1)
+                   recall_trials=1, distances=(100, 1000), distance_trials=2, long_lengths=(4096,), long_blocks=1)
 
 
 def evaluate(
@@ -77,15 +86,19 @@ def evaluate(
     recall_texts: Sequence[str] | None = None,
     sizes: RecallSizes | None = None,
     progress: str | None = None,
+    long_texts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Perplexity on ``heldout_blocks``, passkey accuracy, associative recall, greedy samples and decode cost.
+    """Perplexity on ``heldout_blocks`` and on long blocks, passkey accuracy, associative recall, recall at
+    fixed distances, greedy samples and decode cost.
 
-    The associative recall plants its facts in ``recall_texts`` (held-out documents), else in the documents of
-    ``heldout_blocks``. ``sizes`` sets the recall probes (default: ``RecallSizes.for_mode(quick)``). ``quick``
-    shrinks the probes (recall probes at 1k only; 2 samples of 24 tokens; decode at 512 context) for smoke
-    runs; the perplexity always uses all the blocks given. ``progress`` (e.g. the model's name) labels a
-    progress bar for the perplexity pass and each probe; None shows none."""
+    The recall probes plant their facts in ``recall_texts`` (held-out documents), else in the documents of
+    ``heldout_blocks``; the long blocks come from ``long_texts`` (whole held-out documents, e.g.
+    ``data.corpus.long_documents``), else from the same documents. ``sizes`` sets the probes (default:
+    ``RecallSizes.for_mode(quick)``). ``quick`` shrinks the probes (recall probes at 1k only; 2 samples of 24
+    tokens; decode at 512 context) for smoke runs; the perplexity always uses all the blocks given. ``progress``
+    (e.g. the model's name) labels a progress bar for each pass and probe; None shows none."""
     sizes = sizes or RecallSizes.for_mode(quick)
+    texts = texts_from_blocks(tokenizer, heldout_blocks) if recall_texts is None else recall_texts
     start = time.perf_counter()
     report: dict[str, Any] = {"model": describe_model(model), "quick": quick}
     report["perplexity"] = perplexity(model, heldout_blocks, progress=_label(progress, "perplexity"))
@@ -95,10 +108,10 @@ def evaluate(
                                       trials=sizes.passkey_trials, depths=sizes.passkey_depths,
                                       progress=_label(progress, "passkey"))
     report["associative_recall"] = associative_recall_probe(
-        model, tokenizer, heldout_blocks if recall_texts is None else recall_texts,
-        context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs, trials=sizes.recall_trials,
-        progress=_label(progress, "associative recall"),
+        model, tokenizer, texts, context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs,
+        trials=sizes.recall_trials, progress=_label(progress, "associative recall"),
     )
+    report.update(_long_context(model, tokenizer, texts, long_texts, sizes, progress))
     decoding = _label(progress, "decode timing")
     if quick:
         chosen, new_tokens = list(prompts)[:2], 24
@@ -110,6 +123,19 @@ def evaluate(
     report["samples"] = [{"prompt": p, "output": o} for p, o in zip(chosen, outputs, strict=True)]
     report["seconds"] = time.perf_counter() - start
     return report
+
+
+def _long_context(model: Any, tokenizer: Any, texts: Sequence[str], long_texts: Sequence[str] | None,
+                  sizes: RecallSizes, progress: str | None) -> dict[str, Any]:
+    """The report's long-context fields: recall at fixed distances and perplexity on long blocks."""
+    return {
+        "recall_by_distance": distance_recall_probe(model, tokenizer, texts, sizes.distances,
+                                                    trials=sizes.distance_trials,
+                                                    progress=_label(progress, "recall by distance")),
+        "long_perplexity": long_perplexity(model, tokenizer, texts if long_texts is None else long_texts,
+                                           sizes.long_lengths, blocks=sizes.long_blocks,
+                                           progress=_label(progress, "long perplexity")),
+    }
 
 
 def _label(progress: str | None, probe: str) -> str | None:
