@@ -86,6 +86,7 @@ MIXER_SPECS: dict[str, dict] = {
     "heinsen": {"mixer": "heinsen"},
     "hybrid(64)+hedgehog": {"mixer": "hybrid", "window": 64},
     "hybrid(64,sink4)+hedgehog": {"mixer": "hybrid", "window": 64, "sink_tokens": 4},
+    "hybrid(64,cache64)+hedgehog": {"mixer": "hybrid", "window": 64, "cache_slots": 64},
     "deltanet": {"mixer": "deltanet"},  # presets (hf_recattn/modeling/presets.py)
     "gdn": {"mixer": "gdn"},
     "comba": {"mixer": "comba"},

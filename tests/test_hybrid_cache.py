@@ -339,6 +339,36 @@ def test_a_masked_decision_at_every_step_changes_nothing(far: str, monkeypatch: 
         assert torch.equal(got_state[name], want_state[name]), name
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("far", ["linear-hedgehog", "delta"])
+def test_one_token_step_is_the_general_block(far: str, sinks: int) -> None:
+    """The decode step's shortcut (one token, sinks settled) gives the general block's outputs and states bit for
+    bit over 40 tokens, decisions every 3 real tokens per row (the second row left-padded by 5, so the rows decide
+    at different steps and their oldest window tokens leave at different steps): a far part reading leaving keys
+    (combine='shared') and one reading arriving tokens (combine='sum'). It is taken once the sinks settle, and the
+    decisions run inside it."""
+    seq, pad = 40, 5
+    q, k, v, x = checks.random_inputs(SHAPE, seq, seed=9)
+    mask = left_padded(seq, pad)
+    mixer = make(far, window=3, slots=2, sink_tokens=sinks)
+    general = make(far, window=3, slots=2, sink_tokens=sinks)
+    general.load_state_dict(mixer.state_dict())
+    general.step = lambda q, k, v, inputs, state: general._block(q, k, v, inputs, state, general._far_step)  # type: ignore
+    taken, decided = [], []
+    shortcut, evict = mixer._cached_step_one, mixer._evict
+    mixer._cached_step_one = lambda *args: taken.append(1) or shortcut(*args)  # type: ignore
+    mixer._evict = lambda *args: decided.append(1) or evict(*args)  # type: ignore
+    with torch.no_grad():
+        fast, fast_state = run_steps(mixer, q, k, v, x, mask)
+        slow, slow_state = run_steps(general, q, k, v, x, mask)
+    assert len(taken) >= seq - pad - sinks  # every step after the last sink of the padded row
+    assert len(decided) >= 2 * ((seq - pad - sinks) // 3 - 2)  # both rows' decisions, at their own steps
+    assert torch.equal(fast, slow)
+    assert fast_state.keys() == slow_state.keys()
+    for name in fast_state:
+        assert torch.equal(fast_state[name], slow_state[name]), name
+
+
 def test_rwkv7_far_part_forms_agree() -> None:
     """RWKV-7 (arriving, scored by its removal key): every form gives the parallel outputs and the same cache."""
     mixer = make("rwkv7", sink_tokens=1)

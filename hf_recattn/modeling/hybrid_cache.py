@@ -51,10 +51,11 @@ def block_timing(pmask: torch.Tensor, wmask: torch.Tensor, new_real: torch.Tenso
 
 def decision_spans(decide: torch.Tensor) -> list[tuple[int, int, bool]]:
     """The block's queries cut after each decision of any row: (start, stop, a decision follows query stop - 1).
-    A one-token block on an accelerator is one span with a decision (run masked, so no row waits for the host)."""
+    A one-token block is one span, with a decision when a row decides; on an accelerator always (run masked, so
+    that no step waits for the host)."""
     t = decide.shape[1]
-    if t == 1 and decide.device.type != "cpu":
-        return [(0, 1, True)]
+    if t == 1:
+        return [(0, 1, decide.device.type != "cpu" or bool(decide.any()))]
     ends = [j + 1 for j in decide.any(0).nonzero().flatten().tolist()]
     spans, start = [], 0
     for stop in sorted({*ends, t}):

@@ -520,15 +520,23 @@ class HybridMixer(Mixer):
     def _decide(
         self, blk: CacheBlock, j: int, cache: tuple[torch.Tensor, ...], far: State
     ) -> tuple[tuple[torch.Tensor, ...], State]:
-        """The decision after query j in the rows whose pending buffer is then full: the cache's pairs and the
-        pending ones scored against the far state, the G worst recalled kept, the others (a far part reading
-        leaving keys) added to it in token order. The other rows keep their cache and far state."""
-        rows = blk.timing.decide[:, j]
-        ck, cv, cmask = cache
+        """The decision after query j in the rows whose pending buffer is then full (see ``_evict``)."""
         pending = pending_pairs(blk.timing, j, self.window)
-        keys = torch.cat([ck, gather_tokens(blk.keys, pending)], dim=2)
-        values = torch.cat([cv, gather_tokens(blk.values, pending)], dim=2)
-        filled = torch.cat([cmask, torch.ones_like(pending, dtype=torch.bool)], dim=1)
+        pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending))
+        return self._evict(blk.timing.decide[:, j], pending_pair, cache, far)
+
+    def _evict(
+        self, rows: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], cache: tuple[torch.Tensor, ...],
+        far: State,
+    ) -> tuple[tuple[torch.Tensor, ...], State]:
+        """The decision in the ``rows`` [B] marked: the cache's pairs and the W ``pending`` ones (keys and values
+        [B, Hkv, W, D], in token order; meaningful in those rows) scored against the far state, the G worst
+        recalled kept, the others (a far part reading leaving keys) added to it in token order. The other rows keep
+        their cache and far state."""
+        ck, cv, cmask = cache
+        keys = torch.cat([ck, pending[0]], dim=2)
+        values = torch.cat([cv, pending[1]], dim=2)
+        filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
         score = self.far.far_recall_error(keys, values, far).detach()  # the choice is discrete: no gradient
         keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
         cache = (
@@ -540,6 +548,64 @@ class HybridMixer(Mixer):
             added = self.far.far_add(keys, values, evicted.to(values.dtype), far)
             far = {name: _where_rows(rows, added[name], x) for name, x in far.items()}
         return cache, far
+
+    def _cached_step_one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """``_cached_block`` for one token once the sinks are settled, bit for bit, in fewer ops: its keys and values
+        are concatenated once in the general block's column order (the sinks and the new token as a sink
+        candidate, never visible once they are settled; the cache; the pending buffer, the window and the new
+        token), so that the softmax and the far part run the same ops on the same tensors; the timing is whether
+        the oldest window token leaves and fills the pending buffer, and the next window and pending buffer are
+        slices of that one buffer (``_pending_after_step``)."""
+        n, w = self.sink_tokens, self.window
+        mask = inputs.token_mask
+        itself = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
+        new_real = itself if mask is None else mask.bool()
+        sink_k, sink_v = ([state["sk"], k], [state["sv"], v]) if n else ([], [])
+        keys = torch.cat([*sink_k, state["ck"], state["pk"], state["wk"], k], dim=2)  # [B, Hkv, N' + G + 2W + 1, D]
+        values = torch.cat([*sink_v, state["cv"], state["pv"], state["wv"], v], dim=2)
+        real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # [B, 2W + 1]: pending, window, new
+        sinks = [state["smask"], ~itself] if n else []  # settled: every sink visible, the new token not a sink
+        visible = torch.cat([*sinks, state["cmask"], real[:, :-1], itself], dim=1)  # a padded query sees itself
+        scores = torch.einsum("bhgtd,bhsd->bhgts", group_queries(q, self.shape.num_kv_heads), keys) * self.scale
+        scores = scores.masked_fill(~visible[:, None, None, None, :], float("-inf"))
+        far = _far_state(state)
+        if self.far.far_reads == ARRIVING:
+            terms, far = self.far.far_step(q, k, v, inputs, far)
+        else:
+            terms = self.far.far_read(q, inputs, far)
+        out = self._combine(terms, inputs, scores, values)
+        new_state: State = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
+        if n:
+            new_state.update({"sk": state["sk"], "sv": state["sv"], "smask": state["smask"]})
+        new_state.update(self._pending_after_step(keys, values, real, state, far))
+        return out, new_state
+
+    def _pending_after_step(
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, far: State
+    ) -> State:
+        """The pending buffer, cache and far state after a one-token step (``keys`` / ``values``: its buffer, ending
+        in pending, window, new token; ``real``: their mask): a real leaving token joins the pending buffer, which
+        is then the buffer's slice one position on (that slice itself when every row's leaving token is real, as
+        on the CPU a host check finds); a row whose buffer is then full decides, and it empties."""
+        w, s = self.window, keys.shape[2]
+        leaves = real[:, w : w + 1]  # [B, 1]: the oldest window token, when real
+        pk, pv, pmask = keys[:, :, s - 2 * w : s - w], values[:, :, s - 2 * w : s - w], real[:, 1 : w + 1]
+        if leaves.device.type != "cpu" or not bool(leaves.all()):
+            pmask = torch.where(leaves, pmask, real[:, :w])
+            pk = torch.where(leaves[:, :, None, None], pk, state["pk"])
+            pv = torch.where(leaves[:, :, None, None], pv, state["pv"])
+        full = pmask.all(1)  # [B]: fewer than W wait between steps, so only a leaving token fills it
+        cache = (state["ck"], state["cv"], state["cmask"])
+        ((_, _, decides),) = decision_spans(full[:, None])
+        if decides:
+            cache, far = self._evict(full, (pk, pv), cache, far)
+            empty = full[:, None, None, None]
+            pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
+        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2]}
+        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
+        return new_state
 
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
@@ -567,8 +633,9 @@ class HybridMixer(Mixer):
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        if q.shape[2] == 1 and not self.cache_slots and (not self.sink_tokens or self._sinks_settled(state)):
-            return self._step_one(q, k, v, inputs, state)
+        if q.shape[2] == 1 and (not self.sink_tokens or self._sinks_settled(state)):
+            one = self._cached_step_one if self.cache_slots else self._step_one
+            return one(q, k, v, inputs, state)
         return self._block(q, k, v, inputs, state, self._far_step)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
