@@ -54,6 +54,8 @@ def add_convert(sub: SubParsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--threads", default="auto", help="torch CPU threads, or auto: torch's default unless the "
                    "machine is already busy (load average >= cores - 0.5), then 1, which is faster there")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun / accelerate launch: shard what both "
+                   "training stages train over the processes (FSDP2) instead of copying it to each (DDP)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="publish the converted model (see "
                    "`hf-recattn push`) when the conversion is done")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -69,12 +71,15 @@ def add_convert(sub: SubParsers) -> None:
 
         from ..conversion.pipeline import convert
         from ..training.runner import NonFiniteLossError
+        from ..training.sharding import check_flag
+
+        check_flag(args.fsdp, "--fsdp")  # one process cannot shard: said before loading anything
 
         torch.set_num_threads(_convert_threads(args.threads))
         try:
             convert(teacher=args.teacher, recipe=args.recipe, output=args.output, budget=args.budget,
                     seed=args.seed, overwrite=args.overwrite, data=args.corpus, progress=not args.no_progress,
-                    evaluate_models=not args.no_eval, teacher_dtype=args.teacher_dtype)
+                    evaluate_models=not args.no_eval, teacher_dtype=args.teacher_dtype, fsdp=args.fsdp)
         except (NonFiniteLossError, FileNotFoundError) as err:
             print(f"hf-recattn convert: error: {err}", file=sys.stderr)
             return 3 if isinstance(err, NonFiniteLossError) else 2

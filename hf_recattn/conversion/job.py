@@ -21,7 +21,8 @@ Log = Callable[[str], None]
 class Job:
     """``convert``'s arguments, the recipe resolved: which teacher (its spec: a folder, Hub id, GGUF file or
     ``embedded``) in which dtype, the recipe, the output folder, the corpus (None: the embedded one), whether to show
-    progress bars and evaluate the models, and where the log lines go."""
+    progress bars and evaluate the models, where the log lines go, and whether both training stages shard the
+    student over the processes (FSDP)."""
 
     teacher_spec: str
     recipe: Recipe
@@ -31,6 +32,7 @@ class Job:
     progress: bool
     evaluate_models: bool
     log: Log
+    fsdp: bool = False
 
     @property
     def model_dir(self) -> Path:

@@ -38,7 +38,7 @@ from ..atomic import atomic_folder, write_json
 from ..data.corpus import is_embedded, load_splits
 from ..model_card import write_model_card
 from ..provenance import provenance
-from ..training import parallel
+from ..training import parallel, sharding
 from .checkpoints import check_output_folder, claim_output_folder
 from .comparison import compare_models, report_sample
 from .from_teacher import student_from_teacher
@@ -117,20 +117,25 @@ def convert(
     evaluate_models: bool = True,
     log: Log = print,
     teacher_dtype: str = "float32",
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """Convert ``teacher`` with ``recipe`` into ``output`` (resuming an earlier run there) and evaluate it.
 
     Returns the report (also written to ``output/report.json``). ``teacher_dtype``: ``bfloat16`` loads the
     teacher in bfloat16 (the student still trains in float32). Under ``torchrun`` / ``accelerate launch`` both
     training stages run data parallel; rank 0 writes the files and evaluates (the other ranks return ``{}``).
+    ``fsdp`` (or accelerate launch's FSDP config): both stages shard what they train over the processes (FSDP2).
     """
     began = time.perf_counter()
     if teacher_dtype not in TEACHER_DTYPES:
         raise ValueError(f"teacher dtype {teacher_dtype!r}: use one of {sorted(TEACHER_DTYPES)}")
+    sharding.check_flag(fsdp, "fsdp")
+    recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
+    if fsdp or sharding.from_environment():
+        sharding.refuse_chunked_loss(recipe.stage2.loss_chunk_size, f"{recipe.source}: stage2.loss_chunk_size")
     parallel.init_process_group()
     log = log if parallel.is_main() else _quiet
-    recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
-    job = Job(teacher, recipe, Path(output), data, teacher_dtype, progress, evaluate_models, log)
+    job = Job(teacher, recipe, Path(output), data, teacher_dtype, progress, evaluate_models, log, fsdp)
     identity = run_identity(teacher, recipe, data)
     if teacher_dtype != "float32":  # added later: float32 runs keep the identity they had
         identity["teacher_dtype"] = teacher_dtype

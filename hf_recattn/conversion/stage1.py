@@ -64,6 +64,7 @@ def stage1(label: str, job: Job, teacher: Teacher, student: nn.Module, train_tex
         checkpoint_dir=job.output / "stage1" / "progress",
         progress=job.progress,
         layers=converted_layers(recipe, teacher.model.config),
+        fsdp=job.fsdp,
     )
     summary = result.as_dict()
     summary["tokens_per_second"] = tokens_per_second(result)

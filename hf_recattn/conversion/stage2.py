@@ -45,6 +45,7 @@ def stage2(label: str, job: Job, teacher: Teacher, student: nn.Module,
         seed=recipe.seed,
         progress=job.progress,
         weights=weights,
+        fsdp=job.fsdp,
     )
     summary = result.as_dict()
     summary["tokens_per_second"] = tokens_per_second(result)

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import parallel
 from .forms import decoder_layers
+from .sharding import copy_full
 
 
 # ----- which parameters attention transfer trains -------------------------------------------------------------
@@ -58,7 +59,8 @@ def mixer_state_dict(student: nn.Module, projections: tuple[str, ...] = ()) -> d
 def load_mixer_state(
     student: nn.Module, tensors: dict[str, torch.Tensor], projections: tuple[str, ...] = ()
 ) -> None:
-    """Copy saved stage-1 parameters into ``student``; every expected name must be present."""
+    """Copy saved stage-1 parameters into ``student`` (its shares of them under FSDP); every expected name must be
+    present."""
     expected = {n: p for params in mixer_parameters(student, projections).values() for n, p in params.items()}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -66,9 +68,8 @@ def load_mixer_state(
         raise ValueError(
             f"saved mixer parameters do not fit the student (missing {missing[:4]}, extra {extra[:4]})"
         )
-    with torch.no_grad():
-        for name, param in expected.items():
-            param.copy_(tensors[name].to(param.dtype))
+    for name, param in expected.items():
+        copy_full(param, tensors[name])  # this process's share of a parameter sharded by FSDP
 
 
 # ----- capturing the teacher -------------------------------------------------------------------------------

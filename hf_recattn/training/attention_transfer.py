@@ -12,7 +12,9 @@ training run here, with the loss of ``attention_objective.py`` and its own data,
 
 Under ``torchrun`` each process takes its contiguous share of every step's batch (accelerate's ``split_batches``),
 DDP averages the gradients and the reported losses are means over the processes: the run equals one process on the
-same batches. Trainer seeds the global random generators; a run leaves them as it found them.
+same batches. With FSDP (``fsdp``, or accelerate's FSDP config) the trained layers' attentions are sharded instead
+(``transfer_sharding.py``); checkpoints then hold the same gathered ``mixer.safetensors`` and accelerate's optimizer
+file. Trainer seeds the global random generators; a run leaves them as it found them.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import PrinterCallback, TrainerCallback, TrainingArguments, default_data_collator
+from transformers.trainer import SCHEDULER_NAME
 
-from . import parallel
+from . import parallel, sharding
 from .attention_objective import LayerValues, TransferObjective, load_mixer_state, mixer_parameters, mixer_state_dict
 from .forms import fastest_forms
 from .runner import NonFiniteLossError, latest_trainer_checkpoint, train_with_resume
+from .transfer_sharding import ShardedAttention
 
 #: a checkpoint's trained parameters and loss record (beside Trainer's own files)
 MIXER_FILE = "mixer.safetensors"
@@ -170,7 +174,7 @@ def _record_step(record: dict[str, Any], values: LayerValues, beta: float = 0.8)
     record["count"] = record.get("count", 0) + 1
 
 
-class TransferTrainer(Trainer):
+class TransferTrainer(sharding.FsdpTrainer):
     """Trainer of a ``TransferObjective``: per-layer AdamW groups and schedule, checkpoints of the trained
     parameters only, the loss record, and the NaN stop."""
 
@@ -222,15 +226,38 @@ class TransferTrainer(Trainer):
             "lower stage1.lr or check the mixer spec of this layer"
         )
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under FSDP only the trained parameters, gathered (Trainer's own would gather the whole student)."""
+        if not self.is_fsdp_enabled:
+            super().save_model(output_dir, _internal_call)
+            return
+        self._save(output_dir)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """A checkpoint's model part: the trained parameters and the loss record (the main process writes)."""
+        """A checkpoint's model part: the trained parameters and the loss record (the main process writes; under
+        FSDP every process first takes part in gathering the parameters)."""
+        if not (self.args.should_save or self.is_fsdp_enabled):
+            return
+        tensors = mixer_state_dict(self.model.student, tuple(self.settings.projections))
+        tensors = {name: sharding.full_tensor(tensor) for name, tensor in tensors.items()}
         if not self.args.should_save:
             return
         folder = Path(output_dir or self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = mixer_state_dict(self.model.student, tuple(self.settings.projections))
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / MIXER_FILE))
         (folder / RECORD_FILE).write_text(json.dumps(self.record, indent=1))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under FSDP accelerate's optimizer file and the schedule, without Trainer's second copy of the model."""
+        if not self.is_fsdp_enabled:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        from accelerate.utils import save_fsdp_optimizer
+
+        plugin = self.accelerator.state.fsdp_plugin
+        save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         folder = Path(resume_from_checkpoint)
@@ -303,6 +330,7 @@ def run_attention_transfer(
     on_step: Callable[[int, nn.Module], None] | None = None,
     layers: Collection[int] | None = None,
     teacher_attention: Mapping[int, nn.Module] | None = None,
+    fsdp: bool = False,
 ) -> TransferResult:
     """Train every layer's mixer parameters to match the teacher's attention output; resumable.
 
@@ -311,8 +339,10 @@ def run_attention_transfer(
     mixer in its faster form (see ``fastest_forms``). ``on_step(step, student)`` runs after every optimizer step
     (the benchmark measures perplexity there). ``layers``: train only these layers (the ones a recipe converts).
     ``teacher_attention``: per trained layer, a module whose ``log_attention_weights(hidden, position_embeddings)``
-    gives the teacher's (needed with ``settings.attention_kl``).
+    gives the teacher's (needed with ``settings.attention_kl``). ``fsdp`` (or accelerate launch's FSDP config):
+    shard the trained layers' attentions over the processes (``transfer_sharding.py``).
     """
+    sharding.check_flag(fsdp, "fsdp")
     if blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"stage 1: need a non-empty [N, block] tensor of token ids, got {tuple(blocks.shape)}")
     groups = mixer_parameters(student, tuple(settings.projections))
@@ -327,22 +357,22 @@ def run_attention_transfer(
     _freeze(teacher, student, groups)
     objective = TransferObjective(teacher, student, list(groups), settings.attention_kl, teacher_attention)
     data = ScheduledBlocks(blocks, batch_schedule(blocks.shape[0], settings.batch_size, total, seed))
+    shards = ShardedAttention(student, list(groups)) if fsdp or sharding.from_environment() else None
     began = time.perf_counter()
     student.train()
     with _global_rng_kept(), _work_folder(checkpoint_dir) as folder, \
             fastest_forms(student, blocks.shape[1], pick_forms) as forms:
-        args = _arguments(settings, folder, checkpoint_dir is not None, seed, total, keep_checkpoints, student)
+        args = _arguments(settings, folder, checkpoint_dir is not None, seed, total, keep_checkpoints, student, fsdp)
         bar = _ProgressBar(objective, progress)
-        callbacks = [_ClipEachLayer(groups, settings.max_grad_norm), bar]
-        trainer = TransferTrainer(model=objective, args=args, train_dataset=data, data_collator=default_data_collator,
-                                  callbacks=callbacks + ([_AfterEachStep(on_step, student)] if on_step else []),
-                                  settings=settings, groups=groups)
-        trainer.remove_callback(PrinterCallback)  # the bar above, or nothing, is all a run prints
+        extra = [bar, *([_AfterEachStep(on_step, student)] if on_step else [])]
+        trainer = _transfer_trainer(objective, args, data, settings, groups, shards, extra)
         _check_resumable(folder, total)
         try:
             resumed = train_with_resume(trainer)
         finally:
             bar.close()
+    if shards is not None:
+        shards.restore()
     student.eval()
     student.requires_grad_(False)
     return _result(trainer, resumed, tokens_per_step, time.perf_counter() - began, groups, forms)
@@ -358,10 +388,26 @@ def _freeze(teacher: nn.Module, student: nn.Module, groups: dict[int, dict[str, 
             p.requires_grad_(True)
 
 
+def _transfer_trainer(objective: TransferObjective, args: TrainingArguments, data: ScheduledBlocks,
+                      settings: TransferSettings, groups: dict[int, dict[str, nn.Parameter]],
+                      shards: ShardedAttention | None, callbacks: list[TrainerCallback]) -> TransferTrainer:
+    """The Trainer of ``objective``, clipping each layer's gradients; with ``shards`` the trained attentions are
+    sharded first, and the optimizer and the clipping hold their shards."""
+    if shards is not None:
+        shards.shard(objective)
+        sharded = mixer_parameters(objective.student, tuple(settings.projections))
+        groups = {i: params for i, params in sharded.items() if i in groups}
+    trainer = TransferTrainer(model=objective, args=args, train_dataset=data, data_collator=default_data_collator,
+                              callbacks=[_ClipEachLayer(groups, settings.max_grad_norm), *callbacks],
+                              settings=settings, groups=groups)
+    trainer.remove_callback(PrinterCallback)  # the progress bar, or nothing, is all a run prints
+    return trainer
+
+
 def _arguments(settings: TransferSettings, folder: Path, save: bool, seed: int, total: int, keep: int,
-               student: nn.Module) -> TrainingArguments:
+               student: nn.Module, fsdp: bool = False) -> TrainingArguments:
     """Trainer's arguments: the whole batch per step split over the processes, no clipping, logging or bar of
-    Trainer's own, checkpoints every ``save_every`` steps when saving."""
+    Trainer's own, checkpoints every ``save_every`` steps when saving; with ``fsdp`` FSDP2 (units of our own)."""
     return TrainingArguments(
         output_dir=str(folder),
         per_device_train_batch_size=settings.batch_size,  # the whole batch: accelerate splits it (split_batches)
@@ -382,6 +428,7 @@ def _arguments(settings: TransferSettings, folder: Path, save: bool, seed: int, 
         dataloader_pin_memory=False,
         remove_unused_columns=False,
         use_cpu=next(student.parameters()).device.type == "cpu",
+        **sharding.fsdp_arguments(fsdp),
     )
 
 

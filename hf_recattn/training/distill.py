@@ -16,6 +16,11 @@ teacher's final hidden states (``distill_loss.chunked_loss_sum``): one chunk's l
 loss and gradient up to floating-point rounding. ``loss_kernel`` takes it from the hidden states on Liger Kernel's
 fused ops instead where it chooses them (``fused_loss.py``). ``gradient_checkpointing`` recomputes the student's
 decoder layers in the backward (Trainer's ``activation_checkpointing``).
+
+With ``fsdp`` (or accelerate launch's FSDP config) the trained model is sharded by accelerate's FSDP2 (each decoder
+layer a unit: its weights, LoRA adapters, gradients and optimizer states split over the processes); the frozen
+teacher is not Trainer's model and stays whole on every process. At the end every process gets the trained model
+back whole and plain (``CausalLMTrainer.trained_model``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from .runner import (
     quiet_gradient_checkpointing_notice,
     train_with_resume,
 )
+from .sharding import check_flag, from_environment, fsdp_arguments, refuse_chunked_loss
 from .trainable import finished_model, is_mixer_parameter, set_trainable
 
 
@@ -290,17 +296,22 @@ def finetune(
     pick_forms: bool = True,
     callbacks: list[TrainerCallback] | None = None,
     weights: torch.Tensor | None = None,
+    fsdp: bool = False,
 ) -> tuple[nn.Module, FinetuneResult]:
     """Finetune ``student`` on ``blocks`` (LoRA or every weight, as ``settings.method`` says), resuming from
     Trainer checkpoints in ``output_dir``.
 
     Returns the plain model (adapters merged) and a summary. ``stop_after_step`` ends the run early at that
     step with a checkpoint (the plain model is still returned). ``pick_forms``: train each mixer in its faster form.
-    ``weights`` ([N, block_size]): the loss weight of each token's prediction (``retrieval_data.py``).
+    ``weights`` ([N, block_size]): the loss weight of each token's prediction (``retrieval_data.py``). ``fsdp``:
+    shard the trained model over the processes (FSDP2).
     """
+    check_flag(fsdp, "fsdp")
+    if fsdp or from_environment():
+        refuse_chunked_loss(settings.loss_chunk_size, "stage2.loss_chunk_size")
     with quiet_gradient_checkpointing_notice():
         return _finetune(teacher, student, blocks, settings, output_dir, seed, progress, stop_after_step,
-                         pick_forms, callbacks, weights)
+                         pick_forms, callbacks, weights, fsdp)
 
 
 def _finetune(
@@ -315,12 +326,13 @@ def _finetune(
     pick_forms: bool,
     callbacks: list[TrainerCallback] | None,
     weights: torch.Tensor | None,
+    fsdp: bool,
 ) -> tuple[nn.Module, FinetuneResult]:
     tokens_per_step = settings.batch_size * settings.grad_accum * blocks.shape[1]
     steps = max(1, settings.tokens // tokens_per_step)
     trained = trainable_student(student, settings)
     trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-    args = training_arguments(settings, output_dir, seed, steps, progress)
+    args = training_arguments(settings, output_dir, seed, steps, progress, **fsdp_arguments(fsdp))
     trainer = DistillTrainer(
         model=trained,
         args=args,
@@ -346,4 +358,4 @@ def _finetune(
         raise NonFiniteLossError(f"stage 2: the logged loss is {final} at step {trainer.state.global_step}")
     done = trainer.state.global_step
     result = FinetuneResult(done, done * tokens_per_step, seconds, final, resumed, trainable, forms)
-    return finished_student(trained, settings), result
+    return finished_student(trainer.trained_model(), settings), result

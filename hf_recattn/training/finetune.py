@@ -81,7 +81,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     if values.get("lora") and method != "lora":
         raise ValueError(f"{where}: lora: only used with method: lora (method is {method!r})")
     streaming = run.data.streaming
-    args = run_arguments(run, where, output_dir, label_names=["labels"])
+    args = run_arguments(run, where, output_dir, chunk, label_names=["labels"])
     net, tokenizer = load_checkpoint(str(spec), where)
     limit = net.config.max_position_embeddings
     size = block_size(values.get("block_size"), where, limit, min(DEFAULT_BLOCK_SIZE, limit or DEFAULT_BLOCK_SIZE))
@@ -115,7 +115,5 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
                               loss_chunk_size=chunk, loss_kernel=kernel)
     with quiet_gradient_checkpointing_notice():
         resumed = train_with_resume(trainer)
-        merged = None
-        if method == "lora":
-            merged = merge_lora(trainer.accelerator.unwrap_model(trainer.model))
-    return summarize(trainer, save_final(trainer, tokenizer, merged), resumed)
+        model_dir = save_final(trainer, tokenizer, merge_lora if method == "lora" else None)
+    return summarize(trainer, model_dir, resumed)

@@ -1,6 +1,6 @@
-"""Data parallel runs (``torchrun`` / ``accelerate launch``): the process group, this process's rank and the
-few collectives beside Trainer's own (the conversion pipeline's barriers, stage 1's loss reports). With one
-process every function is a no-op."""
+"""Data parallel runs (``torchrun`` / ``accelerate launch``; DDP, or FSDP as ``sharding.py`` sets up): the process
+group, this process's rank and the few collectives beside Trainer's own (the conversion pipeline's barriers, stage
+1's loss reports). With one process every function is a no-op."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def is_main() -> bool:
 
 def init_process_group() -> None:
     """Join the launcher's process group when there are several processes: gloo for CPU tensors, and with CUDA
-    nccl for GPU tensors (stage 1 averages wherever the student lives; Trainer's DDP reuses the group)."""
+    nccl for GPU tensors (stage 1 averages wherever the student lives; Trainer's DDP and FSDP's device meshes reuse
+    the group)."""
     if world_size() > 1 and not dist.is_initialized():
         backend = "gloo"
         if torch.cuda.is_available():

@@ -1,5 +1,6 @@
 """Running Trainer: eval perplexity in the logs, the causal-LM loss over chunks of positions or on Liger Kernel's
-fused op when asked, resuming from the last checkpoint, the final atomic save."""
+fused op when asked, resuming from the last checkpoint, the final atomic save; under FSDP (``sharding.py``) the
+trained model gathered into a plain one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -19,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..atomic import move_into_place
 from .distill_loss import chunked_loss_sum
 from .fused_loss import check_loss_kernel, fused_loss_sum, use_liger
 from .lm_outputs import causal_lm, final_logits, hidden_forward
+from .sharding import FsdpTrainer, PlainCopy, check_resume, full_state_dict
 
 FINAL_MODEL = "model"
 _TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -33,7 +36,7 @@ class NonFiniteLossError(RuntimeError):
     """A training or distillation loss became NaN or infinite; the message names the stage, step and layer."""
 
 
-class CausalLMTrainer(Trainer):
+class CausalLMTrainer(FsdpTrainer):
     """Trainer that also logs ``eval_perplexity`` = exp(``eval_loss``) with every evaluation.
 
     ``loss_chunk_size``: the causal-LM cross-entropy (the model's own, summed over the predicted tokens and divided
@@ -41,6 +44,9 @@ class CausalLMTrainer(Trainer):
     (``distill_loss.chunked_loss_sum``), so the whole [B, T, V] logits never exist; None: the model's own loss.
     ``loss_kernel``: ``liger`` takes that cross-entropy from the final hidden states on Liger Kernel's fused op
     instead (``fused_loss.py``), ``auto`` where it runs and takes the loss, ``torch`` never.
+
+    Under FSDP, ``plain`` is the model's plain copy made before sharding: checkpoints are saved under its class, and
+    ``trained_model`` fills it with the trained weights.
     """
 
     #: the setting that ``loss_kernel`` errors name
@@ -55,10 +61,35 @@ class CausalLMTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
         self.loss_kernel = loss_kernel
+        self.plain = PlainCopy(self.model) if self.is_fsdp_enabled else None
 
     def uses_liger(self, lm: nn.Module, weighted: bool = False) -> bool:
         """Whether the loss of the causal LM ``lm`` runs on the Liger ops (``fused_loss.use_liger``)."""
         return use_liger(self.loss_kernel, self.loss_kernel_setting, lm, weighted=weighted)
+
+    def trained_model(self, everywhere: bool = True) -> nn.Module | None:
+        """The trained model as a plain module: the Trainer's model unwrapped, or under FSDP the gathered weights in
+        ``plain`` (every process takes part; with ``everywhere`` false only the main process gets it, in CPU
+        memory, and the others None)."""
+        if self.plain is None:
+            return self.accelerator.unwrap_model(self.model)
+        state = full_state_dict(self.model, everywhere)
+        return self.plain.fill(state) if state else None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Under FSDP, the gathered ``state_dict`` saved under the plain model's class (FSDP's class would name
+        itself in the checkpoint's ``auto_map``)."""
+        if self.plain is None:
+            super()._save(output_dir, state_dict)
+            return
+        if not self.args.should_save:
+            return
+        folder = Path(output_dir or self.args.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.plain.module.save_pretrained(str(folder), state_dict=state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(str(folder))
+        torch.save(self.args, folder / TRAINING_ARGS_NAME)
 
     def compute_loss(
         self,
@@ -139,27 +170,33 @@ def latest_trainer_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 
 def train_with_resume(trainer: Trainer) -> int:
-    """``trainer.train()`` from the newest complete ``checkpoint-N`` in ``output_dir`` (0 when none)."""
+    """``trainer.train()`` from the newest complete ``checkpoint-N`` in ``output_dir`` (0 when none), which must
+    have been written with FSDP if and only if this run has it."""
     last = latest_trainer_checkpoint(trainer.args.output_dir)
+    if last is not None:
+        check_resume(last, trainer.is_fsdp_enabled)
     trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
     return 0 if last is None else int(last.name.rsplit("-", 1)[-1])
 
 
-def save_final(trainer: Trainer, tokenizer: Any, merged: Any = None) -> Path:
+def save_final(trainer: CausalLMTrainer, tokenizer: Any,
+               finish: Callable[[nn.Module], nn.Module] | None = None) -> Path:
     """Write ``output_dir/model`` atomically: into ``.tmp-model`` first (every process takes part, which
     FSDP needs to gather weights, so the temporary name is one they all know), then moved into place by the
-    main process. ``merged``: a plain model to save instead of the trained one (a LoRA model after
-    ``merge_and_unload``)."""
+    main process. ``finish``: turns the trained model into the plain model to save (``merge_lora``); under FSDP the
+    main process saves the gathered weights (a full checkpoint)."""
     final = Path(trainer.args.output_dir) / FINAL_MODEL
     tmp = final.parent / f".tmp-{FINAL_MODEL}"
     main = trainer.is_world_process_zero()
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
-    if merged is None:
+    if finish is None and trainer.plain is None:
         trainer.save_model(str(tmp))
-    elif main:
-        merged.save_pretrained(str(tmp))
+    else:
+        trained = trainer.trained_model(everywhere=False)
+        if main:
+            (trained if finish is None else finish(trained)).save_pretrained(str(tmp))
     if main:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "training_args.bin").unlink(missing_ok=True)
