@@ -201,6 +201,24 @@ def test_accumulation_1x4_equals_4x1(setup, tmp_path: Path) -> None:  # noqa: AN
     assert 0.1 < ratio < 0.9, ratio  # the double-scaled update is visibly smaller: the test can fail
 
 
+def test_loss_over_processes_is_scaled_as_trainer_scales_its_own(setup, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """With Trainer's token count taken over P processes, stage 2's loss is multiplied by P, as Trainer multiplies
+    the model's own loss (CausalLMTrainer): DDP / FSDP average the gradients over the processes, so without it each
+    step would be 1/P of the one-process step."""
+    teacher, blocks = setup
+    student = from_teacher(teacher, HEDGEHOG)
+    args = training_arguments(_settings(), tmp_path, 0, 1, False)
+    trainer = DistillTrainer(model=student, args=args, train_dataset=BlockDataset(blocks[:2]),
+                             data_collator=default_data_collator, teacher=teacher, loss="ce+kl")
+    batch = default_data_collator([BlockDataset(blocks[:2])[i] for i in range(2)])
+    count = int((batch["shift_labels"] != -100).sum())
+    one = trainer.compute_loss(student, batch, num_items_in_batch=count)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    assert trainer.args.average_tokens_across_devices and trainer.process_scale() == 2
+    two = trainer.compute_loss(student, batch, num_items_in_batch=count)
+    torch.testing.assert_close(two, 2 * one, rtol=1e-6, atol=0)
+
+
 def _lora_init(initial: dict[str, torch.Tensor], name: str, like: dict[str, torch.Tensor]) -> torch.Tensor:
     """LoRA A starts from the seeded init (the B values we overwrite do not touch A)."""
     return initial[name] if name in initial else torch.zeros_like(like[name])

@@ -159,8 +159,8 @@ class DistillTrainer(CausalLMTrainer):
                 outputs.logits, inputs["shift_labels"], teacher_logits, self.distill_loss, self.temperature,
                 self.kl_weight, inputs.get("shift_weights"),
             )
-        if num_items_in_batch is not None:
-            denominator = float(num_items_in_batch)
+        if num_items_in_batch is not None:  # a count over every process: scaled back as Trainer does
+            denominator = float(num_items_in_batch) / self.process_scale()
         else:  # no count from Trainer (outside train()): this micro-batch's mean, scaled for accumulation
             steps = self.current_gradient_accumulation_steps if model.training else 1
             denominator = max(count, 1) * steps

@@ -114,12 +114,18 @@ class CausalLMTrainer(FsdpTrainer):
             total, count = chunked_loss_sum(partial(final_logits, lm), hidden, shift_labels, self.loss_chunk_size)
         if num_items_in_batch is None:
             loss = total / count if count else total
-        else:  # as Trainer scales the model's own loss
-            loss = total / torch.as_tensor(num_items_in_batch).to(total.device)
-            if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
-                processes = self.accelerator.num_processes // self.get_tp_size()
-                loss = loss * (processes if self.args.n_gpu <= 1 else self.args.n_gpu)
+        else:
+            loss = total / torch.as_tensor(num_items_in_batch).to(total.device) * self.process_scale()
         return (loss, outputs) if return_outputs else loss
+
+    def process_scale(self) -> int:
+        """What a loss divided by Trainer's ``num_items_in_batch`` is multiplied by, as Trainer scales the model's own
+        loss: with the count taken over every process (``average_tokens_across_devices``), the number of processes,
+        since DDP / FSDP then average the gradients over them; 1 otherwise."""
+        if not (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs):
+            return 1
+        processes = self.accelerator.num_processes // self.get_tp_size()
+        return processes if self.args.n_gpu <= 1 else self.args.n_gpu
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:
