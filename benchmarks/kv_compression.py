@@ -3,7 +3,8 @@
 Each press keeps as many of the teacher's context tokens as fit in a student's cache: the student's cache MiB (a
 ``--pareto`` results file, at its context; or ``--bytes MiB ...``) divided by the teacher's KV bytes per token (every
 layer's keys and values, 4 bytes per element as in benchmarks/pareto.py) gives the kept tokens, and for a context of
-L tokens the press's ``compression_ratio`` is 1 - kept / L. On the probes of the Pareto table:
+L tokens the press's ``compression_ratio`` is 1 - kept / L (DuoAttention: the share of streaming heads that keeps
+kept tokens per head on average). A press that cannot run is listed with its error. On the Pareto table's probes:
 
 * passkey retrieval (``--passkey-lengths``, keys at depths 0.1 / 0.5 / 0.9, the same prompts and keys as
   ``hf_recattn.evaluation.passkey_probe``): the prompt up to the question is the context the press compresses

@@ -134,6 +134,12 @@ def _ppl_cell(row: dict[str, Any], teacher: dict[str, Any], e: str) -> str:
     return f"{row[f'perplexity_{e}'] / teacher[f'perplexity_{e}']:.3f}"
 
 
+def _passkey_cell(row: dict[str, Any], n: str) -> str:
+    if n not in row["passkey"] and "perplexity_ratio" in row:  # a peer row measured at other lengths
+        return "-"
+    return f"{100 * row['passkey'].get(n, float('nan')):.0f}%"
+
+
 def _recall_cell(row: dict[str, Any], n: str) -> str:
     if "associative_recall" not in row:
         return "-"
@@ -156,7 +162,7 @@ def table(results: dict[str, Any], peers: dict[str, dict[str, Any]] | None = Non
     for name, row in sorted({**rows, **(peers or {})}.items(), key=lambda item: -item[1]["cache_mib"]):
         cells = [name, f"{row['cache_mib']:.2f}", f"{row['cache_mib'] / teacher['cache_mib']:.3f}"]
         cells += [_ppl_cell(row, teacher, e) for e in evals]
-        cells += [f"{100 * row['passkey'].get(n, float('nan')):.0f}%" for n in passkey_lengths]
+        cells += [_passkey_cell(row, n) for n in passkey_lengths]
         cells += [_recall_cell(row, n) for n in recall_lengths]
         cells.append(f"{row['training_tokens']:,}" if row.get("training_tokens") is not None else "0")
         lines.append("| " + " | ".join(cells) + " |")

@@ -142,6 +142,8 @@ def test_pareto_reads_the_presses_as_peer_rows(kv: ModuleType, pareto: ModuleTyp
     lines = pareto.table(results, peers).splitlines()
     assert [line for line in lines if "kvpress" not in line] == plain  # the models' rows stay as they were
     assert lines[3] == "| SnapKV 100 tokens (kvpress) | 4.39 | 0.012 | 2.718 | - | 33% | - | 0 |"
+    teacher["passkey"]["4096"] = student["passkey"]["4096"] = 0.5
+    assert pareto.table(results, peers).splitlines()[3].endswith("| 33% | - | - | 0 |")  # not measured at 4096
     assert lines[4].startswith("| student | 1.00 |")
     for bad, why in ((tmp_path / "none.json", "no such file"), (tmp_path / "other.json", "kv_compression.py")):
         if why != "no such file":
