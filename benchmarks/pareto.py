@@ -127,7 +127,27 @@ def _by_pairs(cells: dict[str, float]) -> list[tuple[str, float]]:
     return sorted(cells.items(), key=lambda cell: int(cell[0]))
 
 
-def table(results: dict[str, Any]) -> str:
+def _ppl_cell(row: dict[str, Any], teacher: dict[str, Any], e: str) -> str:
+    if "perplexity_ratio" in row:  # a peer row: its own measure, as a ratio to the teacher
+        ratio = row["perplexity_ratio"].get(e)
+        return "-" if ratio is None else f"{ratio:.3f}"
+    return f"{row[f'perplexity_{e}'] / teacher[f'perplexity_{e}']:.3f}"
+
+
+def _passkey_cell(row: dict[str, Any], n: str) -> str:
+    if n not in row["passkey"] and "perplexity_ratio" in row:  # a peer row measured at other lengths
+        return "-"
+    return f"{100 * row['passkey'].get(n, float('nan')):.0f}%"
+
+
+def _recall_cell(row: dict[str, Any], n: str) -> str:
+    if "associative_recall" not in row:
+        return "-"
+    return "/".join(f"{100 * v:.0f}" for _, v in _by_pairs(row["associative_recall"].get(n, {}))) + "%"
+
+
+def table(results: dict[str, Any], peers: dict[str, dict[str, Any]] | None = None) -> str:
+    """The markdown table; ``peers`` (``peer_rows``) join the models in the order of their cache size."""
     rows = results["models"]
     teacher = rows["teacher"]
     evals = [k.removeprefix("perplexity_") for k in teacher if k.startswith("perplexity_")]
@@ -139,22 +159,59 @@ def table(results: dict[str, Any]) -> str:
             + [f"ppl x teacher ({e})" for e in evals] + [f"passkey {n}" for n in passkey_lengths]
             + [f"recall {n} ({pairs} pairs)" for n in recall_lengths] + ["training tokens"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for name, row in sorted(rows.items(), key=lambda item: -item[1]["cache_mib"]):
+    for name, row in sorted({**rows, **(peers or {})}.items(), key=lambda item: -item[1]["cache_mib"]):
         cells = [name, f"{row['cache_mib']:.2f}", f"{row['cache_mib'] / teacher['cache_mib']:.3f}"]
-        cells += [f"{row[f'perplexity_{e}'] / teacher[f'perplexity_{e}']:.3f}" for e in evals]
-        cells += [f"{100 * row['passkey'].get(n, float('nan')):.0f}%" for n in passkey_lengths]
-        cells += ["/".join(f"{100 * v:.0f}" for _, v in _by_pairs(row["associative_recall"].get(n, {}))) + "%"
-                  for n in recall_lengths]
+        cells += [_ppl_cell(row, teacher, e) for e in evals]
+        cells += [_passkey_cell(row, n) for n in passkey_lengths]
+        cells += [_recall_cell(row, n) for n in recall_lengths]
         cells.append(f"{row['training_tokens']:,}" if row.get("training_tokens") is not None else "0")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def peer_rows(paths: list[str]) -> dict[str, dict[str, Any]]:
+    """Rows of other methods measured on the same probes: every press that ran in ``kv_compression.py`` result
+    files, with its cache MiB, passkey accuracy and its perplexity ratio (a continuation of a compressed held-out
+    context against the teacher without a press) under in-distribution."""
+    peers: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        file = Path(path)
+        if not file.is_file():
+            raise SystemExit(f"--peers {path}: no such file")
+        results = json.loads(file.read_text())
+        if results.get("benchmark") != "kv_compression":
+            raise SystemExit(f"--peers {path}: not a benchmarks/kv_compression.py results file")
+        rows = results["rows"]
+        base = rows.get("teacher (no press)", {}).get("continuation_perplexity")
+        for row in rows.values():
+            if row.get("press") is None or "error" in row:
+                continue
+            ratio = {"in-distribution": row["continuation_perplexity"] / base} if base else {}
+            peers[f"{row['press']} {row['kept_tokens']} tokens (kvpress)"] = {
+                "cache_mib": row["cache_mib"], "passkey": row["passkey"], "perplexity_ratio": ratio,
+                "training_tokens": 0}
+    return peers
+
+
 render_markdown = table
 
 
-def plot(results: dict[str, Any], path: str) -> str:
-    """Cache size against perplexity ratio and against recall; returns what was written or why not."""
+def _plot_peers(left: Any, right: Any, peers: dict[str, dict[str, Any]]) -> None:
+    """The peer rows in both panels, as diamonds."""
+    for name, row in peers.items():
+        ratio = row["perplexity_ratio"].get("in-distribution")
+        if ratio is not None:
+            left.scatter(row["cache_mib"], ratio, marker="D", color="C3")
+            left.annotate(name, (row["cache_mib"], ratio), fontsize=6, xytext=(4, -8), textcoords="offset points")
+        passkey = sum(row["passkey"].values()) / max(len(row["passkey"]), 1)
+        right.scatter(row["cache_mib"], 100 * passkey, marker="D", color="C3")
+    left.scatter([], [], marker="D", color="C3", label="kvpress on the teacher (continuation perplexity)")
+    right.scatter([], [], marker="D", color="C3", label="kvpress on the teacher: passkey")
+
+
+def plot(results: dict[str, Any], path: str, peers: dict[str, dict[str, Any]] | None = None) -> str:
+    """Cache size against perplexity ratio and against recall (``peers`` as diamonds); returns what was written
+    or why not."""
     try:
         import matplotlib
 
@@ -176,6 +233,8 @@ def plot(results: dict[str, Any], path: str) -> str:
     left.set(xscale="log", yscale="log", xlabel=f"cache MiB per sequence at {results['settings']['context']} tokens",
              ylabel="perplexity / teacher")
     left.axhline(1.0, color="grey", lw=0.5)
+    if peers:
+        _plot_peers(left, right, peers)
     left.legend(fontsize=8)
     for name, row in rows.items():
         passkey = sum(row["passkey"].values()) / max(len(row["passkey"]), 1)
@@ -194,7 +253,7 @@ def plot(results: dict[str, Any], path: str) -> str:
     return f"plot: {path}"
 
 
-def merge(paths: list[str], out: Path, plot_path: str | None) -> int:
+def merge(paths: list[str], out: Path, plot_path: str | None, peers: dict[str, dict[str, Any]] | None = None) -> int:
     """One result file from parts measured in several processes with the same settings; the provenance of the
     part holding the teacher, with the parts' commands."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
@@ -206,9 +265,9 @@ def merge(paths: list[str], out: Path, plot_path: str | None) -> int:
     results = {**holders[0], "models": {name: row for part in parts for name, row in part["models"].items()}}
     results["parts"] = [part["provenance"]["command"] for part in parts]
     write_json(out, results)
-    print(table(results))
+    print(table(results, peers))
     if plot_path:
-        print(plot(results, plot_path))
+        print(plot(results, plot_path, peers))
     return 0
 
 
@@ -235,6 +294,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="measure only the swaps and checkpoints given (a part of a run split over processes)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="measure nothing: join result files of one setting (one holding the teacher) into --out")
+    parser.add_argument("--peers", nargs="+", default=None, metavar="JSON",
+                        help="add the presses of benchmarks/kv_compression.py result files to the table and plot")
     return parser.parse_args(argv)
 
 
@@ -287,8 +348,9 @@ def measure_models(args: argparse.Namespace, results: dict[str, Any], out: Path,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    peers = peer_rows(args.peers) if args.peers else None
     if args.merge:
-        return merge(args.merge, Path(args.out), args.plot)
+        return merge(args.merge, Path(args.out), args.plot, peers)
     swaps = dict(parse_swap(s) for s in args.swap)
     converted = [converted_folder(path) for path in args.converted]
     if args.threads:
@@ -301,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     if "teacher" not in results["models"]:  # a part of a split run: the table needs the teacher's row
         print(f"results: {out} (join the parts with --merge for the table)")
         return 0
-    print(table(results))
+    print(table(results, peers))
     if args.plot:
-        print(plot(results, args.plot))
+        print(plot(results, args.plot, peers))
     print(f"results: {out}")
     return 0
 
