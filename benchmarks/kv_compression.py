@@ -51,7 +51,7 @@ from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation import PASSKEY_DEPTHS, passkey_ids, perplexity
-from hf_recattn.evaluation.passkey import _PASSKEY_TAIL, passkey_answered
+from hf_recattn.evaluation.passkey import passkey_answered, passkey_question_ids
 from hf_recattn.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +138,7 @@ def budgets(bytes_mib: list[float], pareto: dict[str, Any] | None, students: lis
 def passkey_cases(tokenizer: Any, lengths: list[int], trials: int, seed: int = 0) -> list[dict[str, Any]]:
     """passkey_probe's prompts (its keys, depths and lengths), each split into the context and the question."""
     rng = random.Random(seed)
-    question = tokenizer(_PASSKEY_TAIL, add_special_tokens=False)["input_ids"]
+    question = passkey_question_ids(tokenizer)
     cases = []
     for length in lengths:
         keys = [f"{rng.randrange(10_000, 100_000)}" for _ in range(trials)]

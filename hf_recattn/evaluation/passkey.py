@@ -30,7 +30,7 @@ def passkey_ids(tokenizer: Any, context_length: int, key: str, depth: float,
         raise ValueError(f"{template.where}: the passkey probe needs a template with its own filler")
     head = tokenizer(template.parts["head"])["input_ids"]  # the tokenizer's special tokens (a BOS) go first
     needle = tokenizer(template.fill("fact", value=key), add_special_tokens=False)["input_ids"]
-    tail = tokenizer(template.parts["question"] + template.parts["answer"], add_special_tokens=False)["input_ids"]
+    tail = passkey_question_ids(tokenizer, template)
     room = context_length - len(head) - len(needle) - len(tail)
     if room < 1:
         raise ValueError(f"passkey: context length {context_length} leaves no room for filler (the question and "
@@ -40,6 +40,13 @@ def passkey_ids(tokenizer: Any, context_length: int, key: str, depth: float,
     within = min(max((depth * context_length - len(head)) / room, 0.0), 1.0)  # the depth in the whole prompt
     body, (offset,) = plant(filler, starts, [needle], [within])
     return head + body + tail, len(head) + offset
+
+
+def passkey_question_ids(tokenizer: Any, template: Template | None = None) -> list[int]:
+    """The ids that end every passkey prompt: the template's question and the start of its answer (default: the
+    probe's held-out template)."""
+    template = template or probe_template("passkey")
+    return tokenizer(template.parts["question"] + template.parts["answer"], add_special_tokens=False)["input_ids"]
 
 
 def passkey_prompt(tokenizer: Any, context_length: int, key: str, depth: float) -> torch.Tensor:
