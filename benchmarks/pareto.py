@@ -12,7 +12,8 @@ For the teacher, training-free swaps of its attention (``--swap NAME=SPEC``) and
 
 Results go to ``--out`` (JSON, rewritten after every model; a rerun with the same settings skips the models
 already measured), a markdown table is printed, and ``--plot`` draws cache size against perplexity ratio and
-recall (matplotlib).
+recall (matplotlib; benchmarks/pareto_plot.py). ``--plot-only RESULTS --plot PNG`` draws a result file again
+without measuring.
 
     nice python benchmarks/pareto.py --threads 2 \\
         --swap 'window-64+4-sinks={"mixer": "hybrid", "window": 64, "far": "none", "sink_tokens": 4}' \\
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from convert_smollm2 import ood_blocks
+from pareto_plot import plot
 
 from hf_recattn import from_teacher
 from hf_recattn.atomic import write_json
@@ -196,63 +198,6 @@ def peer_rows(paths: list[str]) -> dict[str, dict[str, Any]]:
 render_markdown = table
 
 
-def _plot_peers(left: Any, right: Any, peers: dict[str, dict[str, Any]]) -> None:
-    """The peer rows in both panels, as diamonds."""
-    for name, row in peers.items():
-        ratio = row["perplexity_ratio"].get("in-distribution")
-        if ratio is not None:
-            left.scatter(row["cache_mib"], ratio, marker="D", color="C3")
-            left.annotate(name, (row["cache_mib"], ratio), fontsize=6, xytext=(4, -8), textcoords="offset points")
-        passkey = sum(row["passkey"].values()) / max(len(row["passkey"]), 1)
-        right.scatter(row["cache_mib"], 100 * passkey, marker="D", color="C3")
-    left.scatter([], [], marker="D", color="C3", label="kvpress on the teacher (continuation perplexity)")
-    right.scatter([], [], marker="D", color="C3", label="kvpress on the teacher: passkey")
-
-
-def plot(results: dict[str, Any], path: str, peers: dict[str, dict[str, Any]] | None = None) -> str:
-    """Cache size against perplexity ratio and against recall (``peers`` as diamonds); returns what was written
-    or why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib): no plot"
-    rows = results["models"]
-    teacher = rows["teacher"]
-    evals = [k.removeprefix("perplexity_") for k in teacher if k.startswith("perplexity_")]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
-    for e, marker in zip(evals, "os^", strict=False):
-        xs = [row["cache_mib"] for row in rows.values()]
-        ys = [row[f"perplexity_{e}"] / teacher[f"perplexity_{e}"] for row in rows.values()]
-        left.scatter(xs, ys, marker=marker, label=f"held-out perplexity / teacher ({e})")
-    for name, row in rows.items():
-        left.annotate(name, (row["cache_mib"], row[f"perplexity_{evals[0]}"] / teacher[f"perplexity_{evals[0]}"]),
-                      fontsize=7, xytext=(4, 4), textcoords="offset points")
-    left.set(xscale="log", yscale="log", xlabel=f"cache MiB per sequence at {results['settings']['context']} tokens",
-             ylabel="perplexity / teacher")
-    left.axhline(1.0, color="grey", lw=0.5)
-    if peers:
-        _plot_peers(left, right, peers)
-    left.legend(fontsize=8)
-    for name, row in rows.items():
-        passkey = sum(row["passkey"].values()) / max(len(row["passkey"]), 1)
-        right.scatter(row["cache_mib"], 100 * passkey, marker="o", color="C0")
-        right.scatter(row["cache_mib"], 100 * (row["associative_recall_mean"] or 0.0), marker="x", color="C1")
-        if passkey > 0:  # the rest lie on the floor, named in the left panel
-            right.annotate(name, (row["cache_mib"], 100 * passkey), fontsize=7, xytext=(4, -10),
-                           textcoords="offset points")
-    right.scatter([], [], marker="o", color="C0", label="passkey (mean over lengths)")
-    right.scatter([], [], marker="x", color="C1", label="associative recall (mean over cells)")
-    right.set(xscale="log", xlabel=f"cache MiB per sequence at {results['settings']['context']} tokens",
-              ylabel="accuracy %", ylim=(-5, 105))
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return f"plot: {path}"
-
-
 def merge(paths: list[str], out: Path, plot_path: str | None, peers: dict[str, dict[str, Any]] | None = None) -> int:
     """One result file from parts measured in several processes with the same settings; the provenance of the
     part holding the teacher, with the parts' commands."""
@@ -268,6 +213,20 @@ def merge(paths: list[str], out: Path, plot_path: str | None, peers: dict[str, d
     print(table(results, peers))
     if plot_path:
         print(plot(results, plot_path, peers))
+    return 0
+
+
+def plot_only(path: Path, plot_path: str | None, peers: dict[str, dict[str, Any]] | None) -> int:
+    """The table and the figure of a result file, measuring nothing."""
+    if not path.is_file():
+        raise SystemExit(f"--plot-only {path}: no such file")
+    if not plot_path:
+        raise SystemExit("--plot-only: name the figure with --plot PNG")
+    results = json.loads(path.read_text())
+    if results.get("benchmark") != "pareto" or "teacher" not in results.get("models", {}):
+        raise SystemExit(f"--plot-only {path}: not a benchmarks/pareto.py result file with the teacher's row")
+    print(table(results, peers))
+    print(plot(results, plot_path, peers))
     return 0
 
 
@@ -294,6 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="measure only the swaps and checkpoints given (a part of a run split over processes)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="measure nothing: join result files of one setting (one holding the teacher) into --out")
+    parser.add_argument("--plot-only", default=None, metavar="JSON",
+                        help="measure nothing: the table and the --plot of this result file")
     parser.add_argument("--peers", nargs="+", default=None, metavar="JSON",
                         help="add the presses of benchmarks/kv_compression.py result files to the table and plot")
     return parser.parse_args(argv)
@@ -326,7 +287,8 @@ def measure_models(args: argparse.Namespace, results: dict[str, Any], out: Path,
         if name in results["models"]:
             print(f"{name}: measured earlier", flush=True)
             return
-        row = {"cache_mib": cache_mib(config, args.context), **facts}
+        grows = cache_mib(config, 2 * args.context) > cache_mib(config, args.context)
+        row = {"cache_mib": cache_mib(config, args.context), "cache_grows": grows, **facts}
         row.update(measure(model.eval(), tokenizer, evals, heldout_texts, args))
         results["models"][name] = row
         write_json(out, results)
@@ -349,6 +311,8 @@ def measure_models(args: argparse.Namespace, results: dict[str, Any], out: Path,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peers = peer_rows(args.peers) if args.peers else None
+    if args.plot_only:
+        return plot_only(Path(args.plot_only), args.plot, peers)
     if args.merge:
         return merge(args.merge, Path(args.out), args.plot, peers)
     swaps = dict(parse_swap(s) for s in args.swap)

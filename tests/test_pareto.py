@@ -65,3 +65,80 @@ def test_table_orders_columns_and_cells_by_number_after_the_json_round_trip(pare
     assert "| passkey 4096 | passkey 16384 | recall 1024 (1/4/16 pairs) |" in lines[0]
     assert lines[2].startswith("| teacher | 100.00 | 1.000 | 1.000 | 100% | 50% | 100/50/25% |")
     assert lines[3].startswith("| small | 1.00 | 0.010 | 2.000 | 100% | 50% | 0/12/0% |")
+
+
+# ----- the figure (benchmarks/pareto_plot.py) -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def figure() -> ModuleType:
+    return load_script("benchmarks", "pareto_plot")
+
+
+def _row(cache: float, ppl: float, recall: float, **extra: object) -> dict:
+    return {"cache_mib": cache, "perplexity_in-distribution": ppl, "passkey": {"1024": recall},
+            "associative_recall_mean": recall, "associative_recall": {"1024": {"1": recall}}, "training_tokens": 0,
+            **extra}
+
+
+def test_frontier_drops_dominated_points(figure: ModuleType) -> None:
+    points = {"small": (1.0, 9.0), "dominated": (2.0, 10.0), "better": (3.0, 2.0), "tie": (3.0, 4.0), "big": (9.0, 1.0)}
+    assert figure.frontier(points, lower_is_better=True) == ["small", "better", "big"]
+    assert figure.frontier({"a": (1.0, 0.0), "b": (2.0, 0.0), "c": (4.0, 0.5)}, lower_is_better=False) == ["a", "c"]
+
+
+def test_constant_frontier_leaves_out_growing_caches(figure: ModuleType) -> None:
+    rows = {"teacher": _row(100.0, 10.0, 1.0), "fixed": _row(5.0, 12.0, 0.2, cache_grows=False),
+            "grows": _row(8.0, 10.5, 0.9, cache_grows=True), "best": _row(20.0, 11.0, 0.5, cache_grows=False)}
+    ppl = figure.constant_frontier(rows, lambda r: r["perplexity_in-distribution"], lower_is_better=True)
+    assert ppl == ["fixed", "best"]
+    assert figure.constant_frontier(rows, lambda r: r["associative_recall_mean"], lower_is_better=False) == ppl
+
+
+def test_which_caches_grow_without_the_field(figure: ModuleType) -> None:
+    window = {"mixer": "hybrid", "window": 64, "far": "none", "sink_tokens": 4}
+    assert figure.cache_grows("teacher", {})
+    assert not figure.cache_grows("w", {"attention": {"attention": window}})
+    assert figure.cache_grows("w", {"attention": {"attention": window,
+                                                  "attention_overrides": {"3": {"mixer": "softmax"}}}})
+    assert figure.cache_grows("f", {"recipe": "fox"})
+    assert figure.cache_grows("r", {"recipe": "hybrid-w64-sink4-hedgehog-retrieval"})  # retrieval heads
+    assert not figure.cache_grows("h", {"recipe": "hybrid-w64-sink4-gdn"})
+    assert not figure.cache_grows("g", {"recipe": "gemma3-270m-full-hybrid-gdn"})  # sliding windows kept
+    assert figure.cache_grows("t", {"cache_grows": True, "recipe": "gdn"})  # a measured field wins
+    with pytest.raises(SystemExit, match="'x'"):
+        figure.cache_grows("x", {"cache_mib": 1.0})
+
+
+def test_numbers_are_stable_and_unique(figure: ModuleType) -> None:
+    models = {"b": {"cache_mib": 2.0}, "teacher": {"cache_mib": 9.0}, "a": {"cache_mib": 2.0}}
+    peers = {"p2": {"cache_mib": 1.0}, "p1": {"cache_mib": 3.0}}
+    numbers = figure.numbering(models, peers)
+    assert numbers == {"teacher": 1, "a": 2, "b": 3, "p1": 4, "p2": 5}
+    assert figure.numbering(dict(reversed(models.items())), dict(reversed(peers.items()))) == numbers
+    with pytest.raises(SystemExit, match="both a model and a peer"):
+        figure.numbering(models, {"a": {"cache_mib": 1.0}})
+
+
+def test_close_points_share_one_label(figure: ModuleType) -> None:
+    groups = figure.label_groups([(3, 0.5, 0.5), (1, 0.1, 0.1), (2, 0.12, 0.11), (4, 0.9, 0.1)])
+    assert [numbers for numbers, _, _ in groups] == [[1, 2], [3], [4]]
+
+
+def test_plot_draws_a_tiny_result(figure: ModuleType, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = {"settings": {"context": 8192}, "models": {
+        "teacher": _row(100.0, 10.0, 1.0), "fixed": _row(5.0, 12.0, 0.0, cache_grows=False),
+        "grows": _row(8.0, 10.5, 0.5, cache_grows=True)}}
+    peers = {"press 10 tokens (kvpress)": {"cache_mib": 5.0, "passkey": {"1024": 1.0},
+                                           "perplexity_ratio": {"in-distribution": 1.1}, "training_tokens": 0}}
+    path = tmp_path / "pareto.png"
+    assert figure.plot(results, str(path), peers) == f"plot: {path}"
+    assert path.stat().st_size > 0
+
+
+def test_plot_only_measures_nothing(pareto: ModuleType, tmp_path: Path) -> None:
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"benchmark": "decode"}))
+    with pytest.raises(SystemExit, match="--plot PNG"):
+        pareto.main(["--plot-only", str(bad)])
+    with pytest.raises(SystemExit, match="not a benchmarks/pareto.py result file"):
+        pareto.main(["--plot-only", str(bad), "--plot", str(tmp_path / "x.png")])
