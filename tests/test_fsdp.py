@@ -1,6 +1,7 @@
 """FSDP2 on the CPU with 2 processes (gloo): pretrain, a LoRA finetune and both conversion stages give what one
-process gives, with the trained parameters really sharded; interrupted runs resume; the saved models are plain full
-checkpoints; a request that cannot shard is refused before any work.
+process gives (also with the loss over chunks of positions), with the trained parameters really sharded;
+interrupted runs resume; the saved models are plain full checkpoints; a request that cannot shard is refused before
+any work.
 
 The 2-process runs go through tests/fsdp_worker.py, which notes before every optimizer step how the parameters it
 updates are held: every one must be a DTensor of which each process holds a part (the parts adding up to the
@@ -8,7 +9,7 @@ whole), what a silent fallback to DDP (plain tensors, whole on each process) wou
 
 Tolerance: 1e-5 on every saved weight against one process with the whole batch, as for DDP (gradients reduced in
 another order; measured: pretrain 1.4e-6, LoRA finetune 4e-8, stage 1 1.2e-7, the converted model 4.9e-6, the last
-two what DDP gives too).
+two what DDP gives too; with ``loss_chunk_size``: pretrain 1.4e-6, the converted model 1.2e-7).
 """
 
 from __future__ import annotations
@@ -157,13 +158,6 @@ def test_what_cannot_shard_is_refused(files: dict[str, Path], tmp_path: Path,
     version_1 = type("Arguments", (), {"fsdp_plugin_args": {"fsdp_version": 1}})()
     with pytest.raises(ValueError, match=r"ft.yaml: training.fsdp: FSDP version 1 is not supported; use version 2"):
         sharding.check_arguments(version_1, "ft.yaml: training.fsdp")
-    chunked = write_recipe(tmp_path / "chunked.yaml", tiny_recipe_dict(stage2={"loss_chunk_size": 8}))
-    from hf_recattn.conversion.pipeline import convert
-
-    with pytest.raises(ValueError, match=r"chunked.yaml: stage2.loss_chunk_size: a loss over chunks of positions "
-                                         r"does not work with FSDP"):
-        convert(str(files["teacher"]), str(chunked), tmp_path / "conv", fsdp=True)
-    assert not (tmp_path / "conv").exists()
 
 
 def test_a_checkpoint_resumes_only_the_way_it_was_written(tmp_path: Path) -> None:
@@ -225,3 +219,28 @@ def test_convert_shards_both_stages_like_one_process(files: dict[str, Path], tmp
     assert _largest_difference(tmp_path / "one" / stage1, tmp_path / "two" / stage1) <= TOLERANCE
     assert _largest_difference(tmp_path / "one" / model, tmp_path / "two" / model) <= TOLERANCE
     _assert_plain_checkpoint(tmp_path / "two" / "model")
+
+
+def test_the_loss_over_chunks_shards_like_one_process(files: dict[str, Path], tmp_path: Path) -> None:
+    """``loss_chunk_size`` under FSDP (the LM head run on chunks of the final hidden states outside the model's
+    forward, and again in the backward): a pretrain (untied LM head) and a conversion whose stage 2 trains LoRA
+    adapters (tied LM head), in one ``torchrun``; against one process each."""
+    recipe = write_recipe(tmp_path / "chunked.yaml", tiny_recipe_dict(stage1=STAGE1, stage2={"loss_chunk_size": 8}))
+
+    def convert(out: Path) -> list[str]:
+        return ["convert", "--teacher", str(files["teacher"]), "--recipe", str(recipe), "--output", str(out),
+                "--corpus", str(files["corpus"]), "--no-progress", "--no-eval", "--threads", "1"]
+
+    one = {**_pretrain_yaml(files, tmp_path / "one", 4), "loss_chunk_size": 8}
+    two = {**_pretrain_yaml(files, tmp_path / "two", 2, **FSDP), "loss_chunk_size": 8}
+    pretrain(_yaml(tmp_path / "one.yaml", one))
+    assert main(convert(tmp_path / "conv1")) == 0
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    ranks = _launch(torchrun, tmp_path / "notes.json", ["pretrain", "--config", str(_yaml(tmp_path / "two.yaml", two))],
+                    [*convert(tmp_path / "conv2"), "--fsdp"])
+    assert [note["code"] for note in ranks[0]] == [0, 0]
+    _assert_sharded(ranks, 0, [4])
+    _assert_sharded(ranks, 1, [6, 4])  # stage 1, stage 2
+    model = "model/model.safetensors"
+    assert _largest_difference(tmp_path / "one" / model, tmp_path / "two" / model) <= TOLERANCE
+    assert _largest_difference(tmp_path / "conv1" / model, tmp_path / "conv2" / model) <= TOLERANCE

@@ -131,8 +131,6 @@ def convert(
         raise ValueError(f"teacher dtype {teacher_dtype!r}: use one of {sorted(TEACHER_DTYPES)}")
     sharding.check_flag(fsdp, "fsdp")
     recipe = recipe.with_seed(seed) if isinstance(recipe, Recipe) else load_recipe(recipe, budget, seed)
-    if fsdp or sharding.from_environment():
-        sharding.refuse_chunked_loss(recipe.stage2.loss_chunk_size, f"{recipe.source}: stage2.loss_chunk_size")
     parallel.init_process_group()
     log = log if parallel.is_main() else _quiet
     job = Job(teacher, recipe, Path(output), data, teacher_dtype, progress, evaluate_models, log, fsdp)

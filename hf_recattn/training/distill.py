@@ -50,7 +50,7 @@ from .runner import (
     quiet_gradient_checkpointing_notice,
     train_with_resume,
 )
-from .sharding import check_flag, from_environment, fsdp_arguments, refuse_chunked_loss
+from .sharding import check_flag, fsdp_arguments
 from .trainable import finished_model, is_mixer_parameter, set_trainable
 
 
@@ -307,8 +307,6 @@ def finetune(
     shard the trained model over the processes (FSDP2).
     """
     check_flag(fsdp, "fsdp")
-    if fsdp or from_environment():
-        refuse_chunked_loss(settings.loss_chunk_size, "stage2.loss_chunk_size")
     with quiet_gradient_checkpointing_notice():
         return _finetune(teacher, student, blocks, settings, output_dir, seed, progress, stop_after_step,
                          pick_forms, callbacks, weights, fsdp)

@@ -81,7 +81,7 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     if values.get("lora") and method != "lora":
         raise ValueError(f"{where}: lora: only used with method: lora (method is {method!r})")
     streaming = run.data.streaming
-    args = run_arguments(run, where, output_dir, chunk, label_names=["labels"])
+    args = run_arguments(run, where, output_dir, label_names=["labels"])
     net, tokenizer = load_checkpoint(str(spec), where)
     limit = net.config.max_position_embeddings
     size = block_size(values.get("block_size"), where, limit, min(DEFAULT_BLOCK_SIZE, limit or DEFAULT_BLOCK_SIZE))

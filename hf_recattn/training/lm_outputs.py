@@ -23,8 +23,10 @@ def causal_lm(model: nn.Module) -> nn.Module:
 def final_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``lm``'s logits of ``hidden`` (its last hidden states, any leading shape) as its own forward computes them:
     the LM head, then the config's ``logits_scaling`` (a divisor, Granite) and ``final_logit_softcapping``
-    (``cap * tanh(x / cap)``, Gemma 2 / 3) where set."""
-    logits = lm.get_output_embeddings()(hidden)
+    (``cap * tanh(x / cap)``, Gemma 2 / 3) where set. The head's ``forward`` runs without its module hooks: under
+    FSDP2 its weight is the one its unit keeps gathered from the model's forward through the backward, not gathered,
+    freed and reduced again for each chunk of positions."""
+    logits = lm.get_output_embeddings().forward(hidden)
     scaling = getattr(lm.config, "logits_scaling", None)
     if scaling is not None and scaling != 1.0:
         logits = logits / scaling

@@ -31,7 +31,7 @@ def pretrain(config_or_path: str | Path | dict[str, Any], output_dir: str | None
     kernel = loss_kernel(values.get("loss_kernel"), where)
     model_kwargs = model_values(values.get("model"), where)
     streaming = run.data.streaming
-    args = run_arguments(run, where, output_dir, chunk)
+    args = run_arguments(run, where, output_dir)
     tokenizer = load_tokenizer(values.get("tokenizer"), where)
     specials = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}

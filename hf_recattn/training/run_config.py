@@ -19,7 +19,7 @@ import yaml
 from .arguments import build_training_arguments
 from .checks import as_mapping, build_settings, check_keys
 from .fused_loss import check_loss_kernel
-from .sharding import check_arguments, refuse_chunked_loss, requested
+from .sharding import check_arguments
 from .trainable import LoraSettings
 
 PRETRAIN_KEYS = {"model", "tokenizer", "data", "block_size", "loss_chunk_size", "loss_kernel", "training"}
@@ -158,12 +158,10 @@ def lora_section(value: Any, where: str) -> tuple[LoraSettings, bool]:
     return settings, train_mixers
 
 
-def run_arguments(run: RunConfig, where: str, output_dir: str | None, chunk: int | None = None,
-                  **defaults: Any) -> Any:
+def run_arguments(run: RunConfig, where: str, output_dir: str | None, **defaults: Any) -> Any:
     """TrainingArguments for a pretrain / finetune YAML: its ``training`` section over ``defaults``, with
     evaluation when the data has a held-out part; streaming data needs ``training.max_steps``; FSDP
-    (``training.fsdp`` or accelerate's FSDP config) needs several processes (``sharding.check_arguments``) and no
-    loss over chunks (``chunk``: the YAML's ``loss_chunk_size``)."""
+    (``training.fsdp`` or accelerate's FSDP config) needs several processes (``sharding.check_arguments``)."""
     training = {**defaults, **(run.values.get("training") or {})}
     streaming = run.data.streaming
     if streaming and int(training.get("max_steps", -1)) <= 0:
@@ -172,6 +170,4 @@ def run_arguments(run: RunConfig, where: str, output_dir: str | None, chunk: int
         run.data.eval_fraction > 0 and not streaming)
     args = build_training_arguments(training, where, has_eval, output_dir=output_dir)
     check_arguments(args, f"{where}: training.fsdp")
-    if requested(args):
-        refuse_chunked_loss(chunk, f"{where}: loss_chunk_size")
     return args

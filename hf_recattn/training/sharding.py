@@ -70,15 +70,6 @@ def check_flag(fsdp: bool, option: str) -> None:
         check_request(ACCELERATE_CONFIG, int(os.environ.get("FSDP_VERSION", "1")))
 
 
-def refuse_chunked_loss(chunk: int | None, option: str) -> None:
-    """The loss over chunks of positions (``loss_chunk_size``) does not combine with FSDP: it runs the LM head again
-    in the backward (each chunk's logits recomputed), outside the model's forward, after FSDP has freed the head's
-    gathered weight (the process crashes)."""
-    if chunk:
-        raise ValueError(f"{option}: a loss over chunks of positions does not work with FSDP (the LM head runs again "
-                         "in the backward, after FSDP freed its gathered weight); leave it unset under FSDP")
-
-
 def check_arguments(args: Any, option: str) -> None:
     """``check_request`` for TrainingArguments (``option``: the name of their ``fsdp`` setting) or accelerate's
     FSDP config in the environment; nothing when neither asks for FSDP."""
