@@ -323,12 +323,12 @@ class _PeakByStage:
             time.sleep(self.every)
 
 
-def measure_convert(name: str, recipe_data: dict[str, Any], threads: int) -> dict[str, Any]:
+def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: dict[str, str]) -> dict[str, Any]:
     """The whole ``hf-recattn convert`` (both stages and the evaluation) of a random-init bf16 Qwen3 teacher of
     ``SHAPES[name]`` saved as safetensors, in a fresh process: its peak resident set (the kernel's) and the peak
     sampled in each pipeline stage."""
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {**heap, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="conversion-scale-") as tmp:
         teacher, recipe = Path(tmp) / "teacher", Path(tmp) / "recipe.yaml"
         subprocess.run([sys.executable, __file__, "--save-teacher", name, str(teacher)], check=True, env=env)
@@ -486,25 +486,31 @@ def render_device(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _heap(row: dict[str, Any]) -> str:
+    threshold = row.get("malloc_mmap_threshold")
+    return f"mmap above {threshold / MIB:g} MiB" if threshold else "glibc default"
+
+
 def render_shapes(results: dict) -> str:
     """The table of a ``--shapes`` / ``--convert`` run: each stage's resident set beside the formulas, then the
     whole conversions."""
-    rows = ["| teacher shape (random init) | parameters | stage | s / step | baseline MiB | loaded MiB "
+    rows = ["| teacher shape (random init) | parameters | heap | stage | s / step | baseline MiB | loaded MiB "
             "| stage peak MiB | peak above baseline MiB | formulas MiB | measured / formulas |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
         above, predicted = m["peak_rss"] - m["baseline_rss"], shape_prediction(m)
-        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {m['stage']} | "
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {_heap(m)} | {m['stage']} | "
                     f"{statistics.median(m['step_seconds']):.0f} | {m['baseline_rss'] / MIB:.0f} | "
                     f"{m['loaded_rss'] / MIB:.0f} | {m['peak_rss'] / MIB:.0f} | {above / MIB:.0f} | "
                     f"{predicted / MIB:.0f} | {above / predicted:.2f} |")
     if results.get("convert"):
         names = list(PIPELINE_STAGES)
-        rows += ["", "| whole `hf-recattn convert` | " + " | ".join(f"{n} MiB" for n in names)
-                 + " | peak RSS MiB | minutes |", "|---|" + "---:|" * (len(names) + 2)]
+        rows += ["", "| whole `hf-recattn convert` | heap | " + " | ".join(f"{n} MiB" for n in names)
+                 + " | peak RSS MiB | minutes |", "|---|---|" + "---:|" * (len(names) + 2)]
         for c in results["convert"]:
             peaks = " | ".join(f"{c['stage_peak_rss'].get(n, 0) / MIB:.0f}" for n in names)
-            rows.append(f"| {c['size']} | {peaks} | {c['peak_rss'] / MIB:.0f} | {c['seconds'] / 60:.0f} |")
+            rows.append(f"| {c['size']} | {_heap(c)} | {peaks} | {c['peak_rss'] / MIB:.0f} | "
+                        f"{c['seconds'] / 60:.0f} |")
     rows += [""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(rows)
 
@@ -567,6 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--convert", nargs="+", choices=list(SHAPES), default=[],
                    help="run the whole hf-recattn convert of these shapes (saved random-init teachers)")
     p.add_argument("--loss-chunk", type=int, default=256, help="stage2.loss_chunk_size of --shapes / --convert")
+    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="--shapes / --convert: run with glibc's MALLOC_MMAP_THRESHOLD_ fixed at BYTES (allocations "
+                        "above it are mapped and given back when freed, instead of staying in the heap)")
     p.add_argument("--child", nargs=2, metavar=("SIZE", "STAGE"), help=argparse.SUPPRESS)
     p.add_argument("--child-shape", nargs=2, metavar=("SHAPE", "STAGE"), help=argparse.SUPPRESS)
     p.add_argument("--save-teacher", nargs=2, metavar=("SHAPE", "FOLDER"), help=argparse.SUPPRESS)
@@ -580,15 +589,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _heap_env(threshold: int | None) -> dict[str, str]:
+    """This process's environment, with glibc's mmap threshold fixed at ``threshold`` bytes when given."""
+    return {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold else {})}
+
+
 def _child(args: argparse.Namespace, size: str, stage: str, flag: str = "--child") -> dict[str, Any]:
     """One stage of one size measured in a fresh process: its memory is this stage's alone."""
     command = [sys.executable, __file__, flag, size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
                "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block),
                "--loss-chunk", str(args.loss_chunk)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_heap_env(args.mmap_threshold))
     if done.returncode != 0:
         raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["malloc_mmap_threshold"] = args.mmap_threshold
     print(f"{size} {stage}: {result['step_seconds']}", file=sys.stderr)
     return result
 
@@ -644,12 +659,13 @@ def main_shapes(args: argparse.Namespace) -> int:
     recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
     for size in args.shapes:
         for stage in STAGES:
-            row = _child(args, size, stage, "--child-shape")
-            data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage"))
+            row = {**_child(args, size, stage, "--child-shape"), "provenance": record}  # rows of several runs
+            data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage", "malloc_mmap_threshold"))
             results = write_results(args.out, "conversion_scale", record, data)
     for size in args.convert:
-        row = measure_convert(size, recipe, args.threads)
-        data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size",))
+        row = measure_convert(size, recipe, args.threads, _heap_env(args.mmap_threshold))
+        row.update(malloc_mmap_threshold=args.mmap_threshold, provenance=record)
+        data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold"))
         results = write_results(args.out, "conversion_scale", record, data)
     print(render_markdown(results))
     return 0
@@ -657,9 +673,10 @@ def main_shapes(args: argparse.Namespace) -> int:
 
 def _merged(rows: list[dict], row: dict, order: tuple[str, ...], keys: tuple[str, ...]) -> list[dict]:
     """``rows`` with ``row`` in place of the one with the same ``keys``, sorted by size (``order``), then stage."""
-    kept = [r for r in rows if any(r[k] != row[k] for k in keys)] + [row]
+    kept = [r for r in rows if any(r.get(k) != row.get(k) for k in keys)] + [row]
     rank = {name: i for i, name in enumerate(order)}
-    return sorted(kept, key=lambda r: (rank.get(r["size"], len(order)), r.get("stage", "")))
+    return sorted(kept, key=lambda r: (rank.get(r["size"], len(order)), r.get("malloc_mmap_threshold") or 0,
+                                       r.get("stage", "")))
 
 
 def _run_child(args: argparse.Namespace) -> int:
