@@ -345,9 +345,13 @@ def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: 
         _, status, usage = os.wait4(child.pid, 0)
         if status != 0:
             raise RuntimeError(f"{name} convert failed:\n" + "\n".join(log[-40:]))
-    return {"size": name, "command": " ".join(["hf-recattn", *command[3:]]), "shape": list(SHAPES[name]),
+    def shown(text: str) -> str:  # the temporary folder's paths named by their role
+        return text.replace(str(teacher), "TEACHER").replace(str(recipe), "RECIPE").replace(tmp, "OUT")
+
+    return {"size": name, "command": shown(" ".join(["hf-recattn", *command[3:]])), "shape": list(SHAPES[name]),
             "seconds": time.perf_counter() - began, "peak_rss": usage.ru_maxrss * 1024,
-            "stage_peak_rss": dict(peaks.peaks), "log": [line for line in log if line.startswith(("[", "stage"))]}
+            "stage_peak_rss": dict(peaks.peaks),
+            "log": [shown(line) for line in log if line.startswith(("[", "stage"))]}
 
 
 # ----- the arithmetic for larger teachers ----------------------------------------------------------------
