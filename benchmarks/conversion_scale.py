@@ -27,25 +27,39 @@ both models) and the median step (synchronized) over its tokens, beside the form
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
+import re
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from results_file import RESULTS, add_out_argument, run_record, write_results
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
 from hf_recattn.conversion.attention_transfer import attention_transfer
-from hf_recattn.conversion.from_teacher import from_teacher
-from hf_recattn.conversion.recipe import load_recipe
+from hf_recattn.conversion.from_teacher import student_from_teacher
+from hf_recattn.conversion.pipeline import STAGES as PIPELINE_STAGES
+from hf_recattn.conversion.recipe import (
+    check_against_teacher,
+    find_recipe,
+    load_recipe,
+    read_recipe_yaml,
+    recipe_from_dict,
+)
+from hf_recattn.conversion.stage1 import converted_layers
 from hf_recattn.conversion.teacher import load_teacher
+from hf_recattn.embedded_teachers import embedded_gguf_path, gguf_tokenizer
 from hf_recattn.training.attention_objective import mixer_parameters
 from hf_recattn.training.distill import finetune
 
@@ -64,6 +78,9 @@ ARCHS: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
     "Llama-3.1-8B": (32, 4096, 14336, 32, 8, 128, 128256, False),
 }
 BF16, FP32, ADAM = 2, 4, 16  # bytes per element; per trainable parameter: fp32 weight + grad + two moments
+#: SmolLM2-135M's published shape, measured as a Qwen3-shaped teacher beside the Qwen3 models
+SHAPES = {"SmolLM2-135M": (30, 576, 1536, 9, 3, 64, 49152, True), **ARCHS}
+CPU_SHAPES = ("SmolLM2-135M", "Qwen3-0.6B", "Qwen3-1.7B")
 
 
 # ----- measuring one stage in this process ------------------------------------------------------------------
@@ -128,18 +145,19 @@ def _shape(config: Any) -> list:
 
 
 def _run_stage(teacher: torch.nn.Module, student: torch.nn.Module, stage: str, settings: Any, steps: int,
-               device: str = "cpu") -> tuple[list[float], int]:
+               device: str = "cpu", layers: list[int] | None = None) -> tuple[list[float], int]:
     """``steps`` optimizer steps of one stage on random token ids: the timed steps' seconds (the first left out,
-    synchronized on a GPU) and the number of trained parameters."""
+    synchronized on a GPU) and the number of trained parameters (stage 1: of the converted ``layers``)."""
     blocks = torch.randint(0, teacher.config.vocab_size, (settings.tokens // settings.block_size, settings.block_size),
                            generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as tmp:
         if stage == "stage1":
-            trainable = sum(p.numel() for group in mixer_parameters(student, tuple(settings.projections)).values()
+            groups = mixer_parameters(student, tuple(settings.projections))
+            trainable = sum(p.numel() for i, group in groups.items() if layers is None or i in layers
                             for p in group.values())
             marks: list[float] = []
             attention_transfer(teacher, student, blocks, settings, checkpoint_dir=None, progress=False,
-                               on_step=lambda step, model: marks.append(_clock(device)))
+                               layers=layers, on_step=lambda step, model: marks.append(_clock(device)))
             return [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)], trainable
         timer = _StepTimes(device)
         _, result = finetune(teacher, student, blocks, settings, tmp, progress=False, callbacks=[timer])
@@ -150,13 +168,14 @@ def measure(size: str, stage: str, recipe_name: str, steps: int) -> dict[str, An
     """One stage of one size, ``steps`` optimizer steps: seconds per step, tokens per step, memory."""
     recipe = load_recipe(recipe_name, "quick")
     teacher = _teacher(size).requires_grad_(False)
-    student = from_teacher(teacher, recipe.attention, recipe.attention_overrides)
+    student = build_student(teacher, recipe)
     settings, per_step = _stage_settings(recipe_name, stage, steps)
     counts = {"shape": _shape(teacher.config), "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
               "student_parameters": sum(p.numel() for p in student.parameters())}
     loaded = _rss("VmRSS")
     peak_reset = _reset_peak()
-    seconds, counts["trainable_parameters"] = _run_stage(teacher, student, stage, settings, steps)
+    seconds, counts["trainable_parameters"] = _run_stage(teacher, student, stage, settings, steps,
+                                                         layers=converted_layers(recipe, teacher.config))
     peak = _rss("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"size": size, "stage": stage, "tokens_per_step": per_step, "block_size": settings.block_size,
             "batch_size": settings.batch_size, "step_seconds": seconds, "loaded_rss": loaded, "peak_rss": peak,
@@ -170,8 +189,8 @@ def qwen3_teacher(shape: tuple, device: str) -> torch.nn.Module:
                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab,
                          tie_word_embeddings=tied, max_position_embeddings=40960)
     torch.manual_seed(0)
-    with torch.device(device):
-        return Qwen3ForCausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
+    with torch.device(device):  # built in bf16: no float32 copy of the weights on the way
+        return Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
 
 
 def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps: int, block: int,
@@ -181,7 +200,7 @@ def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps:
     recipe = load_recipe(recipe_name, "quick")
     teacher = qwen3_teacher(shape, device)
     with torch.device(device):
-        student = from_teacher(teacher, recipe.attention, recipe.attention_overrides)
+        student = build_student(teacher, recipe)
     settings, per_step = _stage_settings(recipe_name, stage, steps, block_size=block, batch_size=1)
     where = {str(p.device.type) for model in (teacher, student) for p in model.parameters()}
     if where != {device}:
@@ -191,7 +210,8 @@ def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     loaded = torch.cuda.memory_allocated() if cuda else None
-    seconds, trainable = _run_stage(teacher, student, stage, settings, steps, device)
+    seconds, trainable = _run_stage(teacher, student, stage, settings, steps, device,
+                                    converted_layers(recipe, teacher.config))
     return {"size": name, "stage": stage, "device": device, "dtype": "bfloat16", "tokens_per_step": per_step,
             "block_size": block, "batch_size": 1, "step_seconds": seconds, "shape": list(shape),
             "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
@@ -200,7 +220,170 @@ def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps:
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
 
 
+# ----- Qwen3-shaped teachers on the CPU: each stage, and the whole convert --------------------------------
+def scale_recipe(name: str, steps: int, block: int, chunk: int) -> dict[str, Any]:
+    """The recipe's YAML with a budget ``scale``: its quick budget at ``block`` tokens, batch 1 and ``steps``
+    optimizer steps per stage, stage 2 with ``loss_chunk_size: chunk`` and gradient checkpointing."""
+    data = read_recipe_yaml(find_recipe(name))
+    scale = copy.deepcopy((data.get("budgets") or {}).get("quick") or {})
+    one = {"block_size": block, "batch_size": 1, "tokens": steps * block}
+    scale["stage1"] = {**scale.get("stage1", {}), **one}
+    scale["stage2"] = {**scale.get("stage2", {}), **one, "grad_accum": 1, "loss_chunk_size": chunk,
+                       "gradient_checkpointing": True}
+    data["budgets"] = {**(data.get("budgets") or {}), "scale": scale}
+    return data
+
+
+def build_student(teacher: torch.nn.Module, recipe: Any) -> torch.nn.Module:
+    """The student as ``hf-recattn convert`` builds it: the recipe's attention on the layers it selects, the
+    teacher's weights copied (in the teacher's dtype)."""
+    return student_from_teacher(teacher, check_against_teacher(recipe, teacher.config))
+
+
+def stage1_trained(student: torch.nn.Module, recipe: Any, teacher_config: Any) -> tuple[int, int]:
+    """The parameters stage 1 trains (the converted layers' mixers and projections) and the teacher layers it runs."""
+    layers = converted_layers(recipe, teacher_config)
+    groups = mixer_parameters(student, tuple(recipe.stage1.projections))
+    chosen = set(groups) if layers is None else set(layers) & set(groups)
+    return sum(p.numel() for i in chosen for p in groups[i].values()), max(chosen) + 1
+
+
+def shape_run(m: dict[str, Any]) -> Run:
+    """The formulas' ``Run`` of a measured Qwen3-shaped CPU stage: bf16 teacher, fp32 student (12 optimizer bytes
+    per trained parameter: gradient and two moments), the recipe's settings as measured."""
+    return Run(m["block_size"], BF16, FP32, 3 * FP32, m["stage1_layers"], m["stage1_trainable"], m["lora_r"],
+               m["loss_chunk_size"], m["gradient_checkpointing"])
+
+
+def shape_prediction(m: dict[str, Any]) -> int:
+    """A measured Qwen3-shaped CPU stage's bytes by the formulas: both models' weights and the stage's terms."""
+    state, local = stage_bytes(estimate(tuple(m["shape"]), shape_run(m)), m["stage"])
+    return state + local
+
+
+def measure_shape(name: str, stage: str, recipe_data: dict[str, Any], steps: int) -> dict[str, Any]:
+    """One stage of a random-init bf16 Qwen3 teacher of ``SHAPES[name]`` with its student in fp32 (as
+    ``hf-recattn convert --teacher-dtype bfloat16`` trains it), the recipe's ``scale`` budget: the resident set
+    before the models (the baseline), with them (loaded), its peak during the stage, seconds per step."""
+    baseline = _rss("VmRSS")
+    recipe = recipe_from_dict(copy.deepcopy(recipe_data), "scale", source=f"{recipe_data.get('name', 'recipe')}")
+    teacher = qwen3_teacher(SHAPES[name], "cpu")
+    student = build_student(teacher, recipe).float()  # trained in float32 whatever the teacher's dtype
+    trained, teacher_layers = stage1_trained(student, recipe, teacher.config)
+    settings = recipe.stage1 if stage == "stage1" else recipe.stage2
+    loaded = _rss("VmRSS")
+    peak_reset = _reset_peak()
+    seconds, trainable = _run_stage(teacher, student, stage, settings, steps, layers=converted_layers(
+        recipe, teacher.config))
+    peak = _rss("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    s2 = recipe.stage2
+    return {"size": name, "stage": stage, "device": "cpu", "dtype": "bfloat16 teacher, float32 student",
+            "tokens_per_step": settings.block_size, "block_size": settings.block_size, "batch_size": 1,
+            "step_seconds": seconds, "shape": list(SHAPES[name]),
+            "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+            "student_parameters": sum(p.numel() for p in student.parameters()), "trainable_parameters": trainable,
+            "stage1_trainable": trained, "stage1_layers": teacher_layers, "lora_r": s2.lora.r,
+            "loss_chunk_size": s2.loss_chunk_size, "gradient_checkpointing": bool(s2.gradient_checkpointing),
+            "baseline_rss": baseline, "loaded_rss": loaded, "peak_rss": peak, "peak_reset": peak_reset,
+            "process_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def save_shaped_teacher(name: str, folder: Path) -> None:
+    """A random-init bf16 Qwen3 teacher of ``SHAPES[name]`` saved to ``folder`` (safetensors) with the embedded
+    SmolLM2 tokenizer (its 49,152 tokens fit every shape's vocabulary)."""
+    qwen3_teacher(SHAPES[name], "cpu").save_pretrained(folder)
+    gguf_tokenizer(embedded_gguf_path()).save_pretrained(folder)
+
+
+class _PeakByStage:
+    """The resident set of a running process sampled every ``every`` seconds, the peak kept per pipeline stage
+    (the ``[n/N] ...`` lines of ``hf-recattn convert``'s log)."""
+
+    def __init__(self, pid: int, every: float = 0.1) -> None:
+        self.pid, self.every = pid, every
+        self.stage = "start"
+        self.peaks: dict[str, int] = {}
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def line(self, text: str) -> None:
+        step = re.match(r"\[(\d+)/\d+\] ", text)
+        if step:
+            self.stage = PIPELINE_STAGES[int(step.group(1)) - 1]
+
+    def _sample(self) -> None:
+        status = Path(f"/proc/{self.pid}/status")
+        while True:
+            try:
+                fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+            except OSError:
+                return
+            rss = int(fields["VmRSS"].split()[0]) * 1024 if "VmRSS" in fields else 0
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            time.sleep(self.every)
+
+
+def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: dict[str, str]) -> dict[str, Any]:
+    """The whole ``hf-recattn convert`` (both stages and the evaluation) of a random-init bf16 Qwen3 teacher of
+    ``SHAPES[name]`` saved as safetensors, in a fresh process: its peak resident set (the kernel's) and the peak
+    sampled in each pipeline stage."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**heap, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory(prefix="conversion-scale-") as tmp:
+        teacher, recipe = Path(tmp) / "teacher", Path(tmp) / "recipe.yaml"
+        subprocess.run([sys.executable, __file__, "--save-teacher", name, str(teacher)], check=True, env=env)
+        recipe.write_text(yaml.safe_dump(recipe_data, sort_keys=False))
+        command = [sys.executable, "-m", "hf_recattn.cli", "convert", "--teacher", str(teacher), "--teacher-dtype",
+                   "bfloat16", "--recipe", str(recipe), "--budget", "scale", "--output", str(Path(tmp) / "run"),
+                   "--no-progress", "--threads", str(threads)]
+        began = time.perf_counter()
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        peaks, log = _PeakByStage(child.pid), []
+        for text in child.stdout:
+            peaks.line(text)
+            log.append(text.rstrip())
+        _, status, usage = os.wait4(child.pid, 0)
+        if status != 0:
+            raise RuntimeError(f"{name} convert failed:\n" + "\n".join(log[-40:]))
+    def shown(text: str) -> str:  # the temporary folder's paths named by their role
+        return text.replace(str(teacher), "TEACHER").replace(str(recipe), "RECIPE").replace(tmp, "OUT")
+
+    return {"size": name, "command": shown(" ".join(["hf-recattn", *command[3:]])), "shape": list(SHAPES[name]),
+            "seconds": time.perf_counter() - began, "peak_rss": usage.ru_maxrss * 1024,
+            "stage_peak_rss": dict(peaks.peaks),
+            "log": [shown(line) for line in log if line.startswith(("[", "stage"))]}
+
+
 # ----- the arithmetic for larger teachers ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """How a conversion runs, as far as its memory goes: the block (batch 1), bytes per weight and activation of
+    the teacher and the student, the optimizer's bytes per trained parameter beside its weight, stage 1's teacher
+    layers and trained parameters, stage 2's LoRA rank, ``loss_chunk_size`` and ``gradient_checkpointing``."""
+
+    block: int
+    teacher_bytes: int = BF16
+    student_bytes: int = BF16
+    state_bytes: int = ADAM  # fp32 master weight, gradient and two moments; 12 for an fp32 student (no master)
+    stage1_layers: int | None = None  # the last converted layer + 1 (stage 1 stops the teacher there); None: all
+    stage1_trained: int | None = None  # None: the q / k projections (the mixers' own parameters left out)
+    lora_r: int = 8
+    loss_chunk: int | None = None
+    checkpointing: bool = False
+
+
+#: fp32 [chunk, V] tensors alive at the peak of the loss (student logits and their masked copy, the log-softmaxes of
+#: the cross-entropy and of both tempered distributions, the teacher's probabilities, the log-ratio, the product,
+#: and the gradients flowing back through them); see docs/conversion.md
+LOSS_COPIES = 10
+#: [n_q, T, T] fp32 matrices alive while ``fastest_forms`` times the delta rule's parallel form on one layer's shape
+#: (measured: 0.9 GB for 9 heads at T = 2048), before each stage trains
+FORM_TIMING_COPIES = 6
+#: one converted layer's attention in stage 1, forward and backward: its input and output, q / k / v and their
+#: feature-mapped copies, and their gradients, in units of (2h + 4 n_q d + 2 n_kv d) activations per token
+STAGE1_LAYER_COPIES = 3
+
+
 def parameters(shape: tuple) -> dict[str, int]:
     """Parameter counts from a shape: all, q + k projections, LoRA r=1 on q/k/v/o."""
     layers, hidden, inter, heads, kv, head_dim, vocab, tied = shape
@@ -211,46 +394,69 @@ def parameters(shape: tuple) -> dict[str, int]:
             "lora_r1": layers * lora}
 
 
-def estimate(shape: tuple, block: int, element: int, lora_r: int = 8) -> dict[str, int]:
-    """Bytes of each term at batch 1 (formulas in docs/conversion.md); ``element``: bytes of an activation."""
+def estimate(shape: tuple, run: Run) -> dict[str, int]:
+    """Bytes of each term at batch 1 (formulas in docs/conversion.md)."""
     layers, hidden, inter, heads, kv, head_dim, vocab, _ = shape
-    count = parameters(shape)
-    per_layer_token = (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter) * element
+    count, tokens, a = parameters(shape), run.block, run.student_bytes
+    per_layer_token = 6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter  # saved per layer
+    trained = count["q_k"] if run.stage1_trained is None else run.stage1_trained
+    kept = hidden * layers + per_layer_token if run.checkpointing else per_layer_token * layers
     return {
         "parameters": count["all"],
-        "stage1_trainable": count["q_k"],  # the gdn recipe trains q/k (its mixers' own parameters are ~1% of that)
-        "captured": layers * 2 * hidden * element * block,  # the teacher's attention input and output, every layer
-        "one_layer": (2 * hidden + 4 * heads * head_dim + 2 * kv * head_dim) * element * block,
-        "lora_parameters": lora_r * count["lora_r1"],
-        "activations": layers * per_layer_token * block,  # every layer's saved tensors, no recomputation
-        "kl": 10 * vocab * FP32 * block,  # the vocab-sized fp32 tensors distill_loss_sum keeps (see the docs)
+        "teacher_weights": run.teacher_bytes * count["all"],
+        "student_weights": run.student_bytes * count["all"],
+        "stage1_trainable": trained,
+        "stage1_optimizer": run.state_bytes * trained,
+        # the teacher's attention input and output of every layer it runs
+        "captured": (run.stage1_layers or layers) * 2 * hidden * run.teacher_bytes * tokens,
+        "one_layer": STAGE1_LAYER_COPIES * (2 * hidden + 4 * heads * head_dim + 2 * kv * head_dim) * a * tokens,
+        "lora_parameters": run.lora_r * count["lora_r1"],
+        "lora_optimizer": ADAM * run.lora_r * count["lora_r1"],  # LoRA weights are not among the parameters
+        "activations": kept * a * tokens,  # every layer's saved tensors, or with checkpointing the layer inputs + one
+        "final_hidden": hidden * (a + run.teacher_bytes) * tokens,  # both models' last hidden states (the loss's)
+        "loss": LOSS_COPIES * vocab * FP32 * (run.loss_chunk or tokens),  # one chunk's logits, or the block's
+        "form_timing": FORM_TIMING_COPIES * heads * tokens * tokens * FP32,  # transient, before training
     }
+
+
+def stage_bytes(e: dict[str, int], stage: str) -> tuple[int, int]:
+    """A stage's bytes by the formulas: (weights + optimizer state, which FSDP / ZeRO-3 shards; what every GPU
+    keeps: activations and logits)."""
+    weights, timing = e["teacher_weights"] + e["student_weights"], e["form_timing"]
+    if stage == "stage1":
+        return weights + e["stage1_optimizer"], max(timing, e["captured"] + e["one_layer"])
+    local = max(timing, e["activations"] + e["final_hidden"] + e["loss"])
+    if stage == "full":  # every weight trained
+        return weights + ADAM * e["parameters"], local
+    return weights + e["lora_optimizer"], local
 
 
 def cpu_prediction(m: dict[str, Any]) -> int:
-    """What a measured stage should add to the loaded process by the formulas (fp32, the measured block)."""
-    e = estimate(tuple(m["shape"]), m["block_size"] * m["batch_size"], FP32)
-    if m["stage"] == "stage1":  # gradients and two moments of the trained weights; captured I/O; one layer
-        return 12 * e["stage1_trainable"] + e["captured"] + e["one_layer"]
-    return ADAM * e["lora_parameters"] + e["activations"] + e["kl"]
+    """What a measured fp32 stage should add to the loaded process by the formulas (the stage's terms, without
+    the two models' weights, which the process held before)."""
+    e = estimate(tuple(m["shape"]), Run(m["block_size"] * m["batch_size"], FP32, FP32, 3 * FP32))
+    state, local = stage_bytes(e, m["stage"])
+    return state + local - e["teacher_weights"] - e["student_weights"]
 
 
-def gpu_estimate(name: str, block: int, shape: tuple | None = None) -> dict[str, Any]:
-    """Bytes per stage on one GPU: ``*_state`` is what FSDP / ZeRO-3 shards, ``*_local`` stays on every GPU
-    (``shape``: the model's, by default ``ARCHS[name]``)."""
-    e = estimate(shape or ARCHS[name], block, BF16)
-    weights = BF16 * e["parameters"]  # one model's weights
-    return {
-        "model": name, "block_size": block, **e, "weights_bf16": weights,
-        "activations_per_token": e["activations"] // block, "kl_per_token": e["kl"] // block,
-        "stage1_state": 2 * weights + ADAM * e["stage1_trainable"], "stage1_local": e["captured"] + e["one_layer"],
-        "stage2_state": 2 * weights + ADAM * e["lora_parameters"], "stage2_local": e["activations"] + e["kl"],
-        # every weight trained: the teacher's and the student's bf16 weights, 16 bytes per student parameter
-        "full_state": 2 * weights + ADAM * e["parameters"], "full_local": e["activations"] + e["kl"],
-    }
+def gpu_estimate(name: str, block: int, shape: tuple | None = None, **options: Any) -> dict[str, Any]:
+    """Bytes per stage on one GPU, both models in bf16: ``*_state`` is what FSDP / ZeRO-3 shards, ``*_local`` stays
+    on every GPU (``shape``: the model's, by default ``ARCHS[name]``; ``options``: ``Run``'s stage-2 options)."""
+    e = estimate(shape or ARCHS[name], Run(block, **options))
+    out = {"model": name, "block_size": block, **e, "weights_bf16": e["teacher_weights"],
+           "activations_per_token": e["activations"] // block, "loss_per_token": e["loss"] // block}
+    for stage in ("stage1", "stage2", "full"):
+        out[f"{stage}_state"], out[f"{stage}_local"] = stage_bytes(e, stage)
+    return out
 
 
-# ----- the table --------------------------------------------------------------------------------------------
+def computed_table(block: int, chunk: int) -> list[dict[str, Any]]:
+    """Each model of ``ARCHS`` on one GPU: stage 2 with the defaults and with ``loss_chunk_size`` + checkpointing."""
+    return [{"model": name, "defaults": gpu_estimate(name, block),
+             "scale": gpu_estimate(name, block, loss_chunk=chunk, checkpointing=True)} for name in ARCHS]
+
+
+# ----- the tables -------------------------------------------------------------------------------------------
 def _fits(e: dict[str, Any], part: str) -> str:
     """``X GB (fits)`` on one GPU, else the GPUs FSDP / ZeRO-3 needs: the state shards, the rest stays per GPU."""
     state, local = e[f"{part}_state"], e[f"{part}_local"]
@@ -260,8 +466,10 @@ def _fits(e: dict[str, Any], part: str) -> str:
 
 
 def gpu_prediction(m: dict[str, Any]) -> int:
-    """What a stage measured on a GPU should peak at by the formulas: its state and its per-GPU bytes."""
-    e = gpu_estimate(m["size"], m["block_size"], tuple(m["shape"]))
+    """What a stage measured on a GPU should peak at by the formulas: its state and its per-GPU bytes (stage 2 with
+    the options it ran with: the defaults where the results do not say)."""
+    options = {"loss_chunk": m.get("loss_chunk_size"), "checkpointing": bool(m.get("gradient_checkpointing"))}
+    e = gpu_estimate(m["size"], m["block_size"], tuple(m["shape"]), **options)
     return e[f"{m['stage']}_state"] + e[f"{m['stage']}_local"]
 
 
@@ -282,9 +490,56 @@ def render_device(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _heap(row: dict[str, Any]) -> str:
+    threshold = row.get("malloc_mmap_threshold")
+    return f"mmap above {threshold / MIB:g} MiB" if threshold else "glibc default"
+
+
+def render_shapes(results: dict) -> str:
+    """The table of a ``--shapes`` / ``--convert`` run: each stage's resident set beside the formulas, then the
+    whole conversions."""
+    rows = ["| teacher shape (random init) | parameters | heap | stage | s / step | baseline MiB | loaded MiB "
+            "| stage peak MiB | peak above baseline MiB | formulas MiB | measured / formulas |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in results["measured"]:
+        above, predicted = m["peak_rss"] - m["baseline_rss"], shape_prediction(m)
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {_heap(m)} | {m['stage']} | "
+                    f"{statistics.median(m['step_seconds']):.0f} | {m['baseline_rss'] / MIB:.0f} | "
+                    f"{m['loaded_rss'] / MIB:.0f} | {m['peak_rss'] / MIB:.0f} | {above / MIB:.0f} | "
+                    f"{predicted / MIB:.0f} | {above / predicted:.2f} |")
+    if results.get("convert"):
+        names = list(PIPELINE_STAGES)
+        rows += ["", "| whole `hf-recattn convert` | heap | " + " | ".join(f"{n} MiB" for n in names)
+                 + " | peak RSS MiB | minutes |", "|---|---|" + "---:|" * (len(names) + 2)]
+        for c in results["convert"]:
+            peaks = " | ".join(f"{c['stage_peak_rss'].get(n, 0) / MIB:.0f}" for n in names)
+            rows.append(f"| {c['size']} | {_heap(c)} | {peaks} | {c['peak_rss'] / MIB:.0f} | "
+                        f"{c['seconds'] / 60:.0f} |")
+    rows += [""] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(rows)
+
+
+def render_computed(computed: list[dict[str, Any]], chunk: int) -> list[str]:
+    """The computed table: each model's stages on one GPU, stage 2 with the defaults and with the options."""
+    rows = ["| teacher (computed, not run) | parameters | weights bf16 GB | stage 1 GB | stage 2 LoRA GB, defaults | "
+            f"stage 2 LoRA GB, loss_chunk_size {chunk} + checkpointing | activations MB / token, defaults / "
+            "checkpointing | loss MB / token, whole block / chunked | stage 2 every weight GB, chunked + "
+            "checkpointing |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in computed:
+        plain, e = row["defaults"], row["scale"]
+        rows.append(
+            f"| {row['model']} | {e['parameters'] / 1e9:.2f}B | {e['weights_bf16'] / GB:.1f} | "
+            f"{_fits(e, 'stage1')} | {_fits(plain, 'stage2')} | {_fits(e, 'stage2')} | "
+            f"{plain['activations_per_token'] / 1e6:.2f} / {e['activations_per_token'] / 1e6:.3f} | "
+            f"{plain['loss_per_token'] / 1e6:.2f} / {e['loss_per_token'] / 1e6:.3f} | {_fits(e, 'full')} |")
+    return rows
+
+
 def render_markdown(results: dict) -> str:
     if results.get("device") == "cuda":
         return render_device(results)
+    if results.get("mode") == "shapes":
+        return render_shapes(results)
     rows = ["| teacher | parameters | stage | tokens / step | ms / token | loaded MiB | stage peak above loaded MiB "
             "| formulas (fp32) MiB | measured / formulas |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
@@ -293,20 +548,15 @@ def render_markdown(results: dict) -> str:
         rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e6:.1f}M | {m['stage']} | {m['tokens_per_step']} | "
                     f"{ms:.2f} | {m['loaded_rss'] / MIB:.0f} | {above / MIB:.0f} | {predicted / MIB:.0f} | "
                     f"{above / predicted:.2f} |")
-    rows += ["", "| teacher (computed, not run) | parameters | weights bf16 GB | stage 1 GB | stage 2 LoRA GB | "
-             "activations MB / token | KL logits MB / token | stage 2 every weight GB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for e in results["computed"]:
-        rows.append(
-            f"| {e['model']} | {e['parameters'] / 1e9:.2f}B | {e['weights_bf16'] / GB:.1f} | "
-            f"{_fits(e, 'stage1')} | {_fits(e, 'stage2')} | {e['activations_per_token'] / 1e6:.2f} | "
-            f"{e['kl_per_token'] / 1e6:.2f} | {_fits(e, 'full')} |")
+    chunk = results.get("loss_chunk_size", 256)  # the computed table is the formulas' as they stand now
+    rows += [""] + render_computed(computed_table(results.get("gpu_block", 2048), chunk), chunk)
     rows += [""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(rows)
 
 
 # ----- running -----------------------------------------------------------------------------------------------
 GPU_SIZES = tuple(name for name in ARCHS if name.startswith("Qwen3"))
+SHAPES_OUT = "conversion_scale_shapes_cpu.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -314,28 +564,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
     p.add_argument("--recipe", default="gdn", help="the recipe whose attention and stage settings are measured")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
-    p.add_argument("--gpu-block", type=int, default=2048, help="block size of the GPU rows (computed and measured)")
+    p.add_argument("--gpu-block", type=int, default=2048,
+                   help="block size of the GPU rows (computed and measured) and of the Qwen3-shaped CPU rows")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny only, 2 steps")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: measure random-init Qwen3 shapes (--gpu-sizes) in bf16 on the GPU")
     p.add_argument("--gpu-sizes", nargs="+", choices=GPU_SIZES, default=["Qwen3-0.6B", "Qwen3-1.7B"])
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=[],
+                   help="measure each stage of random-init Qwen3-shaped teachers on the CPU (bf16 teacher, fp32 "
+                        "student, stage 2 with loss_chunk_size and gradient checkpointing)")
+    p.add_argument("--convert", nargs="+", choices=list(SHAPES), default=[],
+                   help="run the whole hf-recattn convert of these shapes (saved random-init teachers)")
+    p.add_argument("--loss-chunk", type=int, default=256, help="stage2.loss_chunk_size of --shapes / --convert")
+    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="--shapes / --convert: run with glibc's MALLOC_MMAP_THRESHOLD_ fixed at BYTES (allocations "
+                        "above it are mapped and given back when freed, instead of staying in the heap)")
     p.add_argument("--child", nargs=2, metavar=("SIZE", "STAGE"), help=argparse.SUPPRESS)
+    p.add_argument("--child-shape", nargs=2, metavar=("SHAPE", "STAGE"), help=argparse.SUPPRESS)
+    p.add_argument("--save-teacher", nargs=2, metavar=("SHAPE", "FOLDER"), help=argparse.SUPPRESS)
     add_out_argument(p, "conversion_scale_cpu.json")
     args = p.parse_args(argv)
-    if args.device == "cuda" and args.out == RESULTS / "conversion_scale_cpu.json":
-        args.out = RESULTS / "conversion_scale_cuda.json"
+    if args.out == RESULTS / "conversion_scale_cpu.json":
+        if args.device == "cuda":
+            args.out = RESULTS / "conversion_scale_cuda.json"
+        elif args.shapes or args.convert:
+            args.out = RESULTS / SHAPES_OUT
     return args
 
 
-def _child(args: argparse.Namespace, size: str, stage: str) -> dict[str, Any]:
+def _heap_env(threshold: int | None) -> dict[str, str]:
+    """This process's environment, with glibc's mmap threshold fixed at ``threshold`` bytes when given."""
+    return {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold else {})}
+
+
+def _child(args: argparse.Namespace, size: str, stage: str, flag: str = "--child") -> dict[str, Any]:
     """One stage of one size measured in a fresh process: its memory is this stage's alone."""
-    command = [sys.executable, __file__, "--child", size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
-               "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    command = [sys.executable, __file__, flag, size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
+               "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block),
+               "--loss-chunk", str(args.loss_chunk)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_heap_env(args.mmap_threshold))
     if done.returncode != 0:
         raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["malloc_mmap_threshold"] = args.mmap_threshold
     print(f"{size} {stage}: {result['step_seconds']}", file=sys.stderr)
     return result
 
@@ -363,17 +635,78 @@ def main_device(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.child and args.device != "cpu":
+def _shapes_notes(recipe: str, steps: int, block: int, chunk: int, threads: int) -> list[str]:
+    return [
+        f"Measured on the CPU: random-init teachers of the published shapes (transformers' Qwen3Config) in bf16, "
+        f"the student in float32 as `hf-recattn convert --teacher-dtype bfloat16` trains it, recipe `{recipe}` "
+        f"(quick budget's settings at block {block}, batch 1; stage 2: LoRA, loss_chunk_size {chunk}, gradient "
+        f"checkpointing), {steps} optimizer steps per stage, {threads} threads, a fresh process per stage.",
+        "Baseline: the resident set before the models were built; stage peak: the kernel's high-water mark "
+        "during the stage (reset after building); formulas: both models' weights and the stage's terms "
+        "(docs/conversion.md), compared with the peak above the baseline.",
+        "Whole convert: `hf-recattn convert` of the teacher saved as safetensors with the embedded SmolLM2 "
+        "tokenizer, both stages and the quick evaluation; peak: the process's maximum resident set (the "
+        "kernel's); per pipeline stage: the resident set sampled every 0.1 s.",
+    ]
+
+
+def main_shapes(args: argparse.Namespace) -> int:
+    """``--shapes`` / ``--convert``: the Qwen3-shaped CPU rows, merged into the results file (a row per shape and
+    stage, the newest kept) and the file rewritten after each."""
+    record = run_record()
+    old = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    data: dict[str, Any] = {"mode": "shapes", "recipe": args.recipe, "steps": args.steps, "threads": args.threads,
+                            "block_size": args.gpu_block, "loss_chunk_size": args.loss_chunk,
+                            "measured": old.get("measured", []), "convert": old.get("convert", []),
+                            "notes": _shapes_notes(args.recipe, args.steps, args.gpu_block, args.loss_chunk,
+                                                   args.threads)}
+    recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
+    for size in args.shapes:
+        for stage in STAGES:
+            row = {**_child(args, size, stage, "--child-shape"), "provenance": record}  # rows of several runs
+            data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage", "malloc_mmap_threshold"))
+            results = write_results(args.out, "conversion_scale", record, data)
+    for size in args.convert:
+        row = measure_convert(size, recipe, args.threads, _heap_env(args.mmap_threshold))
+        row.update(malloc_mmap_threshold=args.mmap_threshold, provenance=record)
+        data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold"))
+        results = write_results(args.out, "conversion_scale", record, data)
+    print(render_markdown(results))
+    return 0
+
+
+def _merged(rows: list[dict], row: dict, order: tuple[str, ...], keys: tuple[str, ...]) -> list[dict]:
+    """``rows`` with ``row`` in place of the one with the same ``keys``, sorted by size (``order``), then stage."""
+    kept = [r for r in rows if any(r.get(k) != row.get(k) for k in keys)] + [row]
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(kept, key=lambda r: (rank.get(r["size"], len(order)), r.get("malloc_mmap_threshold") or 0,
+                                       r.get("stage", "")))
+
+
+def _run_child(args: argparse.Namespace) -> int:
+    """A measurement in this fresh process: its JSON on the last line of stdout."""
+    if args.save_teacher:
+        save_shaped_teacher(args.save_teacher[0], Path(args.save_teacher[1]))
+        return 0
+    if args.child_shape:
+        recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
+        print(json.dumps(measure_shape(*args.child_shape, recipe, args.steps)))
+    elif args.device != "cpu":
         size, stage = args.child
         print(json.dumps(measure_device(size, ARCHS[size], stage, args.recipe, args.steps, args.gpu_block,
                                         args.device)))
-        return 0
-    if args.child:
+    else:
         print(json.dumps(measure(*args.child, args.recipe, args.steps)))
-        return 0
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.child or args.child_shape or args.save_teacher:
+        return _run_child(args)
+    if args.shapes or args.convert:
+        return main_shapes(args)
     if args.device != "cpu":
         return main_device(args)
     sizes, steps = (["tiny"], 2) if args.quick else (args.sizes, args.steps)
@@ -382,7 +715,6 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         for stage in STAGES:  # a fresh process each: its memory is this stage's alone
             measured.append(_child(argparse.Namespace(**{**vars(args), "steps": steps}), size, stage))
-    computed = [gpu_estimate(name, args.gpu_block) for name in ARCHS]
     notes = [
         f"Measured on the CPU in fp32, recipe `{args.recipe}` (quick budget's settings), {steps} optimizer steps per "
         "stage, the first not timed: ms / token is the median step over its tokens.",
@@ -391,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results = write_results(args.out, "conversion_scale", record, {
         "recipe": args.recipe, "steps": steps, "threads": args.threads, "measured": measured,
-        "computed": computed, "notes": notes})
+        "gpu_block": args.gpu_block, "loss_chunk_size": args.loss_chunk, "notes": notes})
     print(render_markdown(results))
     return 0
 

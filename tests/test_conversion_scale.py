@@ -23,11 +23,35 @@ def test_parameter_counts_match_transformers_models() -> None:
 
 def test_terms_scale_with_the_block_and_the_vocabulary() -> None:
     shape = scale.ARCHS["Qwen3-1.7B"]
-    one, two = scale.estimate(shape, 1024, 2), scale.estimate(shape, 2048, 2)
-    for key in ("captured", "one_layer", "activations", "kl"):
+    one, two = scale.estimate(shape, scale.Run(1024)), scale.estimate(shape, scale.Run(2048))
+    for key in ("captured", "one_layer", "activations", "final_hidden", "loss"):
         assert two[key] == 2 * one[key]
-    assert one["kl"] == 10 * 151936 * 4 * 1024 and one["stage1_trainable"] == 28 * 2048 * 24 * 128
+    assert one["loss"] == 10 * 151936 * 4 * 1024 and one["stage1_trainable"] == 28 * 2048 * 24 * 128
     assert one["lora_parameters"] == 28 * 8 * (4 * 2048 + 2 * 16 * 128 + 2 * 8 * 128)
+    chunked = scale.estimate(shape, scale.Run(2048, loss_chunk=256, checkpointing=True))
+    assert chunked["loss"] == 10 * 151936 * 4 * 256  # one chunk's logits, whatever the block
+    assert chunked["activations"] == (28 * 2048 + 6 * 2048 + 2 * 16 * 128 + 2 * 8 * 128 + 4 * 6144) * 2 * 2048
+
+
+def test_stage1_runs_the_teacher_up_to_the_last_converted_layer() -> None:
+    shape = scale.ARCHS["Qwen3-0.6B"]
+    every, first_four = scale.estimate(shape, scale.Run(2048)), scale.estimate(shape, scale.Run(2048, stage1_layers=4))
+    assert every["captured"] == 7 * first_four["captured"] == 28 * 2 * 1024 * 2 * 2048
+
+
+def test_qwen3_8b_stage2_with_lora_fits_40_gb_at_block_2048() -> None:
+    """The documented row: both models in bf16, LoRA r=8, loss_chunk_size 256 and gradient checkpointing."""
+    e = scale.gpu_estimate("Qwen3-8B", 2048, loss_chunk=256, checkpointing=True)
+    assert e["parameters"] == 8_190_726_144  # without the q / k norms
+    assert (e["teacher_weights"], e["student_weights"]) == (16_381_452_288, 16_381_452_288)
+    assert e["lora_optimizer"] == 16 * 8 * 36 * (4 * 4096 + 2 * 32 * 128 + 2 * 8 * 128) == 122_683_392
+    assert e["activations"] == (36 * 4096 + 83_968) * 2 * 2048 == 947_912_704
+    assert e["final_hidden"] == 4096 * 4 * 2048 and e["loss"] == 10 * 151936 * 4 * 256 == 1_555_824_640
+    total = e["stage2_state"] + e["stage2_local"]
+    assert e["form_timing"] == 6 * 32 * 2048 * 2048 * 4  # the parallel form timed once, before training
+    assert total == 36_106_813_440 < 40 * scale.GB
+    plain = scale.gpu_estimate("Qwen3-8B", 2048)  # the defaults: every layer's activations, the block's logits
+    assert plain["stage2_state"] + plain["stage2_local"] > 55 * scale.GB
 
 
 def test_what_fits_one_gpu_and_how_many_gpus_sharding_needs() -> None:
@@ -82,3 +106,49 @@ def test_stage1_student_attention_keeps_a_bf16_layer_in_bf16() -> None:
     rotary = student.model.rotary_emb(hidden, position_ids=torch.arange(128)[None])
     out, _ = student.model.layers[0].self_attn.attend(hidden, rotary)
     assert out.dtype == torch.bfloat16 and out.shape == hidden.shape and torch.isfinite(out).all()
+
+
+def test_the_student_converts_only_the_layers_the_recipe_selects(tmp_path) -> None:
+    """The recipe's ``layers`` as ``hf-recattn convert`` applies them: the other layers keep softmax, and stage 1
+    trains (and runs the teacher up to) the converted ones only."""
+    import yaml
+
+    from hf_recattn.conversion.recipe import recipe_from_dict
+
+    data = scale.scale_recipe("gdn", 1, 128, 64)
+    data["layers"] = {"convert": [0]}
+    recipe = recipe_from_dict(data, "scale")
+    teacher = scale.qwen3_teacher((2, 64, 96, 4, 2, 16, 100, True), "cpu")
+    student = scale.build_student(teacher, recipe)
+    assert [layer.self_attn.mixer.name for layer in student.model.layers] == ["delta", "softmax"]
+    trained, layers = scale.stage1_trained(student, recipe, teacher.config)
+    assert layers == 1 and trained == sum(p.numel() for p in scale.mixer_parameters(student, ("q_proj", "k_proj"))[0]
+                                          .values())
+    path = tmp_path / "one-layer.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in data.items() if k != "budgets"}
+                                   | {"budgets": {"quick": data["budgets"]["scale"]}}))
+    m = scale.measure_device("tiny-qwen3", (2, 64, 96, 4, 2, 16, 100, True), "stage1", str(path), 2, 128, "cpu")
+    assert m["trainable_parameters"] == trained
+
+
+def test_a_measured_shape_row_is_set_beside_its_formulas() -> None:
+    """A Qwen3-shaped CPU row: bf16 teacher, fp32 student (12 optimizer bytes per trained parameter)."""
+    shape = scale.SHAPES["Qwen3-0.6B"]
+    row = {"size": "Qwen3-0.6B", "stage": "stage2", "shape": list(shape), "block_size": 2048, "stage1_layers": 28,
+           "stage1_trainable": 100, "lora_r": 8, "loss_chunk_size": 256, "gradient_checkpointing": True}
+    e = scale.estimate(shape, scale.Run(2048, 2, 4, 12, 28, 100, 8, 256, True))
+    training = e["activations"] + e["final_hidden"] + e["loss"]
+    assert scale.shape_prediction(row) == 6 * e["parameters"] + e["lora_optimizer"] + max(training, e["form_timing"])
+    stage1 = max(e["captured"] + e["one_layer"], e["form_timing"])
+    assert scale.shape_prediction({**row, "stage": "stage1"}) == 6 * e["parameters"] + 12 * 100 + stage1
+
+
+def test_the_quick_mode_runs(tmp_path) -> None:
+    out = tmp_path / "quick.json"
+    assert scale.main(["--quick", "--out", str(out)]) == 0
+    import json
+
+    results = json.loads(out.read_text())
+    assert [(m["size"], m["stage"]) for m in results["measured"]] == [("tiny", "stage1"), ("tiny", "stage2")]
+    table = scale.render_markdown(results)
+    assert all(f"| {name} |" in table for name in scale.ARCHS)  # the computed rows

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import parallel
 from .forms import decoder_layers
@@ -194,7 +195,26 @@ class TransferObjective(nn.Module):
     def _layer_loss(
         self, i: int, hidden: torch.Tensor, target: torch.Tensor, position_embeddings: Any, values: LayerValues
     ) -> torch.Tensor:
-        """Layer ``i``'s loss on the teacher's input ``hidden`` and output ``target``; its numbers into ``values``."""
+        """Layer ``i``'s loss on the teacher's input ``hidden`` and output ``target``; its numbers into ``values``.
+
+        The layer's terms are recomputed in the backward (``torch.utils.checkpoint``): the same operations on the
+        same inputs give the same gradient bit for bit, while only one layer's activations are alive at a time
+        instead of every trained layer's until the step's backward."""
+        mse, kl = checkpoint(self._layer_terms, i, hidden, target, position_embeddings, use_reentrant=False)
+        mse_value, power, kl_value = _batch_means(mse, target.float().pow(2).mean(), kl)
+        values.mse[i] = mse_value
+        values.relative[i] = mse_value / max(power, 1e-12)
+        if kl is None:
+            values.loss[i] = mse_value
+            return mse
+        values.kl[i] = kl_value
+        values.loss[i] = mse_value + self.attention_kl * power * kl_value
+        return mse + self.attention_kl * power * kl
+
+    def _layer_terms(
+        self, i: int, hidden: torch.Tensor, target: torch.Tensor, position_embeddings: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``i``'s output MSE to ``target`` and, with an ``attention_kl`` weight, its attention-weight KL."""
         log_p = None
         if self.attention_kl:
             with torch.no_grad():
@@ -210,16 +230,7 @@ class TransferObjective(nn.Module):
                     "weighted mean of the values (linear with the denominator, softmax)"
                 )
             kl = attention_kl_divergence(log_p, weights)
-        mse = F.mse_loss(pred.float(), target.float())
-        mse_value, power, kl_value = _batch_means(mse, target.float().pow(2).mean(), kl)
-        values.mse[i] = mse_value
-        values.relative[i] = mse_value / max(power, 1e-12)
-        if kl is None:
-            values.loss[i] = mse_value
-            return mse
-        values.kl[i] = kl_value
-        values.loss[i] = mse_value + self.attention_kl * power * kl_value
-        return mse + self.attention_kl * power * kl
+        return F.mse_loss(pred.float(), target.float()), kl
 
 
 def _batch_means(
