@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .configuration import RecAttnConfig
 from .mixer_hybrid import HybridMixer
 from .modeling import RecAttnForCausalLM
 
@@ -25,22 +26,42 @@ def _respec(spec: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, An
     return out, found
 
 
-def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any]) -> RecAttnForCausalLM:
-    """A copy of ``model`` (in eval mode) whose hybrid layers take ``options`` (``{"cache_slots": 64}``), with the
-    same weights. ValueError when no layer is a hybrid, when an option is bad (named with its layer), or when the
-    change adds or drops parameters (named), since the trained weights would then not be the whole model."""
+def _slots(spec: dict[str, Any]) -> int:
+    """The largest ``cache_slots`` of a hybrid in ``spec`` (itself or nested); 0 without one."""
+    own = int(spec.get("cache_slots", 0)) if spec.get("mixer") == HybridMixer.name else 0
+    nested = [_slots(value) for value in spec.values() if isinstance(value, dict) and "mixer" in value]
+    return max([own, *nested])
+
+
+def hybrid_cache_slots(config: RecAttnConfig) -> int:
+    """The largest exact cache (``cache_slots``) of the model's hybrid layers; 0 when none has one."""
+    return max(_slots(spec) for spec in config.layer_specs())
+
+
+def config_with_hybrid_options(config: RecAttnConfig, options: dict[str, Any]) -> RecAttnConfig:
+    """A copy of ``config`` whose hybrid layers take ``options``; ValueError when an option is unknown or bad (named
+    with its layer) or no layer is a hybrid."""
     unknown = sorted(set(options) - set(HybridMixer.options))
     if unknown:
         raise ValueError(f"hybrid options {unknown}: unknown; the hybrid's options are {sorted(HybridMixer.options)}")
-    specs, found = [], []
-    for spec in model.config.layer_specs():
+    specs, found = [], False
+    for spec in config.layer_specs():
         new, hit = _respec(spec, options)
         specs.append(new)
-        found.append(hit)
-    if not any(found):
+        found = found or hit
+    if not found:
         raise ValueError(f"hybrid options {options}: the model has no hybrid layer to set them on")
-    config = copy.deepcopy(model.config)
-    config.attention, config.attention_overrides = specs, None
+    changed = copy.deepcopy(config)
+    changed.attention, changed.attention_overrides = specs, None
+    changed.layer_specs()  # validate now
+    return changed
+
+
+def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any]) -> RecAttnForCausalLM:
+    """A copy of ``model`` (in eval mode) whose hybrid layers take ``options`` (``{"cache_slots": 64}``), with the
+    same weights. ValueError as ``config_with_hybrid_options`` says, or when the change adds or drops parameters
+    (named), since the trained weights would then not be the whole model."""
+    config = config_with_hybrid_options(model.config, options)
     changed = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
     result = changed.load_state_dict(model.state_dict(), strict=False)
     missing = [k for k in result.missing_keys if k != "lm_head.weight"]
