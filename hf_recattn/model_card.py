@@ -19,7 +19,8 @@ from .atomic import write_text
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
-from .state_size import state_size_report
+from .modeling.hybrid_options import hybrid_cache_slots
+from .state_size import exact_cache_elements, state_size_report
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 STATE_CONTEXTS = (1024, 8192, 32768)
@@ -86,6 +87,12 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
         state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
         kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
         lines.append(f"| {context:,} | {human_bytes(state)} | {human_bytes(kv)} | {state / kv:.4f} |")
+    slots = hybrid_cache_slots(config)
+    if slots:
+        cache = exact_cache_elements(config, contexts[-1]) * BYTES_PER_ELEMENT
+        lines += ["", f"Of this model's state, the exact cache of its hybrid layers (`cache_slots` {slots}: the key / "
+                  f"value pairs its far state recalls worst, and the buffer of those waiting to be ranked) takes "
+                  f"{human_bytes(cache)} at every context."]
     return "\n".join(lines)
 
 
@@ -153,6 +160,10 @@ def _evaluation(report: dict[str, Any] | None) -> str:
         parts.append(f"Passkey accuracy by depth of the key (0 = start of the context): {by_depth}.")
     if recall:
         parts.append(_recall_text(student["associative_recall"]))
+    distance = ", ".join(f"{k} tokens back: {v:.0%}"
+                         for k, v in _by_length((student.get("recall_by_distance") or {}).get("accuracy", {})))
+    if distance:
+        parts.append(f"Recall of one fact by how far before the question it was planted: {distance}.")
     return "\n\n".join(parts)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .modeling.configuration import RecAttnConfig
+from .modeling.hybrid_options import config_with_hybrid_options, hybrid_cache_slots
 from .modeling.mixer_base import MixerShape
 from .modeling.mixers import build_mixer
 
@@ -62,6 +63,16 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
                 )
             )
     return rows
+
+
+def exact_cache_elements(config: RecAttnConfig, context_length: int) -> int:
+    """What the hybrid layers' exact cache (``cache_slots``, its pending buffer included) adds to the state per
+    sequence: the state less that of the same model without the cache; 0 without one."""
+    if not hybrid_cache_slots(config):
+        return 0
+    plain = config_with_hybrid_options(config, {"cache_slots": 0})
+    return sum(r.state_elements for r in state_size_report(config, context_length)) - sum(
+        r.state_elements for r in state_size_report(plain, context_length))
 
 
 def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str:

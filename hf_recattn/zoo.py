@@ -18,8 +18,9 @@ from .conversion.recipe import report_training_tokens
 from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
 from .model_card import BYTES_PER_ELEMENT, build_model_card
 from .modeling.configuration import read_checkpoint_config
+from .modeling.hybrid_options import hybrid_cache_slots
 from .provenance import provenance_line
-from .state_size import state_size_report
+from .state_size import exact_cache_elements, state_size_report
 
 ZOO_FILE = Path(__file__).parent / "zoo.json"
 STATE_CONTEXT = 8192
@@ -70,6 +71,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "state_mib_at_8k": round(state / 2**20, 3),
         "teacher_kv_mib_at_8k": round(kv / 2**20, 3),
         "state_fraction_at_8k": round(state / kv, 4),
+        "cache_slots": hybrid_cache_slots(config),
+        "exact_cache_mib_at_8k": round(exact_cache_elements(config, STATE_CONTEXT) * BYTES_PER_ELEMENT / 2**20, 3),
         "perplexity": round(student["perplexity"], 3),
         "teacher_perplexity": round(teacher["perplexity"], 3),
         "perplexity_ratio": round(student["perplexity"] / teacher["perplexity"], 4),
@@ -78,6 +81,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "teacher_passkey": (teacher.get("passkey") or {}).get("accuracy"),
         "associative_recall": (student.get("associative_recall") or {}).get("mean_accuracy"),
         "teacher_associative_recall": (teacher.get("associative_recall") or {}).get("mean_accuracy"),
+        "recall_by_distance": (student.get("recall_by_distance") or {}).get("accuracy"),
+        "teacher_recall_by_distance": (teacher.get("recall_by_distance") or {}).get("accuracy"),
         "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {recipe['name']} --budget {budget} "
         f"--output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
@@ -97,37 +102,56 @@ def _run_teacher(run: Path) -> str:
 
 
 def format_zoo(entries: list[dict[str, Any]], card_prefix: str = "") -> str:
-    """A markdown table of the zoo; ``card_prefix`` is the cards' folder as seen from the page (none: beside it)."""
+    """A markdown table of the zoo; ``card_prefix`` is the cards' folder as seen from the page (none: beside it).
+    Entries measured on another machine than most are named under it."""
     if not entries:
         return "The zoo is empty (no zoo.json shipped)."
     lines = [
-        "| name | recipe | training tokens | state at 8k | × teacher's KV | perplexity (× teacher) | passkey "
-        "| associative recall | card |",
-        "|---|---|---:|---:|---:|---:|---|---:|---|",
+        "| name | recipe | training tokens | state at 8k | × teacher's KV | exact cache | perplexity (× teacher) "
+        "| passkey | recall by distance | associative recall | card |",
+        "|---|---|---:|---:|---:|---|---:|---|---|---:|---|",
     ]
     for e in entries:
-        passkey = ", ".join(f"{k}: {v:.0%}" for k, v in (e.get("passkey") or {}).items()) or "-"
         recall = "-" if e.get("associative_recall") is None else f"{e['associative_recall']:.0%}"
+        cache = f"{e['cache_slots']} slots, {e['exact_cache_mib_at_8k']:.2f} MiB" if e.get("cache_slots") else "-"
         lines.append(
             f"| {e['name']} | `{e['recipe']}` ({e['budget']}) | {e['training_tokens']:,} | "
-            f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | "
-            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {passkey} | {recall} | "
-            f"[{e['card']}]({card_prefix}{e['card']}) |"
+            f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | {cache} | "
+            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {_by_length(e.get('passkey'))} | "
+            f"{_by_length(e.get('recall_by_distance'))} | {recall} | [{e['card']}]({card_prefix}{e['card']}) |"
         )
+    machine = _main_machine(entries)
+    elsewhere = [e for e in entries if e["provenance"].get("machine") != machine]
+    if elsewhere:
+        lines += ["", "Measured on another machine than the line below says: " + "; ".join(
+            f"{e['name']}: {provenance_line(e['provenance'])[len('Measured on '):].rstrip('.')}" for e in elsewhere
+        ) + "."]
     return "\n".join(lines)
 
 
+def _main_machine(entries: list[dict[str, Any]]) -> Any:
+    """The machine most entries were measured on (the earliest listed of equally many)."""
+    machines = [e["provenance"].get("machine") for e in entries]
+    return max(machines, key=machines.count)
+
+
+def _by_length(accuracy: dict[str, float] | None) -> str:
+    """``{"1024": 1.0, "4096": 0.5}`` as ``1024: 100%, 4096: 50%``; ``-`` when nothing was measured."""
+    return ", ".join(f"{k}: {v:.0%}" for k, v in sorted((accuracy or {}).items(), key=lambda kv: int(kv[0]))) or "-"
+
+
 def common_provenance(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The provenance the entries share (the first one's); ValueError when they were measured on different
-    corpora or machines, which one table must not mix."""
-    first = entries[0]["provenance"]
-    for entry in entries[1:]:
-        other = entry["provenance"]
-        for key in ("corpus", "machine"):
-            if other.get(key) != first.get(key):
-                raise ValueError(f"zoo entries {entries[0]['name']} and {entry['name']} differ in {key} "
-                                 f"({first.get(key)} / {other.get(key)}); rebuild them on one")
-    return first
+    """The provenance the entries share: that of the first entry measured on the machine most were; ValueError
+    when they were measured on different corpora, which one table must not mix. Entries from other machines are
+    named under the table (``format_zoo``)."""
+    machine = _main_machine(entries)
+    main = next(e for e in entries if e["provenance"].get("machine") == machine)
+    corpus = main["provenance"].get("corpus")
+    for entry in entries:
+        if entry["provenance"].get("corpus") != corpus:
+            raise ValueError(f"zoo entries {main['name']} and {entry['name']} differ in corpus "
+                             f"({corpus} / {entry['provenance'].get('corpus')}); rebuild them on one")
+    return main["provenance"]
 
 
 def build_zoo(

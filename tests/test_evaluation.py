@@ -309,6 +309,32 @@ def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "tokenizer differs" in capsys.readouterr().err
 
 
+def test_eval_with_hybrid_options(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--hybrid-option cache_slots=4`` evaluates the saved hybrid with the cache, labels the row and records the
+    options; a checkpoint without hybrid layers is refused with the reason."""
+    monkeypatch.setattr(suite, "passkey_probe", lambda *a, **k: {"accuracy": {}, "mean_accuracy": 0.0})
+    teacher = save_tiny_teacher(tmp_path / "teacher")
+    for name, attention in (("hybrid", {"mixer": "hybrid", "window": 4, "far": {"mixer": "linear"}}),
+                            ("plain", "softmax")):
+        from_teacher(teacher, attention).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"{i:02d}.txt").write_text(f"the river runs past the old mill {i} times and birds sing " * 3)
+    common = ["--corpus", str(docs), "--block-size", "16", "--quick", "--tokens", "32"]
+    out = tmp_path / "out"
+    assert main(["eval", str(tmp_path / "hybrid"), "--hybrid-option", "cache_slots=4", *common,
+                 "--output", str(out)]) == 0
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["hybrid_options"] == {"cache_slots": 4}
+    row = saved["results"]["hybrid+cache_slots=4"]
+    assert all(spec["cache_slots"] == 4 for spec in row["model"]["attention"])
+    assert main(["eval", str(tmp_path / "plain"), "--hybrid-option", "cache_slots=4", *common]) == 2
+    assert "no hybrid layer" in capsys.readouterr().err
+
+
 # ----- the same metrics as evaluate modules ------------------------------------------------------
 def test_evaluate_modules_agree_with_the_builtin_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     evaluate = pytest.importorskip("evaluate")

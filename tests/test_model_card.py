@@ -216,3 +216,41 @@ def test_shipped_zoo_lists_the_main_job_and_two_more() -> None:
         # a student finetuned on the corpus it is scored on may beat the teacher there (the retrieval recipe: 0.97x)
         assert 0.5 < e["perplexity_ratio"] < 100 and 0 < e["state_fraction_at_8k"] < 1
         assert (Path(__file__).parents[1] / "model_cards" / e["card"]).is_file()
+
+
+def test_cached_hybrid_entry_and_card_show_the_cache_and_recall(tmp_path: Path) -> None:
+    """A hybrid with the exact cache: the zoo entry and the card give the cache's slots and bytes, passkey at every
+    length and recall by distance; an entry from another machine is named under the table."""
+    layers = [{"mixer": "hybrid", "window": 4, "cache_slots": 8}, {"mixer": "linear", "feature_map": "elu"}]
+    run = tmp_path / "cached"
+    save_checkpoint(run / "model", layers)
+    report = fake_report()
+    report["recipe"]["name"] = "cached"
+    report["student"]["passkey"] = {"accuracy": {"4096": 0.5, "1024": 1.0}, "mean_accuracy": 0.75}
+    report["student"]["recall_by_distance"] = {"accuracy": {"100": 1.0, "1000": 0.5}}
+    report["comparison"]["teacher"]["recall_by_distance"] = {"accuracy": {"100": 1.0, "1000": 1.0}}
+    report["provenance"] = {**PROVENANCE, "machine": {"cpu": "Other CPU", "cores": 2, "gpu": None,
+                                                       "platform": "Linux"}}
+    for folder in (run, run / "model"):  # a conversion writes it into both
+        (folder / "report.json").write_text(json.dumps(report))
+    plain = tmp_path / "plain"
+    save_checkpoint(plain / "model")
+    (plain / "report.json").write_text(json.dumps(fake_report()))
+    entries = build_zoo([plain, run], tmp_path / "cards", "python scripts/build_zoo.py ...")
+    entry = next(e for e in entries if e["recipe"] == "cached")
+    # the cache and its pending buffer: (cache_slots + window) x (k and v of each KV head + a mask) x 2 bytes
+    assert entry["cache_slots"] == 8
+    assert entry["exact_cache_mib_at_8k"] == round((8 + 4) * (2 * HKV * HEAD_DIM + 1) * 2 / 2**20, 3)
+    assert entry["recall_by_distance"] == {"100": 1.0, "1000": 0.5}
+    assert entry["teacher_recall_by_distance"] == {"100": 1.0, "1000": 1.0}
+    assert next(e for e in entries if e["recipe"] == "tiny")["cache_slots"] == 0
+    table = format_zoo(entries)
+    assert "| 8 slots, 0.00 MiB |" in table and "| 1024: 100%, 4096: 50% | 100: 100%, 1000: 50% |" in table
+    assert ("Measured on another machine than the line below says: smollm2-135m-cached: embedded corpus v3 (sha256 "
+            "abababababab); Other CPU, 2 cores") in table
+    assert json.loads((tmp_path / "cards" / "zoo.json").read_text())["provenance"] == PROVENANCE
+    card = (tmp_path / "cards" / "cached.md").read_text()
+    assert "the exact cache of its hybrid layers (`cache_slots` 8" in card
+    assert "1024 tokens: 100%, 4096 tokens: 50%" in card
+    assert "Recall of one fact by how far before the question it was planted: 100 tokens back: 100%, 1000 tokens " \
+           "back: 50%." in card

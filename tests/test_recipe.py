@@ -17,13 +17,19 @@ from hf_recattn.conversion.recipe import (
     recipe_from_dict,
 )
 from hf_recattn.conversion.settings import Stage2Settings
+from hf_recattn.evaluation import RecallSizes
+from hf_recattn.state_size import state_size_report
 from hf_recattn.training.checks import build_settings
 from hf_recattn.training.distill_settings import DistillSettings
 
 #: the stage-2 settings only conversion has: where its blocks start, the blocks that hide facts
 CONVERSION_ONLY = ["skip_tokens", "retrieval_share", "answer_weight"]
 REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
-            "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn"}
+            "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn",
+            "hybrid-w64-sink4-hedgehog-cache64", "hybrid-w64-sink4-gdn-cache64", "gemma3-270m-full-hybrid-gdn-cache64"}
+#: the recipes with the hybrid's exact cache, and the most of SmolLM2's bf16 KV cache at 8k their state may take
+CACHED = {"hybrid-w64-sink4-hedgehog-cache64": 0.033, "hybrid-w64-sink4-gdn-cache64": 0.03,
+          "gemma3-270m-full-hybrid-gdn-cache64": 0.03}
 
 
 def smollm2_config() -> LlamaConfig:
@@ -296,3 +302,35 @@ def test_teacher_mismatches() -> None:
     too_long = tiny_recipe_dict(retrieval_heads={"max_heads": 4, "context_length": 10_000})
     with pytest.raises(ValueError, match=r"retrieval_heads.context_length 10000 exceeds"):
         check_against_teacher(recipe_from_dict(too_long), teacher)
+
+
+def test_eval_probe_sizes(tmp_path: Path) -> None:
+    """eval.probes sets the recall probes over the quick / full defaults; out of the fingerprint until set."""
+    base = recipe_from_dict(tiny_recipe_dict())
+    assert base.eval.probes is None
+    assert base.eval.recall_sizes() == RecallSizes.for_mode(base.eval.quick)
+    set_ = recipe_from_dict(tiny_recipe_dict(eval={"quick": True, "probes": {"passkey_lengths": [1024, 4096],
+                                                                             "distances": [100, 1000, 4000]}}))
+    sizes = set_.eval.recall_sizes()
+    assert (sizes.passkey_lengths, sizes.distances) == ((1024, 4096), (100, 1000, 4000))
+    assert sizes.passkey_trials == RecallSizes.for_mode(True).passkey_trials  # the rest stays quick's
+    assert set_.fingerprint() != base.fingerprint()
+    for probes, says in (({"passkey_length": [1024]}, "eval.probes: unknown key(s) ['passkey_length']"),
+                         ({"passkey_lengths": [0]}, "eval.probes: passkey_lengths must be positive integers"),
+                         ({"passkey_trials": 0}, "eval.probes: passkey_trials must be >= 1"),
+                         ([1024], "eval.probes must be dict")):
+        message = _error(tmp_path, tiny_recipe_dict(eval={"probes": probes}))
+        assert says in message, message
+
+
+@pytest.mark.parametrize("name", sorted(CACHED))
+def test_cache_recipes_keep_a_constant_state(name: str) -> None:
+    """The recipes with the exact cache: every converted layer has it, and the whole state is the same at 1k, 8k
+    and 32k tokens, a small share of the teacher's KV cache at 8k."""
+    recipe = load_recipe(name, "quick")
+    config = check_against_teacher(recipe, smollm2_config())
+    assert all(spec["cache_slots"] == 64 for spec in config.layer_specs())
+    states = {n: sum(r.state_elements for r in state_size_report(config, n)) for n in (1024, 8192, 32768)}
+    assert len(set(states.values())) == 1, states
+    kv = sum(r.kv_cache_elements for r in state_size_report(config, 8192))
+    assert states[8192] / kv <= CACHED[name]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,16 +46,48 @@ def recall_sizes(args: argparse.Namespace) -> RecallSizes:
         raise ValueError(f"--{field.replace('_', '-')}: {err}") from None
 
 
+def hybrid_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``--hybrid-option KEY=VALUE`` pairs as a dict, each VALUE read as JSON (else kept as a string); a pair
+    without ``=`` is a ValueError naming the option."""
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--hybrid-option: expected KEY=VALUE (e.g. cache_slots=64), got {pair!r}")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
+def load_evaluated(spec: str, options: dict[str, Any]) -> tuple[Any, Any, str]:
+    """The model to evaluate, its tokenizer and its row label: ``spec`` loaded, its hybrid layers given
+    ``options`` (same weights; the label then names them)."""
+    from ..conversion.teacher import load_causal_lm
+    from ..modeling.hybrid_options import with_hybrid_options
+
+    model, tokenizer = load_causal_lm(spec)
+    name = _label(spec)
+    if not options:
+        return model, tokenizer, name
+    if getattr(model.config, "model_type", None) != "recattn":
+        raise ValueError(f"--hybrid-option: {spec} is not an hf_recattn checkpoint, so it has no hybrid layers")
+    changed = with_hybrid_options(model, options)
+    return changed, tokenizer, name + "+" + ",".join(f"{k}={v}" for k, v in options.items())
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint (and the teacher on the same tokens and prompts if given); write eval.json."""
-    from ..conversion.teacher import load_causal_lm, load_teacher
+    from ..conversion.teacher import load_teacher
     from ..data.corpus import is_embedded, load_splits, long_documents, token_blocks
     from ..evaluation import comparison_table, evaluate, write_report
     from ..provenance import provenance
 
-    sizes = recall_sizes(args)  # bad sizes fail before any model is loaded
+    sizes = recall_sizes(args)  # bad sizes and options fail before any model is loaded
+    options = hybrid_options(args.hybrid_option)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_causal_lm(args.checkpoint)
+    model, tokenizer, name = load_evaluated(args.checkpoint, options)
     _, heldout = load_splits(args.corpus, seed=args.seed)
     blocks = token_blocks(tokenizer, heldout, args.block_size, max_tokens=args.tokens, seed=args.seed)
     long_texts = long_documents(args.corpus, heldout)
@@ -69,7 +102,6 @@ def run_eval(args: argparse.Namespace) -> int:
         rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick, recall_texts=heldout,
                                    sizes=sizes, progress="teacher", long_texts=long_texts)
         del teacher
-    name = _label(args.checkpoint)
     rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick, recall_texts=heldout, sizes=sizes,
                           progress=name, long_texts=long_texts)
     print(comparison_table(rows))
@@ -81,6 +113,8 @@ def run_eval(args: argparse.Namespace) -> int:
     report = {"checkpoint": args.checkpoint, "teacher": args.teacher, "corpus": args.corpus or "embedded",
               "heldout_tokens": int(blocks.numel()), "block_size": args.block_size, "results": rows,
               "provenance": provenance(corpus=is_embedded(args.corpus))}
+    if options:
+        report["hybrid_options"] = options
     path = write_report(out_dir, report, name="eval.json")
     print(f"\nwrote {path}", file=sys.stderr)
     return 0
@@ -154,6 +188,10 @@ def add_eval(sub: SubParsers) -> None:
     p.add_argument("--quick", action="store_true", help="smaller passkey / recall / sample / decode probes")
     for flag, kind, nargs, metavar, help in _PROBE_SIZE_OPTIONS:
         p.add_argument(flag, type=kind, nargs=nargs, default=None, metavar=metavar, help=help)
+    p.add_argument("--hybrid-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="evaluate the checkpoint with this option set on every hybrid layer, the weights unchanged "
+                   "(options without parameters only, e.g. cache_slots=64 adds the exact cache to a hybrid trained "
+                   "without it); repeat for several")
     p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lm-eval", default=None, metavar="TASKS", help="run lm-evaluation-harness instead: lm_eval run "
@@ -164,6 +202,8 @@ def add_eval(sub: SubParsers) -> None:
 
     def run(args: argparse.Namespace) -> int:
         if args.lm_eval:
+            if args.hybrid_option:
+                raise ValueError("--hybrid-option: not with --lm-eval (lm_eval loads the checkpoint as saved)")
             from .lm_eval import run_lm_eval
 
             run_lm_eval(args.checkpoint, args.lm_eval, args.lm_eval_args)

@@ -25,6 +25,7 @@ def compare_models(label: str, job: Job, teacher: Teacher, student: nn.Module,
 
     def evaluate(model: nn.Module, name: str) -> dict[str, Any]:
         return evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts,
+                                   sizes=ev.recall_sizes(),
                                    progress=name if job.progress else None, long_texts=long_texts)
 
     rows: dict[str, dict[str, Any]] = {}

@@ -120,6 +120,7 @@ _LATER_SETTINGS = {
     "stage1": ("attention_kl",),
     "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens", "method", "loss_chunk_size",
                "gradient_checkpointing", "loss_kernel"),
+    "eval": ("probes",),
 }
 
 

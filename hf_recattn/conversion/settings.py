@@ -5,9 +5,11 @@ the evaluation."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from ..evaluation import RecallSizes
 from ..training.checks import check_schedule, positive
 from ..training.distill_settings import DistillSettings
 from ..training.fused_loss import check_weighted_kl
@@ -121,6 +123,14 @@ class EvalSettings:
     block_size: int = 512
     sample_prompt: str = "The key idea of attention is"
     sample_tokens: int = 32
+    #: the recall probes' sizes over the quick / full defaults: ``evaluation.RecallSizes`` fields, e.g.
+    #: ``{passkey_lengths: [1024, 4096]}``; None: the defaults
+    probes: dict | None = None
+
+    def recall_sizes(self) -> RecallSizes:
+        """The recall probes this evaluation runs: ``quick``'s or the full ones, with ``probes`` over them."""
+        given = {key: tuple(value) if isinstance(value, list) else value for key, value in (self.probes or {}).items()}
+        return dataclasses.replace(RecallSizes.for_mode(self.quick), **given)
 
     def check(self, source: str, section: str = "eval") -> None:
         at = f"{source}: {section}"
@@ -129,3 +139,11 @@ class EvalSettings:
         for key in ("heldout_tokens", "block_size"):
             positive(getattr(self, key), f"{at}.{key}")
         positive(self.sample_tokens, f"{at}.sample_tokens", allow_zero=True)
+        known = [f.name for f in dataclasses.fields(RecallSizes)]
+        unknown = sorted(set(self.probes or {}) - set(known))
+        if unknown:
+            raise ValueError(f"{at}.probes: unknown key(s) {unknown}; known: {known}")
+        try:
+            self.recall_sizes()
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{at}.probes: {err}") from None

@@ -1,0 +1,80 @@
+"""A trained hybrid evaluated with changed options and the same weights (modeling/hybrid_options.py), and the
+``hf-recattn eval --hybrid-option`` parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.cli.evaluate import hybrid_options
+from hf_recattn.modeling.hybrid_options import with_hybrid_options
+from hf_recattn.state_size import state_size_report
+
+HYBRID = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
+
+
+def tiny(attention: dict, overrides: dict | None = None) -> RecAttnForCausalLM:
+    torch.manual_seed(0)
+    config = RecAttnConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           attention=attention, attention_overrides=overrides)
+    model = RecAttnForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mixer." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_cache_added_after_training_is_the_model_built_with_it() -> None:
+    """The changed model holds the trained weights unchanged and computes what a model built with the cache and
+    given those weights computes; the cache changes the output of long enough sequences."""
+    model = tiny(HYBRID)
+    cached = with_hybrid_options(model, {"cache_slots": 4})
+    assert not cached.training
+    assert [s["cache_slots"] for s in cached.config.layer_specs()] == [4, 4]
+    assert model.config.layer_spec(0)["cache_slots"] == 0  # the model given is left as it was
+    trained = model.state_dict()
+    for key, value in cached.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+    built = RecAttnForCausalLM(RecAttnConfig(**{**model.config.to_dict(),
+                                                "attention": {**HYBRID, "cache_slots": 4}})).eval()
+    built.load_state_dict(trained)
+    with torch.no_grad():
+        got, want, plain = (m(input_ids=ids()).logits for m in (cached, built, model))
+    assert torch.equal(got, want)
+    assert (got - plain).abs().max() > 1e-4
+    bigger = sum(r.state_elements for r in state_size_report(cached.config, 1024))
+    assert bigger > sum(r.state_elements for r in state_size_report(model.config, 1024))
+
+
+def test_only_the_hybrid_layers_change_nested_ones_included() -> None:
+    """A softmax layer stays as it was; a hybrid inside retrieval heads' ``others`` takes the options too."""
+    model = tiny({"mixer": "retrieval_heads", "heads": [1], "others": HYBRID}, overrides={"0": {"mixer": "softmax"}})
+    specs = with_hybrid_options(model, {"cache_slots": 2}).config.layer_specs()
+    assert specs[0] == model.config.layer_spec(0)
+    assert specs[1]["others"]["cache_slots"] == 2
+    assert specs[1]["heads"] == [1]
+
+
+@pytest.mark.parametrize(("attention", "options", "message"), [
+    (HYBRID, {"slots": 4}, r"hybrid options \['slots'\]: unknown"),
+    ({"mixer": "softmax"}, {"cache_slots": 4}, "no hybrid layer"),
+    (HYBRID, {"far": "none"}, "change the parameters"),
+    (HYBRID, {"cache_slots": -1}, "layer 0.*cache_slots"),
+])
+def test_refused_changes_say_why(attention: dict, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        with_hybrid_options(tiny(attention), options)
+
+
+def test_cli_pairs_are_read_as_json() -> None:
+    assert hybrid_options(["cache_slots=64", "combine=sum"]) == {"cache_slots": 64, "combine": "sum"}
+    assert hybrid_options(None) == {}
+    with pytest.raises(ValueError, match="--hybrid-option: expected KEY=VALUE"):
+        hybrid_options(["cache_slots"])
