@@ -117,3 +117,16 @@ def tiny_recipe_dict(attention: Any = None, **sections: Any) -> dict[str, Any]:
 def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
+
+
+def loss_case(weighted: bool, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Student and teacher final hidden states [2, 9, 32], next-token labels with 13 predicted positions (the rest
+    -100) and, if ``weighted``, per-position loss weights: the inputs of the loss-form comparisons."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, 32, generator=gen)
+    teacher_hidden = torch.randn(2, 9, 32, generator=gen)
+    labels = torch.randint(0, vocab, (2, 9), generator=gen)
+    labels[0, :3] = -100
+    labels[1, 7:] = -100  # 13 predicted positions
+    weights = torch.rand(2, 9, generator=gen) * 5 if weighted else None
+    return hidden, teacher_hidden, labels, weights

@@ -14,6 +14,7 @@ import torch
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import real_rows, rel_err
 
+from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.modeling.mixer_base import Mixer, MixerInputs, MixerShape, State
 from hf_recattn.modeling.mixers import validate_spec
 
@@ -178,3 +179,18 @@ def assert_specs_rejected(cases: Iterable[tuple[dict | str, str, str]]) -> None:
     for spec, where, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             validate_spec(spec, where)
+
+
+def tiny_perturbed_model(attention: dict, overrides: dict | None = None) -> RecAttnForCausalLM:
+    """A seeded 2-layer model of ``attention`` (and per-layer ``overrides``) in eval mode whose mixer parameters are
+    moved off their initial values, so that a test can tell its parts apart."""
+    torch.manual_seed(0)
+    config = RecAttnConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           attention=attention, attention_overrides=overrides)
+    model = RecAttnForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mixer." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model

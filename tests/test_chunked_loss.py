@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distill_fixtures import tiny_teacher
+from distill_fixtures import loss_case, tiny_teacher
 from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, default_data_collator
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM, from_teacher
@@ -59,14 +59,7 @@ def test_final_logits_are_each_models_own() -> None:
 
 
 def _case(weighted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(2, 9, 32, generator=gen)
-    teacher_hidden = torch.randn(2, 9, 32, generator=gen)
-    labels = torch.randint(0, VOCAB, (2, 9), generator=gen)
-    labels[0, :3] = -100
-    labels[1, 7:] = -100  # 13 predicted positions
-    weights = torch.rand(2, 9, generator=gen) * 5 if weighted else None
-    return hidden, teacher_hidden, labels, weights
+    return loss_case(weighted, VOCAB)
 
 
 @pytest.mark.parametrize("loss", ["ce", "kl", "ce+kl"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distill_fixtures import tiny_recipe_dict, tiny_teacher, tiny_texts, tiny_tokenizer
+from distill_fixtures import loss_case, tiny_recipe_dict, tiny_teacher, tiny_texts, tiny_tokenizer
 from script_modules import load_script
 from transformers import (
     Gemma2Config,
@@ -64,14 +64,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def _case(weighted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(2, 9, 32, generator=gen)
-    teacher_hidden = torch.randn(2, 9, 32, generator=gen)
-    labels = torch.randint(0, VOCAB, (2, 9), generator=gen)
-    labels[0, :3] = -100
-    labels[1, 7:] = -100  # 13 predicted positions
-    weights = torch.rand(2, 9, generator=gen) * 5 if weighted else None
-    return tuple(None if t is None else t.to(DEVICE) for t in (hidden, teacher_hidden, labels, weights))
+    return tuple(None if t is None else t.to(DEVICE) for t in loss_case(weighted, VOCAB))
 
 
 def _run(student: torch.nn.Module, teacher: torch.nn.Module, fused: bool, loss: str, temperature: float,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mixer_checks import tiny_perturbed_model
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.cli.evaluate import hybrid_options
@@ -14,19 +15,6 @@ from hf_recattn.state_size import state_size_report
 HYBRID = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
 
 
-def tiny(attention: dict, overrides: dict | None = None) -> RecAttnForCausalLM:
-    torch.manual_seed(0)
-    config = RecAttnConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           attention=attention, attention_overrides=overrides)
-    model = RecAttnForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".mixer." in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
 def ids() -> torch.Tensor:
     return torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -34,7 +22,7 @@ def ids() -> torch.Tensor:
 def test_the_cache_added_after_training_is_the_model_built_with_it() -> None:
     """The changed model holds the trained weights unchanged and computes what a model built with the cache and
     given those weights computes; the cache changes the output of long enough sequences."""
-    model = tiny(HYBRID)
+    model = tiny_perturbed_model(HYBRID)
     cached = with_hybrid_options(model, {"cache_slots": 4})
     assert not cached.training
     assert [s["cache_slots"] for s in cached.config.layer_specs()] == [4, 4]
@@ -55,7 +43,8 @@ def test_the_cache_added_after_training_is_the_model_built_with_it() -> None:
 
 def test_only_the_hybrid_layers_change_nested_ones_included() -> None:
     """A softmax layer stays as it was; a hybrid inside retrieval heads' ``others`` takes the options too."""
-    model = tiny({"mixer": "retrieval_heads", "heads": [1], "others": HYBRID}, overrides={"0": {"mixer": "softmax"}})
+    nested = {"mixer": "retrieval_heads", "heads": [1], "others": HYBRID}
+    model = tiny_perturbed_model(nested, overrides={"0": {"mixer": "softmax"}})
     specs = with_hybrid_options(model, {"cache_slots": 2}).config.layer_specs()
     assert specs[0] == model.config.layer_spec(0)
     assert specs[1]["others"]["cache_slots"] == 2
@@ -70,7 +59,7 @@ def test_only_the_hybrid_layers_change_nested_ones_included() -> None:
 ])
 def test_refused_changes_say_why(attention: dict, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        with_hybrid_options(tiny(attention), options)
+        with_hybrid_options(tiny_perturbed_model(attention), options)
 
 
 def test_cli_pairs_are_read_as_json() -> None:

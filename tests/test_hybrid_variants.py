@@ -6,29 +6,16 @@ import copy
 
 import pytest
 import torch
+from mixer_checks import tiny_perturbed_model
 
-from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.modeling.variants import variant_models
-
-
-def tiny(attention: dict) -> RecAttnForCausalLM:
-    torch.manual_seed(0)
-    config = RecAttnConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           attention=attention)
-    model = RecAttnForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".mixer." in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return model
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_window_only_is_the_hybrid_with_the_far_part_shut(sinks: int) -> None:
     """Shutting the far part (window share g -> 1) leaves softmax over the window (and the sinks): the
     window-only variant must compute exactly that, sinks included; far-only keeps the trained far mixer."""
-    model = tiny({"mixer": "hybrid", "window": 3, "sink_tokens": sinks,
+    model = tiny_perturbed_model({"mixer": "hybrid", "window": 3, "sink_tokens": sinks,
                   "far": {"mixer": "linear", "feature_map": "hedgehog"}})
     variants = variant_models(model)
     shut = copy.deepcopy(model)
@@ -54,7 +41,7 @@ def test_retrieval_heads_stay_exact_in_both_variants() -> None:
     """Beside retrieval heads, the variants take the hybrid's parts apart the same way: window-only is the far part
     shut (the retrieval heads untouched), far-only keeps the trained far mixer of the other heads."""
     hybrid = {"mixer": "hybrid", "window": 3, "sink_tokens": 2, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
-    model = tiny({"mixer": "retrieval_heads", "heads": [1], "others": hybrid})
+    model = tiny_perturbed_model({"mixer": "retrieval_heads", "heads": [1], "others": hybrid})
     variants = variant_models(model)
     assert variants["far-only"].config.layer_spec(0)["others"]["mixer"] == "linear"
     assert variants["window-only"].config.layer_spec(0)["heads"] == [1]
