@@ -62,6 +62,7 @@ from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.embedded_teachers import embedded_gguf_path, gguf_tokenizer
 from hf_recattn.training.attention_objective import mixer_parameters
 from hf_recattn.training.distill import finetune
+from hf_recattn.training.fused_loss import use_liger
 
 SIZES = ("tiny", "smollm2-135m")
 STAGES = ("stage1", "stage2")
@@ -193,18 +194,23 @@ def qwen3_teacher(shape: tuple, device: str) -> torch.nn.Module:
         return Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
 
 
-def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps: int, block: int,
-                   device: str) -> dict[str, Any]:
-    """One stage of a random-init bf16 Qwen3 teacher of ``shape`` on ``device``, batch 1 at ``block``: seconds
-    per step and, on a GPU, the bytes allocated after loading and the peak allocated during the stage."""
-    recipe = load_recipe(recipe_name, "quick")
+def measure_device(name: str, shape: tuple, stage: str, recipe_data: dict[str, Any], steps: int, device: str,
+                   loss_kernel: str) -> dict[str, Any]:
+    """One stage of a random-init bf16 Qwen3 teacher of ``shape`` on ``device`` with its student in bf16, the
+    recipe's ``scale`` budget (``recipe_data``, stage 2 on ``loss_kernel``): seconds per step and, on a GPU, the
+    bytes allocated after loading and the peak allocated during the stage."""
+    data = copy.deepcopy(recipe_data)
+    data["budgets"]["scale"]["stage2"]["loss_kernel"] = loss_kernel
+    recipe = recipe_from_dict(data, "scale", source=str(data.get("name", "recipe")))
     teacher = qwen3_teacher(shape, device)
     with torch.device(device):
         student = build_student(teacher, recipe)
-    settings, per_step = _stage_settings(recipe_name, stage, steps, block_size=block, batch_size=1)
     where = {str(p.device.type) for model in (teacher, student) for p in model.parameters()}
     if where != {device}:
         raise RuntimeError(f"{name} {stage}: the models are on {sorted(where)}, not {device}")
+    trained, teacher_layers = stage1_trained(student, recipe, teacher.config)
+    settings, s2 = (recipe.stage1 if stage == "stage1" else recipe.stage2), recipe.stage2
+    liger = stage == "stage2" and use_liger(loss_kernel, "stage2.loss_kernel", student, teacher, s2.loss)
     cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -212,10 +218,13 @@ def measure_device(name: str, shape: tuple, stage: str, recipe_name: str, steps:
     loaded = torch.cuda.memory_allocated() if cuda else None
     seconds, trainable = _run_stage(teacher, student, stage, settings, steps, device,
                                     converted_layers(recipe, teacher.config))
-    return {"size": name, "stage": stage, "device": device, "dtype": "bfloat16", "tokens_per_step": per_step,
-            "block_size": block, "batch_size": 1, "step_seconds": seconds, "shape": list(shape),
+    return {"size": name, "stage": stage, "device": device, "dtype": "bfloat16", "tokens_per_step": settings.block_size,
+            "block_size": settings.block_size, "batch_size": 1, "step_seconds": seconds, "shape": list(shape),
             "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
             "student_parameters": sum(p.numel() for p in student.parameters()), "trainable_parameters": trainable,
+            "stage1_trainable": trained, "stage1_layers": teacher_layers, "lora_r": s2.lora.r,
+            "loss_chunk_size": s2.loss_chunk_size, "gradient_checkpointing": bool(s2.gradient_checkpointing),
+            "loss_kernel": ("liger" if liger else "torch") if stage == "stage2" else None,
             "loaded_bytes": loaded, "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
 
@@ -468,7 +477,8 @@ def _fits(e: dict[str, Any], part: str) -> str:
 def gpu_prediction(m: dict[str, Any]) -> int:
     """What a stage measured on a GPU should peak at by the formulas: its state and its per-GPU bytes (stage 2 with
     the options it ran with: the defaults where the results do not say)."""
-    options = {"loss_chunk": m.get("loss_chunk_size"), "checkpointing": bool(m.get("gradient_checkpointing"))}
+    options = {"loss_chunk": m.get("loss_chunk_size"), "checkpointing": bool(m.get("gradient_checkpointing")),
+               "stage1_layers": m.get("stage1_layers"), "stage1_trained": m.get("stage1_trainable")}
     e = gpu_estimate(m["size"], m["block_size"], tuple(m["shape"]), **options)
     return e[f"{m['stage']}_state"] + e[f"{m['stage']}_local"]
 
@@ -483,7 +493,8 @@ def render_device(results: dict) -> str:
             "| formulas GB | peak / formulas |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
         predicted = gpu_prediction(m)
-        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.2f}B | {m['stage']} | {m['tokens_per_step']} | "
+        stage = f"{m['stage']} ({m['loss_kernel']} loss)" if m.get("loss_kernel") else m["stage"]
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.2f}B | {stage} | {m['tokens_per_step']} | "
                     f"{_ms_per_token(m):.3f} | {m['loaded_bytes'] / GB:.2f} | {m['peak_bytes'] / GB:.2f} | "
                     f"{predicted / GB:.2f} | {m['peak_bytes'] / predicted:.2f} |")
     rows += [""] + [f"- {note}" for note in results["notes"]]
@@ -576,7 +587,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "student, stage 2 with loss_chunk_size and gradient checkpointing)")
     p.add_argument("--convert", nargs="+", choices=list(SHAPES), default=[],
                    help="run the whole hf-recattn convert of these shapes (saved random-init teachers)")
-    p.add_argument("--loss-chunk", type=int, default=256, help="stage2.loss_chunk_size of --shapes / --convert")
+    p.add_argument("--loss-chunk", type=int, default=256,
+                   help="stage2.loss_chunk_size of --shapes / --convert / --device cuda")
+    p.add_argument("--gpu-loss-kernel", choices=("auto", "torch", "liger"), default="auto",
+                   help="stage2.loss_kernel of --device cuda (auto: Liger Kernel's fused ops where installed)")
     p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                    help="--shapes / --convert: run with glibc's MALLOC_MMAP_THRESHOLD_ fixed at BYTES (allocations "
                         "above it are mapped and given back when freed, instead of staying in the heap)")
@@ -602,7 +616,7 @@ def _child(args: argparse.Namespace, size: str, stage: str, flag: str = "--child
     """One stage of one size measured in a fresh process: its memory is this stage's alone."""
     command = [sys.executable, __file__, flag, size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
                "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block),
-               "--loss-chunk", str(args.loss_chunk)]
+               "--loss-chunk", str(args.loss_chunk), "--gpu-loss-kernel", args.gpu_loss_kernel]
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=_heap_env(args.mmap_threshold))
     if done.returncode != 0:
         raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
@@ -621,9 +635,10 @@ def main_device(args: argparse.Namespace) -> int:
                             "gpu_memory": torch.cuda.get_device_properties(0).total_memory, "recipe": args.recipe,
                             "steps": args.steps, "block_size": args.gpu_block, "measured": [], "notes": [
         f"Measured on one {torch.cuda.get_device_name(0)}: random-init teachers of the models' published shapes "
-        f"(transformers' Qwen3Config) in bf16, recipe `{args.recipe}` (quick budget's settings at block "
-        f"{args.gpu_block}, batch 1), {args.steps} optimizer steps per stage, the first not timed: ms / token is "
-        "the median synchronized step over its tokens.",
+        f"(transformers' Qwen3Config) in bf16, the student in bf16, recipe `{args.recipe}` (quick budget's "
+        f"settings at block {args.gpu_block}, batch 1; stage 2: LoRA, loss_chunk_size {args.loss_chunk}, gradient "
+        f"checkpointing, loss_kernel {args.gpu_loss_kernel}), {args.steps} optimizer steps per stage, the first "
+        "not timed: ms / token is the median synchronized step over its tokens.",
         "Loaded: torch.cuda.memory_allocated with teacher and student on the GPU; peak: max_memory_allocated "
         "during the stage (reset after loading), both models included; formulas: the GPU table's state + "
         "per-GPU bytes for that shape."]}
@@ -693,8 +708,9 @@ def _run_child(args: argparse.Namespace) -> int:
         print(json.dumps(measure_shape(*args.child_shape, recipe, args.steps)))
     elif args.device != "cpu":
         size, stage = args.child
-        print(json.dumps(measure_device(size, ARCHS[size], stage, args.recipe, args.steps, args.gpu_block,
-                                        args.device)))
+        recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
+        print(json.dumps(measure_device(size, ARCHS[size], stage, recipe, args.steps, args.device,
+                                        args.gpu_loss_kernel)))
     else:
         print(json.dumps(measure(*args.child, args.recipe, args.steps)))
     return 0

@@ -1,13 +1,16 @@
-"""Seconds and peak memory of attention kernels on the CPU: our chunked gated delta rule against transformers'.
+"""Seconds and peak memory of attention kernels on the CPU or a GPU: our chunked gated delta rule against others'.
 
-One SmolLM2-135M-shaped attention layer's worth of heads (batch 1, 9 heads of dimension 64), fp32, at several
-sequence lengths, forward (under ``torch.no_grad``, as in prefill) and forward+backward (gradients of every
+One SmolLM2-135M-shaped attention layer's worth of heads (batch 1, 9 heads of dimension 64), fp32 (``--dtype``), at
+several sequence lengths, forward (under ``torch.no_grad``, as in prefill) and forward+backward (gradients of every
 input, as in training). Implementations:
 
 * ``ours gdr``: ``hf_recattn.ops.chunk_gated_delta_rule`` (chunk 64; on a GPU its Triton kernels, forced);
 * ``hf gdr``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's CPU path, chunk 64);
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)``, causal softmax attention;
-* ``ours linear``: ``hf_recattn.ops.chunk_linear_attn`` (chunk 64), plain causal linear attention.
+* ``ours linear``: ``hf_recattn.ops.chunk_linear_attn`` (chunk 64), plain causal linear attention;
+* ``ours gdr torch``: ``ours gdr`` with the torch forms forced (differs from ``ours gdr`` only on a GPU);
+* ``fla gdr``: flash-linear-attention's Triton ``chunk_gated_delta_rule`` (its own chunk, 64; CUDA only, when
+  ``flash-linear-attention`` imports).
 
 Inputs: q, k, v ~ N(0, 1); for the delta rules the kernels l2-normalize q and k (``use_qk_l2norm_in_kernel``, as
 Qwen3-Next calls them), g = logsigmoid(N(0, 1)) and beta = sigmoid(N(0, 1)). Every implementation gets the same
@@ -20,7 +23,8 @@ gives medians. Ratios (hf / ours, sdpa / ours) are of medians from the same run.
 Peak memory: each cell runs once more in a fresh subprocess that builds its inputs, warms up at 256 tokens, resets
 the kernel's peak-RSS counter (``/proc/self/clear_refs``), makes one call and reads ``VmHWM``; the table gives the
 peak resident memory above the resident memory before the call (inputs included in the baseline, so it is what the
-call itself needs: outputs, intermediates, saved tensors, gradients). Linux only; ``--no-memory`` skips it.
+call itself needs: outputs, intermediates, saved tensors, gradients). Linux only; ``--no-memory`` skips it. On a
+GPU: ``torch.cuda.max_memory_allocated`` during one more call of each cell, above what was allocated before it.
 
 Threads: OpenMP's waiting policy matters on a 2-core machine. With its default (spin, then sleep), two threads
 stall at every parallel region when another busy process shares a core (an 8k forward of either gated delta rule
@@ -55,8 +59,9 @@ from hf_recattn.ops import chunk_gated_delta_rule, chunk_linear_attn
 
 LENGTHS = (1024, 4096, 8192, 16384, 32768)
 MODES = ("fwd", "fwd+bwd")
-IMPLS = ("ours gdr", "hf gdr", "sdpa", "ours linear", "ours gdr torch")
+IMPLS = ("ours gdr", "hf gdr", "sdpa", "ours linear", "ours gdr torch", "fla gdr")
 DEFAULT_IMPLS = IMPLS[:4]  # "ours gdr torch" (the torch forms forced) differs from "ours gdr" only on a GPU
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BASELINE = "ours gdr"
 Call = Callable[[], object]
 
@@ -70,13 +75,26 @@ def _hf_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tens
     return torch_chunk_gated_delta_rule
 
 
+def _fla_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """flash-linear-attention's Triton gated delta rule (``pip install flash-linear-attention``; CUDA only)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdr
+    except ImportError as error:
+        raise SystemExit(f"fla gdr: flash-linear-attention does not import ({error})") from error
+
+    def run(q, k, v, g, beta, chunk_size: int, use_qk_l2norm_in_kernel: bool):  # fla picks its own chunk (64)
+        return fla_gdr(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    return run
+
+
 # ----- cells ------------------------------------------------------------------------------------------------
 def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Call:
     """A no-argument call running `impl` once on fresh-per-cell inputs of `length` tokens."""
     gen = torch.Generator().manual_seed(length)
     b, h, d = args.batch, args.heads, args.head_dim
-    dev = torch.device(args.device)
-    q, k, v = (torch.randn(b, length, h, d, generator=gen).to(dev) for _ in range(3))
+    dev, dtype = torch.device(args.device), DTYPES[args.dtype]
+    q, k, v = (torch.randn(b, length, h, d, generator=gen).to(dev, dtype) for _ in range(3))
     g = F.logsigmoid(torch.randn(b, length, h, generator=gen)).to(dev)
     beta = torch.sigmoid(torch.randn(b, length, h, generator=gen)).to(dev)
     if impl == "sdpa":  # [B, H, T, D]
@@ -97,7 +115,9 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
                 return chunk_gated_delta_rule(*x, chunk_size=args.chunk_size, use_qk_l2norm_in_kernel=True)[0]
     else:
         tensors = [q, k, v, g, beta]
-        fn = chunk_gated_delta_rule if impl == "ours gdr" else _hf_chunk_gated_delta_rule()
+        builders = {"ours gdr": lambda: chunk_gated_delta_rule, "hf gdr": _hf_chunk_gated_delta_rule,
+                    "fla gdr": _fla_chunk_gated_delta_rule}
+        fn = builders[impl]()
         # on a GPU, "ours gdr" times the kernels, backward included (which auto leaves out while unverified)
         choice = "triton" if dev.type == "cuda" and impl == "ours gdr" else "auto"
 
@@ -158,10 +178,22 @@ def memory_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> 
     return (_status_kib("VmHWM") - before) / 1024
 
 
+def cuda_memory(call: Call) -> float:
+    """MiB of GPU memory one call allocates at its peak above what was allocated before it (outputs,
+    intermediates, saved tensors, gradients; the inputs are in the baseline)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = call()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak / 2**20
+
+
 def measure_memory(impl: str, length: int, mode: str, args: argparse.Namespace) -> float | None:
     cmd = [sys.executable, __file__, "--memory-cell", impl, str(length), mode, "--threads", str(args.threads),
            "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-           "--chunk-size", str(args.chunk_size)]
+           "--chunk-size", str(args.chunk_size), "--dtype", args.dtype]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"memory cell {impl} {length} {mode} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
@@ -213,6 +245,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--heads", type=int, default=9)
     add("--head-dim", type=int, default=64)
     add("--chunk-size", type=int, default=64, help="chunk size of the chunked kernels")
+    add("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of q, k, v")
+    add("--leave-out", nargs="+", default=[], metavar="IMPL/MODE",
+        help="cells not run (e.g. 'ours gdr/fwd+bwd'); say why with --note")
+    add("--note", action="append", default=[], help="a line added to the results' notes")
     add("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     add("--quick", action="store_true", help="smoke run: lengths 1024 4096, 3 repeats")
     add("--memory-cell", nargs=3, metavar=("IMPL", "T", "MODE"), help=argparse.SUPPRESS)
@@ -233,21 +269,32 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"mib": memory_cell(impl, int(length), mode, args)}))
         return 0
     record = run_record()
-    cells = {(i, t, m): make_cell(i, t, m, args) for t in args.lengths for m in args.modes for i in args.impls}
+    left_out = {tuple(cell.split("/", 1)) for cell in args.leave_out}
+    cells = {(i, t, m): make_cell(i, t, m, args) for t in args.lengths for m in args.modes for i in args.impls
+             if (i, m) not in left_out}
     secs = time_cells(cells, args.repeats, args.warmup)
+    if args.no_memory:
+        mem = {}
+    elif args.device == "cpu":
+        cells.clear()
+        mem = {key: measure_memory(*key, args) for key in secs}
+    else:
+        mem = {key: cuda_memory(call) for key, call in cells.items()}
     cells.clear()
-    mem = {} if args.no_memory or args.device != "cpu" else {key: measure_memory(*key, args) for key in secs}
     policy = os.environ.get("OMP_WAIT_POLICY", "default")
-    note = (f"torch {torch.__version__}, {args.threads} thread(s) (OMP_WAIT_POLICY {policy}), "
-            f"fp32, batch {args.batch}, {args.heads} heads x "
+    where = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}" if args.device != "cpu" else
+             f"torch {torch.__version__}, {args.threads} thread(s) (OMP_WAIT_POLICY {policy})")
+    peak = ("peak GPU memory one call allocates above its inputs" if args.device != "cpu" else
+            "peak RSS one call adds (fresh process per cell)")
+    note = (f"{where}, {args.dtype}, batch {args.batch}, {args.heads} heads x "
             f"{args.head_dim}, chunk {args.chunk_size}; seconds: median of {args.repeats} interleaved rounds after "
-            f"{args.warmup} warm-up call(s) per cell; MiB: peak RSS one call adds (fresh process per cell)")
+            f"{args.warmup} warm-up call(s) per cell; MiB: {peak}")
     results = write_results(args.out, "kernel_speed", record, {
         "settings": {key: value for key, value in vars(args).items() if key not in ("out", "memory_cell")},
         "impls": args.impls, "lengths": args.lengths, "modes": args.modes,
         "cells": [{"impl": i, "length": t, "mode": m, "seconds": seconds, **({"mib": mem[i, t, m]} if mem else {})}
                   for (i, t, m), seconds in secs.items()],
-        "notes": [note],
+        "notes": [note, *args.note],
     })
     print(render_markdown(results))
     return 0
