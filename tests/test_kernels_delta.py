@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bounds import OutOfBounds, checked_memory  # noqa: E402
+from bounds import OutOfBounds, checked_memory, interpreted_only  # noqa: E402
 
 from hf_recattn.kernels.decode import fused_delta_step, fused_linear_step  # noqa: E402
 from hf_recattn.kernels.delta import chunk_delta_rule  # noqa: E402
@@ -280,37 +280,53 @@ def _copy_one_past(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=offsets <= n), mask=offsets <= n)
 
 
+@interpreted_only
 def test_the_bounds_check_catches_an_access_past_a_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = torch.arange(8.0), torch.zeros(16)
-    with pytest.raises(OutOfBounds, match="_copy_one_past: load"), checked_memory(monkeypatch):
-        _copy_one_past[(1,)](src, dst, 8, BLOCK=16)
+    with pytest.raises(OutOfBounds, match="_copy_one_past: load .* nearest: src_ptr .* ends 4 bytes past its end"):
+        with checked_memory(monkeypatch):
+            _copy_one_past[(1,)](src, dst, 8, BLOCK=16)
+    with pytest.raises(OutOfBounds, match="_copy_one_past: store .* nearest: dst_ptr .* ends 4 bytes past its end"):
+        with checked_memory(monkeypatch):
+            _copy_one_past[(1,)](dst, src, 8, BLOCK=16)
     with checked_memory(monkeypatch) as checker:
         _copy_one_past[(1,)](src, dst, 7, BLOCK=16)
     assert checker.accesses == 2 and torch.equal(dst[:8], src)
 
 
-def _run_checked(monkeypatch: pytest.MonkeyPatch, h: int, t: int, d: int, chunk_size: int, dtype: torch.dtype,
-                 initial: bool) -> int:
-    """Forward and backward of every input (final state used) under the bounds check: the accesses checked."""
+def _run_checked(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int, int, int, int], chunk_size: int,
+                 dtype: torch.dtype, initial: bool, final_grad: bool) -> int:
+    """Forward and backward of every input under the bounds check (the final state's gradient only with
+    ``final_grad``); shape is (B, H, T, K, V). Returns the number of accesses checked."""
     x = {name: None if a is None else a.to(dtype if name in "qkv" else torch.float32).requires_grad_()
-         for name, a in _inputs(1, h, t, d, d, initial).items()}
+         for name, a in _inputs(*shape, initial).items()}
     with checked_memory(monkeypatch) as checker:
         o, final = chunk_delta_rule(**x, output_final_state=True, chunk_size=chunk_size)
-        (o.float().square().sum() + final.sum()).backward()
+        (o.float().square().sum() + (final.sum() if final_grad else 0.0)).backward()
     assert all(a.grad is not None and torch.isfinite(a.grad).all() for a in x.values() if a is not None)
     return checker.accesses
 
 
-@pytest.mark.parametrize(("t", "chunk_size", "dtype"), [(100, 16, torch.bfloat16), (100, 32, torch.float32),
-                                                        (2048, 64, torch.float32)])
-def test_chunked_kernels_stay_inside_their_tensors(monkeypatch: pytest.MonkeyPatch, t: int, chunk_size: int,
-                                                    dtype: torch.dtype) -> None:
-    """Every load and store of the six kernels, at the length that faulted on a GPU (2,048 tokens) and with a
-    last partial chunk, lies inside one of its tensor arguments."""
-    assert _run_checked(monkeypatch, 1 if t >= 2048 else 2, t, 16, chunk_size, dtype, initial=t < 2048) > 0
+@interpreted_only
+@pytest.mark.parametrize(("shape", "chunk_size", "dtype", "initial", "final_grad"), [
+    ((1, 2, 100, 16, 16), 16, torch.bfloat16, True, True),
+    ((1, 2, 100, 16, 16), 32, torch.float32, True, True),
+    ((2, 2, 100, 48, 48), 64, torch.float32, False, False),
+    ((1, 1, 70, 24, 80), 32, torch.bfloat16, True, False),
+    ((1, 1, 2048, 16, 16), 64, torch.float32, False, True),
+])
+def test_chunked_kernels_stay_inside_their_tensors(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int, int, int, int], chunk_size: int, dtype: torch.dtype,
+    initial: bool, final_grad: bool
+) -> None:
+    """Every load and store of the seven kernels lies inside one of its tensor arguments: at the length that faulted
+    on a GPU (2,048 tokens), with a last partial chunk, padded key blocks (K = 24, 48), several value blocks per
+    program (V = 48, 80), two batch rows, with and without an initial state and the final state's gradient."""
+    assert _run_checked(monkeypatch, shape, chunk_size, dtype, initial, final_grad) > 0
 
 
 @pytest.mark.slow
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_size", [16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 9])
@@ -318,4 +334,18 @@ def test_chunked_kernels_stay_inside_their_tensors_at_model_sizes(
     monkeypatch: pytest.MonkeyPatch, heads: int, chunk_size: int, dtype: torch.dtype
 ) -> None:
     """As above at the shapes of the GPU run that faulted: 2,048 tokens, heads of 64, several head counts."""
-    assert _run_checked(monkeypatch, heads, 2048, 64, chunk_size, dtype, initial=True) > 0
+    assert _run_checked(monkeypatch, (1, heads, 2048, 64, 64), chunk_size, dtype, True, True) > 0
+
+
+@interpreted_only
+def test_decode_steps_stay_inside_their_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both decode kernels (every gate, grouped queries, sizes that are not powers of two, value blocks) under the
+    bounds check."""
+    b, h, groups, dk, dv = 2, 2, 3, 24, 40
+    state = torch.randn(b, h, dk, dv)
+    q, k, v = torch.randn(b, h, groups, dk), F.normalize(torch.randn(b, h, dk), dim=-1), torch.randn(b, h, dv)
+    with checked_memory(monkeypatch) as checker:
+        fused_delta_step(q, k, v, state, -torch.rand(b, h), torch.rand(b, h), torch.rand(b, h))
+        fused_linear_step(q, k, v, state, g=-torch.rand(b, h), gk=-torch.rand(b, h, dk))
+        fused_linear_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), state)
+    assert checker.accesses > 0 and torch.isfinite(state).all()

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from bounds import checked_memory, interpreted_only
 
 from hf_recattn.kernels import linear as kernel
 from hf_recattn.kernels.linear import chunk_linear_attention
@@ -141,6 +142,19 @@ def test_several_key_and_value_blocks(mode: str, monkeypatch: pytest.MonkeyPatch
     for name in ("BLOCK_K", "BLOCK_V", "GK_BLOCK_K"):
         monkeypatch.setattr(kernel, name, 16)
     _check(_inputs(mode, 1, 2, 23, 40, 48), torch.randn(1, 2, 40, 48), chunk=16)
+
+
+@interpreted_only
+@pytest.mark.parametrize("mode", MODES)
+def test_kernels_stay_inside_their_tensors(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every load and store of the forward and both backward kernels lies inside one of its tensor arguments
+    (tests/bounds.py): blocks of 16 over K = 40 and V = 24, a last partial chunk, an initial state and the final
+    state's gradient."""
+    for name in ("BLOCK_K", "BLOCK_V", "GK_BLOCK_K"):
+        monkeypatch.setattr(kernel, name, 16)
+    with checked_memory(monkeypatch) as checker:
+        _check(_inputs(mode, 2, 2, 23, 40, 24), torch.randn(2, 2, 40, 24), chunk=16)
+    assert checker.accesses > 0
 
 
 @pytest.mark.parametrize("final", [False, True])

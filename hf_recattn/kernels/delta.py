@@ -25,9 +25,9 @@ Backward, with g the gradient of the state after the chunk (from the later chunk
     dV = diag(b) r,   db = rowsum(r * V),   d(diag(e exp(P)) K) = -r S^T,   dL = -strictly_lower(r U^T)
 
 and the rest by the chain rule through Q K^T * D, L, the decayed keys and the cumulative sums (see
-``_chunk_grad_kernel``).
+``_query_grad_kernel`` and ``_chunk_grad_kernel``).
 
-Everything runs in Triton (torch only allocates and casts), in six kernels:
+Everything runs in Triton (torch only allocates and casts), in seven kernels:
 
 * ``_prepare_kernel`` (chunks x heads): the inverse A (forward substitution, row by row), W and U~;
 * ``_state_forward_kernel`` (heads x value blocks): the chunk-to-chunk recurrence, writing every chunk's start
@@ -36,13 +36,20 @@ Everything runs in Triton (torch only allocates and casts), in six kernels:
 * ``_local_value_grad_kernel`` (chunks x heads x value blocks): the in-chunk part (Q K^T * D)^T dO of dU;
 * ``_state_backward_kernel`` (heads x value blocks): the adjoint recurrence, writing dU and the gradient of every
   chunk's end state (and of the initial state);
-* ``_chunk_grad_kernel`` (chunks x heads): dq, dk, dv, d log_alpha, d beta, d erase.
+* ``_query_grad_kernel`` (chunks x heads): dq, and the parts of dk and d log_alpha that flow through the in-chunk
+  scores Q K^T * D;
+* ``_chunk_grad_kernel`` (chunks x heads): dv, d beta, d erase, and the rest of dk and d log_alpha.
 
 The recurrence is independent per column of S, so the sequential kernels own one [K, BV] block of it; every
 kernel holds whole key vectors (K <= ``MAX_KEY_DIM``). Accumulation is float32. On CUDA, products of float32
 inputs use three TF32 products (about float32 accuracy), of half inputs one; under Triton's interpreter (CPU)
 they are IEEE float32 products. The decays are recomputed from ``log_alpha`` wherever needed; the backward keeps
 A, W, U (float32, [T, C], [T, K], [T, V] per head) and every chunk's start state ([T / C, K, V]).
+
+The per-chunk gradients take two kernels, one pass over the value blocks each, the first handing the second its
+part of dk and of dG (float32, [T, K] and [T] per head). As one kernel, with all five [C, K] and [C, C]
+accumulators live at once, the float32 build for Hopper GPUs (triton 3.6) spilled registers heavily and read
+shared memory out of bounds in a tensor-core product (an illegal memory access).
 """
 
 from __future__ import annotations
@@ -61,11 +68,11 @@ Tensor = torch.Tensor
 
 __all__ = ["chunk_delta_rule"]
 
-#: the largest key head dimension (a program holds whole key vectors; the gradient kernel's shared memory use
+#: the largest key head dimension (a program holds whole key vectors; the gradient kernels' shared memory use
 #: grows with it); values are split in blocks and have no limit
 MAX_KEY_DIM = 128
 #: value columns per program: the in-chunk kernels (also the padding of the internal buffers), the sequential
-#: kernels (narrow, so that more programs walk the chunks side by side) and the per-chunk gradient kernel
+#: kernels (narrow, so that more programs walk the chunks side by side) and the per-chunk gradient kernels
 BLOCK_V, BLOCK_V_STATE, BLOCK_V_GRAD = 32, 16, 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -243,33 +250,64 @@ def _state_backward_kernel(
 
 
 @triton.jit
-def _chunk_grad_kernel(
-    q_ptr, k_ptr, v_ptr, la_ptr, beta_ptr, erase_ptr, a_ptr, u_ptr, h_ptr, do_ptr, du_ptr, dh_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dla_ptr, dbeta_ptr, derase_ptr, T, K, V,
+def _query_grad_kernel(
+    q_ptr, k_ptr, la_ptr, u_ptr, h_ptr, do_ptr, dq_ptr, dkq_ptr, dcum_ptr, T, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VP: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One chunk of one head: every input gradient, from its start state S, end-state gradient g, U and dU.
+    """One chunk of one head, the outputs' part of the gradients: from dO S^T and dO U^T (over the value blocks),
+    dq, and the parts of dk and of dG that flow through Q K^T * D (float32, padded, for ``_chunk_grad_kernel``)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    n = tl.cdiv(T, C)
+    rc, rk = tl.arange(0, C), tl.arange(0, BK)
+    rt = i_c * C + rc
+    row = i_bh * n * C + rt
+    d_read = tl.zeros([C, BK], dtype=tl.float32)  # dO S^T
+    d_scores = tl.zeros([C, C], dtype=tl.float32)  # dO U^T
+    for i_v in range(VP // BV):
+        rv = i_v * BV + tl.arange(0, BV)
+        state = tl.load(h_ptr + ((i_bh * n + i_c) * BK + rk[:, None]) * VP + rv[None, :])
+        u = tl.load(u_ptr + row[:, None] * VP + rv[None, :])
+        do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
+        d_read += tl.dot(do, tl.trans(state), input_precision=PRECISION)
+        d_scores += tl.dot(do, tl.trans(u), input_precision=PRECISION)
+    # outputs: O = diag(exp(G)) Q S + (Q K^T * D) U
+    q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
+    k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
+    cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
+    d_read *= tl.exp(cum)[:, None]
+    d_cum = tl.sum(q * d_read, 1)
+    d_qk = d_scores * pair  # zero above the diagonal
+    dq = d_read + tl.dot(d_qk, k, input_precision=PRECISION)
+    dk = tl.dot(tl.trans(d_qk), q, input_precision=PRECISION)
+    z = d_qk * tl.dot(q, tl.trans(k), input_precision=PRECISION)  # dD * D: exp(G_t - G_s)
+    d_cum += tl.sum(z, 1) - tl.sum(z, 0)
+    store_tile(dq_ptr + i_bh * T * K, dq, rt, rk, T, K)
+    tl.store(dkq_ptr + row[:, None] * BK + rk[None, :], dk)
+    tl.store(dcum_ptr + row, d_cum)
 
-    Over the value blocks: r = A^T dU (dV = diag(b) r, db = rowsum(r V)), the key-side products dO S^T,
-    -r S^T, U g^T, and the [C, C] products dO U^T, -r U^T, and <S, g>. Then the chain rule through
-    Q K^T * D, L, the decayed keys and exp(G_C), and d log_alpha from the gradients of G and P.
+
+@triton.jit
+def _chunk_grad_kernel(
+    k_ptr, v_ptr, la_ptr, beta_ptr, erase_ptr, a_ptr, u_ptr, h_ptr, du_ptr, dh_ptr, dkq_ptr, dcum_ptr,
+    dk_ptr, dv_ptr, dla_ptr, dbeta_ptr, derase_ptr, T, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One chunk of one head, the rest of the gradients: from the chunk's start state S, end-state gradient g, U,
+    dU and what ``_query_grad_kernel`` left, dk, dv, d log_alpha, d beta and d erase.
+
+    Over the value blocks: r = A^T dU (dV = diag(b) r, db = rowsum(r V)), the key-side products -r S^T and U g^T,
+    the [C, C] product -r U^T, and <S, g>. Then the chain rule through the decayed keys, exp(G_C) and L, and
+    d log_alpha from the gradients of G and P.
     """
     i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n = tl.cdiv(T, C)
     rc, rk = tl.arange(0, C), tl.arange(0, BK)
     rt = i_c * C + rc
     row = i_bh * n * C + rt
-    q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
-    k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
-    er = _load_row(erase_ptr + i_bh * T, rt, T)
     be = _load_row(beta_ptr + i_bh * T, rt, T)
-    cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
     inverse = tl.load(a_ptr + row[:, None] * C + rc[None, :])
-
-    d_read = tl.zeros([C, BK], dtype=tl.float32)  # dO S^T
     d_key_rhs = tl.zeros([C, BK], dtype=tl.float32)  # -r S^T
     d_key_state = tl.zeros([C, BK], dtype=tl.float32)  # U g^T
-    d_scores = tl.zeros([C, C], dtype=tl.float32)  # dO U^T
     d_lower = tl.zeros([C, C], dtype=tl.float32)  # -r U^T
     d_beta = tl.zeros([C], dtype=tl.float32)
     d_carry = tl.zeros([BK], dtype=tl.float32)
@@ -279,26 +317,20 @@ def _chunk_grad_kernel(
         state, grad = tl.load(h_ptr + at_state), tl.load(dh_ptr + at_state)
         at_rows = row[:, None] * VP + rv[None, :]
         u, du = tl.load(u_ptr + at_rows), tl.load(du_ptr + at_rows)
-        do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
         v = load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
         r = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
         store_tile(dv_ptr + i_bh * T * V, r * be[:, None], rt, rv, T, V)
         d_beta += tl.sum(r * v, 1)
-        d_read += tl.dot(do, tl.trans(state), input_precision=PRECISION)
         d_key_rhs -= tl.dot(r, tl.trans(state), input_precision=PRECISION)
         d_key_state += tl.dot(u, tl.trans(grad), input_precision=PRECISION)
-        d_scores += tl.dot(do, tl.trans(u), input_precision=PRECISION)
         d_lower -= tl.dot(r, tl.trans(u), input_precision=PRECISION)
         d_carry += tl.sum(state * grad, 1)
 
-    # outputs: O = diag(exp(G)) Q S + (Q K^T * D) U
-    d_read *= tl.exp(cum)[:, None]
-    d_cum = tl.sum(q * d_read, 1)
-    d_qk = d_scores * pair  # zero above the diagonal
-    dq = d_read + tl.dot(d_qk, k, input_precision=PRECISION)
-    dk = tl.dot(tl.trans(d_qk), q, input_precision=PRECISION)
-    z = d_qk * tl.dot(q, tl.trans(k), input_precision=PRECISION)  # dD * D: exp(G_t - G_s)
-    d_cum += tl.sum(z, 1) - tl.sum(z, 0)
+    k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
+    er = _load_row(erase_ptr + i_bh * T, rt, T)
+    cum, prev, last, _ = _decays(la_ptr + i_bh * T, rt, T, C)
+    dk = tl.load(dkq_ptr + row[:, None] * BK + rk[None, :])
+    d_cum = tl.load(dcum_ptr + row)
     # next state: exp(G_C) S + (diag(exp(G_C - G)) K)^T U
     to_end = tl.exp(last - cum)
     dk += d_key_state * to_end[:, None]
@@ -324,7 +356,6 @@ def _chunk_grad_kernel(
     d_cum += d_prev + tl.where(rc == C - 1, d_last, 0.0)
     d_la = tl.cumsum(d_cum, 0, reverse=True) - d_prev
 
-    store_tile(dq_ptr + i_bh * T * K, dq, rt, rk, T, K)
     store_tile(dk_ptr + i_bh * T * K, dk, rt, rk, T, K)
     tl.store(dla_ptr + i_bh * T + rt, d_la.to(dla_ptr.dtype.element_ty), mask=rt < T)
     tl.store(dbeta_ptr + i_bh * T + rt, d_beta.to(dbeta_ptr.dtype.element_ty), mask=rt < T)
@@ -406,8 +437,12 @@ def _backward(
         q, k, la, w, do, du, dh, do if dsn is None else dsn, du if ds0 is None else ds0, *p.dims,
         HAS_DSN=dsn is not None, HAS_S0=has_s0, **p.options(BLOCK_V_STATE, 8),
     )
+    dq, dk, dv, dla, dbeta, derase = grads
+    dk_q, d_cum = torch.empty_like(w), torch.empty(p.bh, p.n * p.chunk, device=q.device, dtype=torch.float32)
+    _query_grad_kernel[(p.n, p.bh)](q, k, la, u, h, do, dq, dk_q, d_cum, *p.dims, **p.options(BLOCK_V_GRAD, 8))
     _chunk_grad_kernel[(p.n, p.bh)](
-        q, k, v, la, beta, erase, inverse, u, h, do, du, dh, *grads, *p.dims, **p.options(BLOCK_V_GRAD, 8)
+        k, v, la, beta, erase, inverse, u, h, du, dh, dk_q, d_cum, dk, dv, dla, dbeta, derase, *p.dims,
+        **p.options(BLOCK_V_GRAD, 8),
     )
     return (*grads, ds0)
 
