@@ -8,11 +8,11 @@
 #   1. scripts/check_delta_kernels.py at the shapes that once faulted: the Triton delta rule, forward and backward,
 #      against the float64 torch form. If it fails, the first case runs again under compute-sanitizer (memcheck),
 #      whose report names the kernel and source line of an out-of-bounds access.
-#   2. scripts/check_fused_loss.py: the loss on Liger Kernel's fused ops against the torch form.
-#   3. benchmarks/kernel_speed.py --device cuda at 2k-32k tokens, fp32: ours (Triton, and the torch forms),
+#   2. benchmarks/kernel_speed.py --device cuda at 2k-32k tokens, fp32: ours (Triton, and the torch forms),
 #      transformers' torch gated delta rule, SDPA, flash-linear-attention (when it imports); the Triton delta
 #      backward only when step 1 passed.
-#   4. benchmarks/conversion_scale.py --device cuda for Qwen3-0.6B, 1.7B and 8B shapes, both stages.
+#   3. benchmarks/conversion_scale.py --device cuda for Qwen3-8B, 0.6B and 1.7B shapes, both stages.
+#   4. scripts/check_fused_loss.py: the loss on Liger Kernel's fused ops against the torch form.
 #   5. benchmarks/kernel_speed.py again in bf16, if time is left.
 # Logs and result files go to OUT_DIR; the summary (each step's exit code and seconds) to OUT_DIR/summary.txt.
 set -u
@@ -47,27 +47,27 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run with a time limit, log to OUT_
 } | tee "$out/summary.txt"
 
 delta=(--lengths 2048 1000 --heads 9 32 --dims 64 128 --chunks 64 --dtypes float32 bfloat16)
-if step check_delta 150 "$python" scripts/check_delta_kernels.py "${delta[@]}"; then
+if step check_delta 120 "$python" scripts/check_delta_kernels.py "${delta[@]}"; then
     delta_ok=1
 else
     delta_ok=0
-    step delta_sanitizer 150 compute-sanitizer --tool memcheck --print-limit 10 \
+    step delta_sanitizer 90 compute-sanitizer --tool memcheck --print-limit 10 \
         "$python" scripts/check_delta_kernels.py --lengths 2048 --heads 9 --dims 64 --chunks 64 --dtypes float32
 fi
 
-step fused_loss 90 "$python" scripts/check_fused_loss.py
-
 impls=("ours gdr" "ours gdr torch" "hf gdr" sdpa "ours linear")
 "$python" -c "import fla.ops.gated_delta_rule" 2>/dev/null && impls+=("fla gdr")
-speed=(--device cuda --lengths 2048 4096 8192 16384 32768 --repeats 5 --warmup 2 --impls "${impls[@]}")
+speed=(--device cuda --lengths 2048 4096 8192 16384 32768 --repeats 3 --warmup 1 --impls "${impls[@]}")
 if ((delta_ok == 0)); then
     speed+=(--leave-out "ours gdr/fwd+bwd" --note "ours gdr fwd+bwd: left out, the Triton delta backward failed \
 scripts/check_delta_kernels.py on this GPU; ours gdr torch (the torch forms) runs it.")
 fi
-step kernel_speed 200 "$python" benchmarks/kernel_speed.py "${speed[@]}" --out "$out/kernel_speed_cuda.json"
+step kernel_speed 150 "$python" benchmarks/kernel_speed.py "${speed[@]}" --out "$out/kernel_speed_cuda.json"
 
-step conversion_scale 300 "$python" benchmarks/conversion_scale.py --device cuda --steps 4 \
-    --gpu-sizes Qwen3-0.6B Qwen3-1.7B Qwen3-8B --out "$out/conversion_scale_cuda.json"
+step conversion_scale 300 "$python" benchmarks/conversion_scale.py --device cuda --steps 3 \
+    --gpu-sizes Qwen3-8B Qwen3-0.6B Qwen3-1.7B --out "$out/conversion_scale_cuda.json"
+
+step fused_loss 90 "$python" scripts/check_fused_loss.py
 
 step kernel_speed_bf16 120 "$python" benchmarks/kernel_speed.py "${speed[@]}" --dtype bfloat16 \
     --out "$out/kernel_speed_cuda_bf16.json"
