@@ -5,7 +5,8 @@ several sequence lengths, forward (under ``torch.no_grad``, as in prefill) and f
 input, as in training). Implementations:
 
 * ``ours gdr``: ``hf_recattn.ops.chunk_gated_delta_rule`` (chunk 64; on a GPU its Triton kernels, forced);
-* ``hf gdr``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's CPU path, chunk 64);
+* ``hf gdr``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's torch path, chunk 64; unwrapped, since
+  transformers replaces it with fla's kernel where fla imports);
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)``, causal softmax attention;
 * ``ours linear``: ``hf_recattn.ops.chunk_linear_attn`` (chunk 64), plain causal linear attention;
 * ``ours gdr torch``: ``ours gdr`` with the torch forms forced (differs from ``ours gdr`` only on a GPU);
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import re
@@ -72,7 +74,8 @@ def _hf_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tens
     logging.set_verbosity_error()  # it warns on every call that flash-linear-attention is not installed
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    return torch_chunk_gated_delta_rule
+    # transformers swaps in flash-linear-attention's kernel where fla imports: unwrap to its torch code
+    return inspect.unwrap(torch_chunk_gated_delta_rule)
 
 
 def _fla_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
@@ -246,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--head-dim", type=int, default=64)
     add("--chunk-size", type=int, default=64, help="chunk size of the chunked kernels")
     add("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of q, k, v")
-    add("--leave-out", nargs="+", default=[], metavar="IMPL/MODE",
+    add("--leave-out", nargs="+", action="extend", default=[], metavar="IMPL/MODE",
         help="cells not run (e.g. 'ours gdr/fwd+bwd'); say why with --note")
     add("--note", action="append", default=[], help="a line added to the results' notes")
     add("--no-memory", action="store_true", help="skip the peak-memory subprocesses")

@@ -20,10 +20,9 @@ from .delta import chunk_delta_rule
 from .linear import chunk_linear_attention
 
 backends.register("chunk_linear", chunk_linear_attention)
-# the backward stopped with an illegal memory access on an H200 and an H100 (triton 3.6: the per-chunk gradient
-# kernel in float32 at chunks of 64, since split in two) and has not passed scripts/check_delta_kernels.py on
-# hardware since: ``auto`` runs the torch form where gradients are recorded (``HF_RECATTN_KERNELS=triton`` still
-# runs it)
+# the backward stops with an illegal memory access on Hopper GPUs (an H200, an H100; triton 3.6): the per-chunk
+# gradient kernel in float32 at chunks of 64, also since it was split in two (docs/speed.md). Not verified on
+# hardware: ``auto`` runs the torch form where gradients are recorded (``HF_RECATTN_KERNELS=triton`` still runs it)
 backends.register("chunk_delta", chunk_delta_rule, backward_verified=False)
 backends.register("linear_step", fused_linear_step)
 backends.register("delta_step", fused_delta_step)

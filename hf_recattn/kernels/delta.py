@@ -49,7 +49,9 @@ A, W, U (float32, [T, C], [T, K], [T, V] per head) and every chunk's start state
 The per-chunk gradients take two kernels, one pass over the value blocks each, the first handing the second its
 part of dk and of dG (float32, [T, K] and [T] per head). As one kernel, with all five [C, K] and [C, C]
 accumulators live at once, the float32 build for Hopper GPUs (triton 3.6) spilled registers heavily and read
-shared memory out of bounds in a tensor-core product (an illegal memory access).
+shared memory out of bounds in a tensor-core product (an illegal memory access). Split, it spills far less, but
+the second kernel still faults that way in float32 at chunks of 64 on an H100 (docs/speed.md): the backward is
+registered as not verified on hardware.
 """
 
 from __future__ import annotations
