@@ -60,6 +60,8 @@ from hf_recattn.conversion.recipe import (
 from hf_recattn.conversion.stage1 import converted_layers
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.embedded_teachers import embedded_gguf_path, gguf_tokenizer
+from hf_recattn.heap import OPTION as HEAP_OPTION
+from hf_recattn.heap import chosen_threshold, fix_mmap_threshold
 from hf_recattn.training.attention_objective import mixer_parameters
 from hf_recattn.training.distill import finetune
 from hf_recattn.training.fused_loss import use_liger
@@ -243,10 +245,10 @@ def scale_recipe(name: str, steps: int, block: int, chunk: int) -> dict[str, Any
     return data
 
 
-def build_student(teacher: torch.nn.Module, recipe: Any) -> torch.nn.Module:
+def build_student(teacher: torch.nn.Module, recipe: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The student as ``hf-recattn convert`` builds it: the recipe's attention on the layers it selects, the
-    teacher's weights copied (in the teacher's dtype)."""
-    return student_from_teacher(teacher, check_against_teacher(recipe, teacher.config))
+    teacher's weights copied (in ``dtype``, by default the teacher's)."""
+    return student_from_teacher(teacher, check_against_teacher(recipe, teacher.config), dtype)
 
 
 def stage1_trained(student: torch.nn.Module, recipe: Any, teacher_config: Any) -> tuple[int, int]:
@@ -277,14 +279,18 @@ def measure_shape(name: str, stage: str, recipe_data: dict[str, Any], steps: int
     baseline = _rss("VmRSS")
     recipe = recipe_from_dict(copy.deepcopy(recipe_data), "scale", source=f"{recipe_data.get('name', 'recipe')}")
     teacher = qwen3_teacher(SHAPES[name], "cpu")
-    student = build_student(teacher, recipe).float()  # trained in float32 whatever the teacher's dtype
+    build_reset = _reset_peak()
+    student = build_student(teacher, recipe, torch.float32)  # trained in float32 whatever the teacher's dtype
+    build_peak = _rss("VmHWM") if build_reset else None
     trained, teacher_layers = stage1_trained(student, recipe, teacher.config)
     settings = recipe.stage1 if stage == "stage1" else recipe.stage2
     loaded = _rss("VmRSS")
     peak_reset = _reset_peak()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     seconds, trainable = _run_stage(teacher, student, stage, settings, steps, layers=converted_layers(
         recipe, teacher.config))
-    peak = _rss("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    peak = _rss("VmHWM") if peak_reset else after.ru_maxrss * 1024
     s2 = recipe.stage2
     return {"size": name, "stage": stage, "device": "cpu", "dtype": "bfloat16 teacher, float32 student",
             "tokens_per_step": settings.block_size, "block_size": settings.block_size, "batch_size": 1,
@@ -294,7 +300,10 @@ def measure_shape(name: str, stage: str, recipe_data: dict[str, Any], steps: int
             "stage1_trainable": trained, "stage1_layers": teacher_layers, "lora_r": s2.lora.r,
             "loss_chunk_size": s2.loss_chunk_size, "gradient_checkpointing": bool(s2.gradient_checkpointing),
             "baseline_rss": baseline, "loaded_rss": loaded, "peak_rss": peak, "peak_reset": peak_reset,
-            "process_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "build_peak_rss": build_peak, "process_peak_rss": after.ru_maxrss * 1024,
+            "stage_user_seconds": after.ru_utime - before.ru_utime,
+            "stage_system_seconds": after.ru_stime - before.ru_stime,
+            "stage_minor_faults": after.ru_minflt - before.ru_minflt}
 
 
 def save_shaped_teacher(name: str, folder: Path) -> None:
@@ -332,19 +341,19 @@ class _PeakByStage:
             time.sleep(self.every)
 
 
-def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: dict[str, str]) -> dict[str, Any]:
+def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: int | None) -> dict[str, Any]:
     """The whole ``hf-recattn convert`` (both stages and the evaluation) of a random-init bf16 Qwen3 teacher of
-    ``SHAPES[name]`` saved as safetensors, in a fresh process: its peak resident set (the kernel's) and the peak
-    sampled in each pipeline stage."""
+    ``SHAPES[name]`` saved as safetensors, in a fresh process (``heap``: its ``--malloc-mmap-threshold``, None for
+    the command's default): its peak resident set (the kernel's) and the peak sampled in each pipeline stage."""
     root = Path(__file__).resolve().parent.parent
-    env = {**heap, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="conversion-scale-") as tmp:
         teacher, recipe = Path(tmp) / "teacher", Path(tmp) / "recipe.yaml"
         subprocess.run([sys.executable, __file__, "--save-teacher", name, str(teacher)], check=True, env=env)
         recipe.write_text(yaml.safe_dump(recipe_data, sort_keys=False))
         command = [sys.executable, "-m", "hf_recattn.cli", "convert", "--teacher", str(teacher), "--teacher-dtype",
                    "bfloat16", "--recipe", str(recipe), "--budget", "scale", "--output", str(Path(tmp) / "run"),
-                   "--no-progress", "--threads", str(threads)]
+                   "--no-progress", "--threads", str(threads)] + ([HEAP_OPTION, str(heap)] if heap is not None else [])
         began = time.perf_counter()
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         peaks, log = _PeakByStage(child.pid), []
@@ -591,14 +600,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stage2.loss_chunk_size of --shapes / --convert / --device cuda")
     p.add_argument("--gpu-loss-kernel", choices=("auto", "torch", "liger"), default="auto",
                    help="stage2.loss_kernel of --device cuda (auto: Liger Kernel's fused ops where installed)")
-    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
-                   help="--shapes / --convert: run with glibc's MALLOC_MMAP_THRESHOLD_ fixed at BYTES (allocations "
-                        "above it are mapped and given back when freed, instead of staying in the heap)")
+    p.add_argument(HEAP_OPTION, type=int, default=None, metavar="BYTES",
+                   help="CPU runs: glibc's mmap threshold of the measured processes, as hf-recattn convert's "
+                        f"{HEAP_OPTION} sets it (default: the command's default; 0: glibc's own)")
     p.add_argument("--child", nargs=2, metavar=("SIZE", "STAGE"), help=argparse.SUPPRESS)
     p.add_argument("--child-shape", nargs=2, metavar=("SHAPE", "STAGE"), help=argparse.SUPPRESS)
     p.add_argument("--save-teacher", nargs=2, metavar=("SHAPE", "FOLDER"), help=argparse.SUPPRESS)
     add_out_argument(p, "conversion_scale_cpu.json")
     args = p.parse_args(argv)
+    try:
+        chosen_threshold(args.malloc_mmap_threshold, {})
+    except ValueError as err:
+        p.error(str(err))
     if args.out == RESULTS / "conversion_scale_cpu.json":
         if args.device == "cuda":
             args.out = RESULTS / "conversion_scale_cuda.json"
@@ -607,21 +620,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _heap_env(threshold: int | None) -> dict[str, str]:
-    """This process's environment, with glibc's mmap threshold fixed at ``threshold`` bytes when given."""
-    return {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold else {})}
-
-
 def _child(args: argparse.Namespace, size: str, stage: str, flag: str = "--child") -> dict[str, Any]:
     """One stage of one size measured in a fresh process: its memory is this stage's alone."""
     command = [sys.executable, __file__, flag, size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
                "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block),
                "--loss-chunk", str(args.loss_chunk), "--gpu-loss-kernel", args.gpu_loss_kernel]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_heap_env(args.mmap_threshold))
+    if args.malloc_mmap_threshold is not None:
+        command += [HEAP_OPTION, str(args.malloc_mmap_threshold)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["malloc_mmap_threshold"] = args.mmap_threshold
     print(f"{size} {stage}: {result['step_seconds']}", file=sys.stderr)
     return result
 
@@ -682,8 +691,8 @@ def main_shapes(args: argparse.Namespace) -> int:
             data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage", "malloc_mmap_threshold"))
             results = write_results(args.out, "conversion_scale", record, data)
     for size in args.convert:
-        row = measure_convert(size, recipe, args.threads, _heap_env(args.mmap_threshold))
-        row.update(malloc_mmap_threshold=args.mmap_threshold, provenance=record)
+        row = measure_convert(size, recipe, args.threads, args.malloc_mmap_threshold)
+        row.update(malloc_mmap_threshold=chosen_threshold(args.malloc_mmap_threshold, os.environ), provenance=record)
         data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold"))
         results = write_results(args.out, "conversion_scale", record, data)
     print(render_markdown(results))
@@ -699,20 +708,22 @@ def _merged(rows: list[dict], row: dict, order: tuple[str, ...], keys: tuple[str
 
 
 def _run_child(args: argparse.Namespace) -> int:
-    """A measurement in this fresh process: its JSON on the last line of stdout."""
+    """A measurement in this fresh process: its JSON on the last line of stdout. A CPU measurement runs with the
+    heap as ``hf-recattn convert`` sets it (``--malloc-mmap-threshold``: its option)."""
     if args.save_teacher:
         save_shaped_teacher(args.save_teacher[0], Path(args.save_teacher[1]))
         return 0
+    heap = {"malloc_mmap_threshold": fix_mmap_threshold(args.malloc_mmap_threshold)} if args.device == "cpu" else {}
     if args.child_shape:
         recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
-        print(json.dumps(measure_shape(*args.child_shape, recipe, args.steps)))
+        print(json.dumps({**measure_shape(*args.child_shape, recipe, args.steps), **heap}))
     elif args.device != "cpu":
         size, stage = args.child
         recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
         print(json.dumps(measure_device(size, ARCHS[size], stage, recipe, args.steps, args.device,
                                         args.gpu_loss_kernel)))
     else:
-        print(json.dumps(measure(*args.child, args.recipe, args.steps)))
+        print(json.dumps({**measure(*args.child, args.recipe, args.steps), **heap}))
     return 0
 
 
