@@ -60,8 +60,8 @@ from hf_recattn.conversion.recipe import (
 from hf_recattn.conversion.stage1 import converted_layers
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.embedded_teachers import embedded_gguf_path, gguf_tokenizer
+from hf_recattn.heap import DEFAULT_MMAP_THRESHOLD, chosen_threshold, fix_mmap_threshold
 from hf_recattn.heap import OPTION as HEAP_OPTION
-from hf_recattn.heap import chosen_threshold, fix_mmap_threshold
 from hf_recattn.training.attention_objective import mixer_parameters
 from hf_recattn.training.distill import finetune
 from hf_recattn.training.fused_loss import use_liger
@@ -512,21 +512,30 @@ def render_device(results: dict) -> str:
 
 def _heap(row: dict[str, Any]) -> str:
     threshold = row.get("malloc_mmap_threshold")
-    return f"mmap above {threshold / MIB:g} MiB" if threshold else "glibc default"
+    return f"mmap from {threshold / MIB:g} MiB" if threshold else "glibc default"
+
+
+def _per_step(m: dict[str, Any]) -> tuple[str, str]:
+    """A CPU stage's median timed step and its system (kernel) CPU seconds per optimizer step, as shown; "-" where
+    the run had no timed step or did not record them."""
+    timed = f"{statistics.median(m['step_seconds']):.0f}" if m["step_seconds"] else "-"
+    system = m.get("stage_system_seconds")
+    return timed, "-" if system is None else f"{system / (len(m['step_seconds']) + 1):.1f}"
 
 
 def render_shapes(results: dict) -> str:
     """The table of a ``--shapes`` / ``--convert`` run: each stage's resident set beside the formulas, then the
     whole conversions."""
-    rows = ["| teacher shape (random init) | parameters | heap | stage | s / step | baseline MiB | loaded MiB "
-            "| stage peak MiB | peak above baseline MiB | formulas MiB | measured / formulas |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| teacher shape (random init) | parameters | heap | stage | s / step | system s / step | baseline MiB "
+            "| loaded MiB | stage peak MiB | peak above baseline MiB | formulas MiB | measured / formulas |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
         above, predicted = m["peak_rss"] - m["baseline_rss"], shape_prediction(m)
-        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {_heap(m)} | {m['stage']} | "
-                    f"{statistics.median(m['step_seconds']):.0f} | {m['baseline_rss'] / MIB:.0f} | "
-                    f"{m['loaded_rss'] / MIB:.0f} | {m['peak_rss'] / MIB:.0f} | {above / MIB:.0f} | "
-                    f"{predicted / MIB:.0f} | {above / predicted:.2f} |")
+        timed, system = _per_step(m)
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {_heap(m)} | {m['stage']} | {timed} | "
+                    f"{system} | {m['baseline_rss'] / MIB:.0f} | {m['loaded_rss'] / MIB:.0f} | "
+                    f"{m['peak_rss'] / MIB:.0f} | {above / MIB:.0f} | {predicted / MIB:.0f} | "
+                    f"{above / predicted:.2f} |")
     if results.get("convert"):
         names = list(PIPELINE_STAGES)
         rows += ["", "| whole `hf-recattn convert` | heap | " + " | ".join(f"{n} MiB" for n in names)
@@ -659,15 +668,23 @@ def main_device(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shapes_notes(recipe: str, steps: int, block: int, chunk: int, threads: int) -> list[str]:
+def _shapes_notes(data: dict[str, Any]) -> list[str]:
+    """The notes under the ``--shapes`` / ``--convert`` tables, the steps per stage read from the rows."""
+    steps: dict[str, set[int]] = {}
+    for m in data["measured"]:
+        steps.setdefault(m["size"], set()).add(len(m["step_seconds"]) + 1)
+    counts = ", ".join(f"{size} {'/'.join(map(str, sorted(n)))}" for size, n in steps.items())
     return [
         f"Measured on the CPU: random-init teachers of the published shapes (transformers' Qwen3Config) in bf16, "
-        f"the student in float32 as `hf-recattn convert --teacher-dtype bfloat16` trains it, recipe `{recipe}` "
-        f"(quick budget's settings at block {block}, batch 1; stage 2: LoRA, loss_chunk_size {chunk}, gradient "
-        f"checkpointing), {steps} optimizer steps per stage, {threads} threads, a fresh process per stage.",
-        "Baseline: the resident set before the models were built; stage peak: the kernel's high-water mark "
-        "during the stage (reset after building); formulas: both models' weights and the stage's terms "
-        "(docs/conversion.md), compared with the peak above the baseline.",
+        f"the student in float32 as `hf-recattn convert --teacher-dtype bfloat16` trains it, recipe "
+        f"`{data['recipe']}` (quick budget's settings at block {data['block_size']}, batch 1; stage 2: LoRA, "
+        f"loss_chunk_size {data['loss_chunk_size']}, gradient checkpointing), {data['threads']} thread(s), a fresh "
+        f"process per stage; optimizer steps per stage: {counts}, the first not timed (s / step: the median of the "
+        "others; system s / step: the stage's kernel CPU time over its steps, mostly page faults).",
+        f"Heap: glibc's mmap threshold as `{HEAP_OPTION}` set it in the measuring process (the commands' default "
+        f"is {DEFAULT_MMAP_THRESHOLD / MIB:g} MiB). Baseline: the resident set before the models were built; stage "
+        "peak: the kernel's high-water mark during the stage (reset after building); formulas: both models' "
+        "weights and the stage's terms (docs/conversion.md), compared with the peak above the baseline.",
         "Whole convert: `hf-recattn convert` of the teacher saved as safetensors with the embedded SmolLM2 "
         "tokenizer, both stages and the quick evaluation; peak: the process's maximum resident set (the "
         "kernel's); per pipeline stage: the resident set sampled every 0.1 s.",
@@ -681,20 +698,18 @@ def main_shapes(args: argparse.Namespace) -> int:
     old = json.loads(args.out.read_text()) if args.out.is_file() else {}
     data: dict[str, Any] = {"mode": "shapes", "recipe": args.recipe, "steps": args.steps, "threads": args.threads,
                             "block_size": args.gpu_block, "loss_chunk_size": args.loss_chunk,
-                            "measured": old.get("measured", []), "convert": old.get("convert", []),
-                            "notes": _shapes_notes(args.recipe, args.steps, args.gpu_block, args.loss_chunk,
-                                                   args.threads)}
+                            "measured": old.get("measured", []), "convert": old.get("convert", [])}
     recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
     for size in args.shapes:
         for stage in STAGES:
             row = {**_child(args, size, stage, "--child-shape"), "provenance": record}  # rows of several runs
             data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage", "malloc_mmap_threshold"))
-            results = write_results(args.out, "conversion_scale", record, data)
+            results = write_results(args.out, "conversion_scale", record, {**data, "notes": _shapes_notes(data)})
     for size in args.convert:
         row = measure_convert(size, recipe, args.threads, args.malloc_mmap_threshold)
         row.update(malloc_mmap_threshold=chosen_threshold(args.malloc_mmap_threshold, os.environ), provenance=record)
         data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold"))
-        results = write_results(args.out, "conversion_scale", record, data)
+        results = write_results(args.out, "conversion_scale", record, {**data, "notes": _shapes_notes(data)})
     print(render_markdown(results))
     return 0
 
