@@ -60,6 +60,8 @@ from hf_recattn.conversion.recipe import (
 from hf_recattn.conversion.stage1 import converted_layers
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.embedded_teachers import embedded_gguf_path, gguf_tokenizer
+from hf_recattn.heap import DEFAULT_MMAP_THRESHOLD, chosen_threshold, fix_mmap_threshold
+from hf_recattn.heap import OPTION as HEAP_OPTION
 from hf_recattn.training.attention_objective import mixer_parameters
 from hf_recattn.training.distill import finetune
 from hf_recattn.training.fused_loss import use_liger
@@ -243,10 +245,10 @@ def scale_recipe(name: str, steps: int, block: int, chunk: int) -> dict[str, Any
     return data
 
 
-def build_student(teacher: torch.nn.Module, recipe: Any) -> torch.nn.Module:
+def build_student(teacher: torch.nn.Module, recipe: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The student as ``hf-recattn convert`` builds it: the recipe's attention on the layers it selects, the
-    teacher's weights copied (in the teacher's dtype)."""
-    return student_from_teacher(teacher, check_against_teacher(recipe, teacher.config))
+    teacher's weights copied (in ``dtype``, by default the teacher's)."""
+    return student_from_teacher(teacher, check_against_teacher(recipe, teacher.config), dtype)
 
 
 def stage1_trained(student: torch.nn.Module, recipe: Any, teacher_config: Any) -> tuple[int, int]:
@@ -261,7 +263,22 @@ def shape_run(m: dict[str, Any]) -> Run:
     """The formulas' ``Run`` of a measured Qwen3-shaped CPU stage: bf16 teacher, fp32 student (12 optimizer bytes
     per trained parameter: gradient and two moments), the recipe's settings as measured."""
     return Run(m["block_size"], BF16, FP32, 3 * FP32, m["stage1_layers"], m["stage1_trainable"], m["lora_r"],
-               m["loss_chunk_size"], m["gradient_checkpointing"])
+               m["loss_chunk_size"], m["gradient_checkpointing"], m.get("checkpoint_kept", 0))
+
+
+def checkpoint_kept(student: torch.nn.Module, block: int) -> int:
+    """Numbers per token that stage 2's gradient checkpointing keeps in ``student`` besides each layer's input: the
+    chunked delta rule (its torch form, the CPU's) recomputes its groups of chunks under a checkpoint of its own,
+    and that inner checkpoint holds its inputs (q and k after the feature map, v) until the backward, in every
+    layer (measured: 56 MiB per layer of Qwen3-0.6B's shape at block 2048). Counted where the chunked form can
+    run (``block`` above the mixer's chunk), as it did in the measured stages."""
+    kept = 0
+    for layer in student.model.layers:
+        mixer = layer.self_attn.mixer
+        if mixer.name == "delta" and block > mixer.chunk_size:
+            shape, width = mixer.shape, mixer.feature_map.out_dim
+            kept += shape.num_heads * width + mixer.steps * shape.num_kv_heads * (width + shape.head_dim)
+    return kept
 
 
 def shape_prediction(m: dict[str, Any]) -> int:
@@ -277,14 +294,18 @@ def measure_shape(name: str, stage: str, recipe_data: dict[str, Any], steps: int
     baseline = _rss("VmRSS")
     recipe = recipe_from_dict(copy.deepcopy(recipe_data), "scale", source=f"{recipe_data.get('name', 'recipe')}")
     teacher = qwen3_teacher(SHAPES[name], "cpu")
-    student = build_student(teacher, recipe).float()  # trained in float32 whatever the teacher's dtype
+    build_reset = _reset_peak()
+    student = build_student(teacher, recipe, torch.float32)  # trained in float32 whatever the teacher's dtype
+    build_peak = _rss("VmHWM") if build_reset else None
     trained, teacher_layers = stage1_trained(student, recipe, teacher.config)
     settings = recipe.stage1 if stage == "stage1" else recipe.stage2
     loaded = _rss("VmRSS")
     peak_reset = _reset_peak()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     seconds, trainable = _run_stage(teacher, student, stage, settings, steps, layers=converted_layers(
         recipe, teacher.config))
-    peak = _rss("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    peak = _rss("VmHWM") if peak_reset else after.ru_maxrss * 1024
     s2 = recipe.stage2
     return {"size": name, "stage": stage, "device": "cpu", "dtype": "bfloat16 teacher, float32 student",
             "tokens_per_step": settings.block_size, "block_size": settings.block_size, "batch_size": 1,
@@ -293,8 +314,12 @@ def measure_shape(name: str, stage: str, recipe_data: dict[str, Any], steps: int
             "student_parameters": sum(p.numel() for p in student.parameters()), "trainable_parameters": trainable,
             "stage1_trainable": trained, "stage1_layers": teacher_layers, "lora_r": s2.lora.r,
             "loss_chunk_size": s2.loss_chunk_size, "gradient_checkpointing": bool(s2.gradient_checkpointing),
-            "baseline_rss": baseline, "loaded_rss": loaded, "peak_rss": peak, "peak_reset": peak_reset,
-            "process_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "checkpoint_kept": checkpoint_kept(student, s2.block_size), "baseline_rss": baseline,
+            "loaded_rss": loaded, "peak_rss": peak, "peak_reset": peak_reset,
+            "build_peak_rss": build_peak, "process_peak_rss": after.ru_maxrss * 1024,
+            "stage_user_seconds": after.ru_utime - before.ru_utime,
+            "stage_system_seconds": after.ru_stime - before.ru_stime,
+            "stage_minor_faults": after.ru_minflt - before.ru_minflt}
 
 
 def save_shaped_teacher(name: str, folder: Path) -> None:
@@ -332,19 +357,19 @@ class _PeakByStage:
             time.sleep(self.every)
 
 
-def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: dict[str, str]) -> dict[str, Any]:
+def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: int | None) -> dict[str, Any]:
     """The whole ``hf-recattn convert`` (both stages and the evaluation) of a random-init bf16 Qwen3 teacher of
-    ``SHAPES[name]`` saved as safetensors, in a fresh process: its peak resident set (the kernel's) and the peak
-    sampled in each pipeline stage."""
+    ``SHAPES[name]`` saved as safetensors, in a fresh process (``heap``: its ``--malloc-mmap-threshold``, None for
+    the command's default): its peak resident set (the kernel's) and the peak sampled in each pipeline stage."""
     root = Path(__file__).resolve().parent.parent
-    env = {**heap, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="conversion-scale-") as tmp:
         teacher, recipe = Path(tmp) / "teacher", Path(tmp) / "recipe.yaml"
         subprocess.run([sys.executable, __file__, "--save-teacher", name, str(teacher)], check=True, env=env)
         recipe.write_text(yaml.safe_dump(recipe_data, sort_keys=False))
         command = [sys.executable, "-m", "hf_recattn.cli", "convert", "--teacher", str(teacher), "--teacher-dtype",
                    "bfloat16", "--recipe", str(recipe), "--budget", "scale", "--output", str(Path(tmp) / "run"),
-                   "--no-progress", "--threads", str(threads)]
+                   "--no-progress", "--threads", str(threads)] + ([HEAP_OPTION, str(heap)] if heap is not None else [])
         began = time.perf_counter()
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         peaks, log = _PeakByStage(child.pid), []
@@ -368,7 +393,8 @@ def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: 
 class Run:
     """How a conversion runs, as far as its memory goes: the block (batch 1), bytes per weight and activation of
     the teacher and the student, the optimizer's bytes per trained parameter beside its weight, stage 1's teacher
-    layers and trained parameters, stage 2's LoRA rank, ``loss_chunk_size`` and ``gradient_checkpointing``."""
+    layers and trained parameters, stage 2's LoRA rank, ``loss_chunk_size`` and ``gradient_checkpointing``, and
+    what checkpointed layers keep besides their inputs (``checkpoint_kept``, see ``checkpoint_kept``)."""
 
     block: int
     teacher_bytes: int = BF16
@@ -379,6 +405,7 @@ class Run:
     lora_r: int = 8
     loss_chunk: int | None = None
     checkpointing: bool = False
+    checkpoint_kept: int = 0  # numbers per token that checkpointing keeps in all layers besides their inputs
 
 
 #: fp32 [chunk, V] tensors alive at the peak of the loss (student logits and their masked copy, the log-softmaxes of
@@ -409,7 +436,7 @@ def estimate(shape: tuple, run: Run) -> dict[str, int]:
     count, tokens, a = parameters(shape), run.block, run.student_bytes
     per_layer_token = 6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter  # saved per layer
     trained = count["q_k"] if run.stage1_trained is None else run.stage1_trained
-    kept = hidden * layers + per_layer_token if run.checkpointing else per_layer_token * layers
+    kept = hidden * layers + run.checkpoint_kept + per_layer_token if run.checkpointing else per_layer_token * layers
     return {
         "parameters": count["all"],
         "teacher_weights": run.teacher_bytes * count["all"],
@@ -503,21 +530,30 @@ def render_device(results: dict) -> str:
 
 def _heap(row: dict[str, Any]) -> str:
     threshold = row.get("malloc_mmap_threshold")
-    return f"mmap above {threshold / MIB:g} MiB" if threshold else "glibc default"
+    return f"mmap from {threshold / MIB:g} MiB" if threshold else "glibc default"
+
+
+def _per_step(m: dict[str, Any]) -> tuple[str, str]:
+    """A CPU stage's median timed step and its system (kernel) CPU seconds per optimizer step, as shown; "-" where
+    the run had no timed step or did not record them."""
+    timed = f"{statistics.median(m['step_seconds']):.0f}" if m["step_seconds"] else "-"
+    system = m.get("stage_system_seconds")
+    return timed, "-" if system is None else f"{system / (len(m['step_seconds']) + 1):.1f}"
 
 
 def render_shapes(results: dict) -> str:
     """The table of a ``--shapes`` / ``--convert`` run: each stage's resident set beside the formulas, then the
     whole conversions."""
-    rows = ["| teacher shape (random init) | parameters | heap | stage | s / step | baseline MiB | loaded MiB "
-            "| stage peak MiB | peak above baseline MiB | formulas MiB | measured / formulas |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| teacher shape (random init) | parameters | heap | stage | s / step | system s / step | baseline MiB "
+            "| loaded MiB | stage peak MiB | peak above baseline MiB | formulas MiB | measured / formulas |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in results["measured"]:
         above, predicted = m["peak_rss"] - m["baseline_rss"], shape_prediction(m)
-        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {_heap(m)} | {m['stage']} | "
-                    f"{statistics.median(m['step_seconds']):.0f} | {m['baseline_rss'] / MIB:.0f} | "
-                    f"{m['loaded_rss'] / MIB:.0f} | {m['peak_rss'] / MIB:.0f} | {above / MIB:.0f} | "
-                    f"{predicted / MIB:.0f} | {above / predicted:.2f} |")
+        timed, system = _per_step(m)
+        rows.append(f"| {m['size']} | {m['teacher_parameters'] / 1e9:.3f}B | {_heap(m)} | {m['stage']} | {timed} | "
+                    f"{system} | {m['baseline_rss'] / MIB:.0f} | {m['loaded_rss'] / MIB:.0f} | "
+                    f"{m['peak_rss'] / MIB:.0f} | {above / MIB:.0f} | {predicted / MIB:.0f} | "
+                    f"{above / predicted:.2f} |")
     if results.get("convert"):
         names = list(PIPELINE_STAGES)
         rows += ["", "| whole `hf-recattn convert` | heap | " + " | ".join(f"{n} MiB" for n in names)
@@ -591,14 +627,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stage2.loss_chunk_size of --shapes / --convert / --device cuda")
     p.add_argument("--gpu-loss-kernel", choices=("auto", "torch", "liger"), default="auto",
                    help="stage2.loss_kernel of --device cuda (auto: Liger Kernel's fused ops where installed)")
-    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
-                   help="--shapes / --convert: run with glibc's MALLOC_MMAP_THRESHOLD_ fixed at BYTES (allocations "
-                        "above it are mapped and given back when freed, instead of staying in the heap)")
+    p.add_argument(HEAP_OPTION, type=int, default=None, metavar="BYTES",
+                   help="CPU runs: glibc's mmap threshold of the measured processes, as hf-recattn convert's "
+                        f"{HEAP_OPTION} sets it (default: the command's default; 0: glibc's own)")
     p.add_argument("--child", nargs=2, metavar=("SIZE", "STAGE"), help=argparse.SUPPRESS)
     p.add_argument("--child-shape", nargs=2, metavar=("SHAPE", "STAGE"), help=argparse.SUPPRESS)
     p.add_argument("--save-teacher", nargs=2, metavar=("SHAPE", "FOLDER"), help=argparse.SUPPRESS)
     add_out_argument(p, "conversion_scale_cpu.json")
     args = p.parse_args(argv)
+    try:
+        chosen_threshold(args.malloc_mmap_threshold, {})
+    except ValueError as err:
+        p.error(str(err))
     if args.out == RESULTS / "conversion_scale_cpu.json":
         if args.device == "cuda":
             args.out = RESULTS / "conversion_scale_cuda.json"
@@ -607,21 +647,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _heap_env(threshold: int | None) -> dict[str, str]:
-    """This process's environment, with glibc's mmap threshold fixed at ``threshold`` bytes when given."""
-    return {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold else {})}
-
-
 def _child(args: argparse.Namespace, size: str, stage: str, flag: str = "--child") -> dict[str, Any]:
     """One stage of one size measured in a fresh process: its memory is this stage's alone."""
     command = [sys.executable, __file__, flag, size, stage, "--recipe", args.recipe, "--steps", str(args.steps),
                "--threads", str(args.threads), "--device", args.device, "--gpu-block", str(args.gpu_block),
                "--loss-chunk", str(args.loss_chunk), "--gpu-loss-kernel", args.gpu_loss_kernel]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_heap_env(args.mmap_threshold))
+    if args.malloc_mmap_threshold is not None:
+        command += [HEAP_OPTION, str(args.malloc_mmap_threshold)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{size} {stage} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["malloc_mmap_threshold"] = args.mmap_threshold
     print(f"{size} {stage}: {result['step_seconds']}", file=sys.stderr)
     return result
 
@@ -650,15 +686,23 @@ def main_device(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shapes_notes(recipe: str, steps: int, block: int, chunk: int, threads: int) -> list[str]:
+def _shapes_notes(data: dict[str, Any]) -> list[str]:
+    """The notes under the ``--shapes`` / ``--convert`` tables, the steps per stage read from the rows."""
+    steps: dict[str, set[int]] = {}
+    for m in data["measured"]:
+        steps.setdefault(m["size"], set()).add(len(m["step_seconds"]) + 1)
+    counts = ", ".join(f"{size} {'/'.join(map(str, sorted(n)))}" for size, n in steps.items())
     return [
         f"Measured on the CPU: random-init teachers of the published shapes (transformers' Qwen3Config) in bf16, "
-        f"the student in float32 as `hf-recattn convert --teacher-dtype bfloat16` trains it, recipe `{recipe}` "
-        f"(quick budget's settings at block {block}, batch 1; stage 2: LoRA, loss_chunk_size {chunk}, gradient "
-        f"checkpointing), {steps} optimizer steps per stage, {threads} threads, a fresh process per stage.",
-        "Baseline: the resident set before the models were built; stage peak: the kernel's high-water mark "
-        "during the stage (reset after building); formulas: both models' weights and the stage's terms "
-        "(docs/conversion.md), compared with the peak above the baseline.",
+        f"the student in float32 as `hf-recattn convert --teacher-dtype bfloat16` trains it, recipe "
+        f"`{data['recipe']}` (quick budget's settings at block {data['block_size']}, batch 1; stage 2: LoRA, "
+        f"loss_chunk_size {data['loss_chunk_size']}, gradient checkpointing), {data['threads']} thread(s), a fresh "
+        f"process per stage; optimizer steps per stage: {counts}, the first not timed (s / step: the median of the "
+        "others; system s / step: the stage's kernel CPU time over its steps, mostly page faults).",
+        f"Heap: glibc's mmap threshold as `{HEAP_OPTION}` set it in the measuring process (the commands' default "
+        f"is {DEFAULT_MMAP_THRESHOLD / MIB:g} MiB). Baseline: the resident set before the models were built; stage "
+        "peak: the kernel's high-water mark during the stage (reset after building); formulas: both models' "
+        "weights and the stage's terms (docs/conversion.md), compared with the peak above the baseline.",
         "Whole convert: `hf-recattn convert` of the teacher saved as safetensors with the embedded SmolLM2 "
         "tokenizer, both stages and the quick evaluation; peak: the process's maximum resident set (the "
         "kernel's); per pipeline stage: the resident set sampled every 0.1 s.",
@@ -672,20 +716,18 @@ def main_shapes(args: argparse.Namespace) -> int:
     old = json.loads(args.out.read_text()) if args.out.is_file() else {}
     data: dict[str, Any] = {"mode": "shapes", "recipe": args.recipe, "steps": args.steps, "threads": args.threads,
                             "block_size": args.gpu_block, "loss_chunk_size": args.loss_chunk,
-                            "measured": old.get("measured", []), "convert": old.get("convert", []),
-                            "notes": _shapes_notes(args.recipe, args.steps, args.gpu_block, args.loss_chunk,
-                                                   args.threads)}
+                            "measured": old.get("measured", []), "convert": old.get("convert", [])}
     recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
     for size in args.shapes:
         for stage in STAGES:
             row = {**_child(args, size, stage, "--child-shape"), "provenance": record}  # rows of several runs
             data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage", "malloc_mmap_threshold"))
-            results = write_results(args.out, "conversion_scale", record, data)
+            results = write_results(args.out, "conversion_scale", record, {**data, "notes": _shapes_notes(data)})
     for size in args.convert:
-        row = measure_convert(size, recipe, args.threads, _heap_env(args.mmap_threshold))
-        row.update(malloc_mmap_threshold=args.mmap_threshold, provenance=record)
+        row = measure_convert(size, recipe, args.threads, args.malloc_mmap_threshold)
+        row.update(malloc_mmap_threshold=chosen_threshold(args.malloc_mmap_threshold, os.environ), provenance=record)
         data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold"))
-        results = write_results(args.out, "conversion_scale", record, data)
+        results = write_results(args.out, "conversion_scale", record, {**data, "notes": _shapes_notes(data)})
     print(render_markdown(results))
     return 0
 
@@ -699,20 +741,22 @@ def _merged(rows: list[dict], row: dict, order: tuple[str, ...], keys: tuple[str
 
 
 def _run_child(args: argparse.Namespace) -> int:
-    """A measurement in this fresh process: its JSON on the last line of stdout."""
+    """A measurement in this fresh process: its JSON on the last line of stdout. A CPU measurement runs with the
+    heap as ``hf-recattn convert`` sets it (``--malloc-mmap-threshold``: its option)."""
     if args.save_teacher:
         save_shaped_teacher(args.save_teacher[0], Path(args.save_teacher[1]))
         return 0
+    heap = {"malloc_mmap_threshold": fix_mmap_threshold(args.malloc_mmap_threshold)} if args.device == "cpu" else {}
     if args.child_shape:
         recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
-        print(json.dumps(measure_shape(*args.child_shape, recipe, args.steps)))
+        print(json.dumps({**measure_shape(*args.child_shape, recipe, args.steps), **heap}))
     elif args.device != "cpu":
         size, stage = args.child
         recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
         print(json.dumps(measure_device(size, ARCHS[size], stage, recipe, args.steps, args.device,
                                         args.gpu_loss_kernel)))
     else:
-        print(json.dumps(measure(*args.child, args.recipe, args.steps)))
+        print(json.dumps({**measure(*args.child, args.recipe, args.steps), **heap}))
     return 0
 
 

@@ -153,3 +153,29 @@ def test_the_quick_mode_runs(tmp_path) -> None:
     assert [(m["size"], m["stage"]) for m in results["measured"]] == [("tiny", "stage1"), ("tiny", "stage2")]
     table = scale.render_markdown(results)
     assert all(f"| {name} |" in table for name in scale.ARCHS)  # the computed rows
+
+
+def test_the_shapes_table_shows_each_heap_and_the_steps_it_timed() -> None:
+    """A CPU row says which mmap threshold its process ran with; a row without a timed step shows "-"; the notes
+    count the steps of each shape from its rows."""
+    shape = scale.SHAPES["SmolLM2-135M"]
+    row = {"size": "SmolLM2-135M", "stage": "stage1", "shape": list(shape), "block_size": 2048, "stage1_layers": 30,
+           "stage1_trainable": 100, "lora_r": 8, "loss_chunk_size": 256, "gradient_checkpointing": True,
+           "teacher_parameters": 134_515_008, "baseline_rss": 500 * scale.MIB, "loaded_rss": 1300 * scale.MIB,
+           "peak_rss": 2300 * scale.MIB, "step_seconds": [20.0, 22.0], "stage_system_seconds": 6.0,
+           "malloc_mmap_threshold": scale.MIB}
+    one = {**row, "size": "Qwen3-1.7B", "step_seconds": [], "malloc_mmap_threshold": None}
+    data = {"mode": "shapes", "recipe": "gdn", "block_size": 2048, "loss_chunk_size": 256, "threads": 1,
+            "measured": [row, one], "convert": []}
+    lines = scale.render_markdown({**data, "notes": scale._shapes_notes(data)}).splitlines()
+    assert lines[2].startswith("| SmolLM2-135M | 0.135B | mmap from 1 MiB | stage1 | 21 | 2.0 | 500 | 1300 | 2300 |")
+    assert lines[3].startswith("| Qwen3-1.7B | 0.135B | glibc default | stage1 | - | 6.0 |")
+    assert "optimizer steps per stage: SmolLM2-135M 3, Qwen3-1.7B 1" in lines[5]
+
+
+def test_a_bad_heap_threshold_is_refused_before_any_run(capsys) -> None:  # noqa: ANN001
+    import pytest
+
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--shapes", "SmolLM2-135M", "--malloc-mmap-threshold", "-1"])
+    assert "--malloc-mmap-threshold must be between 0" in capsys.readouterr().err

@@ -185,3 +185,34 @@ def test_from_llama_is_the_earlier_name_of_from_teacher() -> None:
     import hf_recattn
 
     assert hf_recattn.from_llama is hf_recattn.from_teacher
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_float32_student_of_a_bfloat16_teacher_is_the_bfloat16_student_cast(tie: bool) -> None:
+    """Built directly in float32 (no bfloat16 copy of the model on the way), the student equals the bfloat16 student
+    cast to float32 bit for bit: the teacher's weights, the fresh mixer parameters rounded through bfloat16 in the
+    same initialization order, the non-persistent buffers, the tied head, the config and the generator's state."""
+    from hf_recattn.conversion.from_teacher import recattn_config_from, student_from_teacher
+    from hf_recattn.conversion.recipe import load_recipe
+
+    teacher = llama(tie=tie, num_hidden_layers=4).to(torch.bfloat16)
+    gdn = load_recipe("gdn", "quick").attention  # random-init convolutions, gates and feature maps
+    config = recattn_config_from(teacher.config, ["softmax", gdn, NEW_PARAMS[0], {"mixer": "linear",
+                                                                                 "decay": "retnet"}])
+    built = {}
+    for name, dtype in (("cast", None), ("direct", torch.float32)):
+        torch.manual_seed(1)
+        student = student_from_teacher(teacher, config, dtype)
+        built[name] = (student.float() if dtype is None else student, torch.get_rng_state())
+    (cast, cast_rng), (direct, direct_rng) = built["cast"], built["direct"]
+    assert torch.equal(cast_rng, direct_rng)
+    tensors = [dict(m.named_parameters()) | dict(m.named_buffers()) for m in (cast, direct)]
+    assert tensors[0].keys() == tensors[1].keys() and any("log_gamma" in k for k in tensors[0])
+    for name, value in tensors[0].items():
+        assert value.dtype == tensors[1][name].dtype == torch.float32 and torch.equal(value, tensors[1][name]), name
+    torch.manual_seed(1)
+    unrounded = RecAttnForCausalLM(config).model.layers[1].self_attn.mixer.state_dict()  # float32 as initialized
+    rounded = direct.model.layers[1].self_attn.mixer.state_dict()
+    assert any(not torch.equal(unrounded[k], rounded[k]) for k in rounded)  # the rounding is what is tested
+    assert cast.config.to_dict() == direct.config.to_dict()
+    assert (direct.lm_head.weight.data_ptr() == direct.model.embed_tokens.weight.data_ptr()) is tie

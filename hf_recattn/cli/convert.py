@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from ..extras import require
-from .common import SubParsers, add_command
+from .common import SubParsers, add_command, add_heap_option, apply_heap_option
 from .push import push
 
 
@@ -59,11 +59,13 @@ def add_convert(sub: SubParsers) -> None:
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="publish the converted model (see "
                    "`hf-recattn push`) when the conversion is done")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    add_heap_option(p)
 
     def run(args: argparse.Namespace) -> int:
         import torch
 
         require("train", "hf-recattn convert")
+        apply_heap_option(args)
         if args.push_to_hub:
             from ..hub import check_repo_id
 

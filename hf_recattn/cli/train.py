@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..extras import require
-from .common import SubParsers, add_command
+from .common import SubParsers, add_command, add_heap_option, apply_heap_option
 
 
 def _training_run(command: str, run: Callable[[], Any]) -> int:
@@ -35,9 +35,11 @@ def add_pretrain(sub: SubParsers) -> None:
                     "TrainingArguments). Rerun the same command to resume; see docs/training.md.")
     p.add_argument("--config", required=True, help="the YAML file")
     p.add_argument("--output", default=None, help="override training.output_dir")
+    add_heap_option(p)
 
     def run(args: argparse.Namespace) -> int:
         require("train", "hf-recattn pretrain")
+        apply_heap_option(args)
         from ..training import pretrain
 
         return _training_run("pretrain", lambda: pretrain(args.config, output_dir=args.output))
@@ -54,9 +56,11 @@ def add_finetune(sub: SubParsers) -> None:
                    "dataset folder or a Hub dataset; a 'messages' column makes it chat data")
     p.add_argument("--config", default=None, help="a finetune YAML (method, lora, block_size, data, training)")
     p.add_argument("--output", default=None, help="output folder (overrides training.output_dir)")
+    add_heap_option(p)
 
     def run(args: argparse.Namespace) -> int:
         require("train", "hf-recattn finetune")
+        apply_heap_option(args)
         from ..training import finetune
 
         return _training_run("finetune", lambda: finetune(args.model, args.data, args.config, output_dir=args.output))

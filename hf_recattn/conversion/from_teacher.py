@@ -95,12 +95,21 @@ def from_teacher(
     return student_from_teacher(teacher, recattn_config_from(teacher.config, attention, attention_overrides, layers))
 
 
-def student_from_teacher(teacher: PreTrainedModel, config: RecAttnConfig) -> RecAttnForCausalLM:
-    """The student that ``config`` (``recattn_config_from`` the teacher's config) describes, in the teacher's dtype,
-    with every teacher weight copied: only the parameters the chosen mixers add keep their fresh initialization."""
+def student_from_teacher(
+    teacher: PreTrainedModel, config: RecAttnConfig, dtype: torch.dtype | None = None
+) -> RecAttnForCausalLM:
+    """The student that ``config`` (``recattn_config_from`` the teacher's config) describes, in ``dtype`` (None: the
+    teacher's), with every teacher weight copied: only the parameters the chosen mixers add keep their fresh
+    initialization. In another dtype than the teacher's it is the teacher-dtype student cast to ``dtype``, bit for
+    bit (its fresh tensors rounded through the teacher's dtype), built without a second copy of the weights."""
     teacher_dtype = next(teacher.parameters()).dtype
-    student = RecAttnForCausalLM(config).to(teacher_dtype)
     state = split_fused(teacher.config, teacher.state_dict())
+    student = RecAttnForCausalLM(config)
+    if dtype is None or dtype == teacher_dtype:
+        student = student.to(teacher_dtype)
+    else:
+        _round_fresh(student, teacher_dtype, set(state))
+        student = student.to(dtype)
     _check_shapes(state, student.state_dict(), config)
     result = student.load_state_dict(state, strict=False)
     if result.unexpected_keys:
@@ -117,6 +126,14 @@ def student_from_teacher(teacher: PreTrainedModel, config: RecAttnConfig) -> Rec
     with torch.no_grad():
         _check_copied(student, teacher)
     return student
+
+
+def _round_fresh(student: torch.nn.Module, dtype: torch.dtype, provided: set[str]) -> None:
+    """Round every floating parameter and buffer of ``student`` that the teacher does not provide (``provided``:
+    the state-dict names it does) to ``dtype`` and back, replacing it as ``Module.to`` does: the values the student
+    built in ``dtype`` starts from."""
+    kept = {id(t) for name, t in student.state_dict(keep_vars=True).items() if name in provided}
+    student._apply(lambda t: t if id(t) in kept or not t.is_floating_point() else t.to(dtype).to(t.dtype))
 
 
 def _check_shapes(

@@ -203,7 +203,7 @@ def _student_and_stage1(label: str, job: Job, teacher: Teacher, train_texts: lis
         student = load_converted(Path(recipe.init).expanduser())
         job.log(f"student: starting from the converted checkpoint {recipe.init!r} (init)")
     else:  # trained in float32 whatever the teacher's dtype
-        student = student_from_teacher(teacher.model, teacher.student_config).float()
+        student = student_from_teacher(teacher.model, teacher.student_config, torch.float32)
     summary = stage1(label, job, teacher, student, train_texts)
     timings = {"stage1": summary.get("seconds", 0.0)}
     if recipe.retrieval_heads.max_heads:
