@@ -777,7 +777,8 @@ def main(argv: list[str] | None = None) -> int:
             measured.append(_child(argparse.Namespace(**{**vars(args), "steps": steps}), size, stage))
     notes = [
         f"Measured on the CPU in fp32, recipe `{args.recipe}` (quick budget's settings), {steps} optimizer steps per "
-        "stage, the first not timed: ms / token is the median step over its tokens.",
+        "stage, the first not timed: ms / token is the median step over its tokens; heap: "
+        f"{_heap({'malloc_mmap_threshold': chosen_threshold(args.malloc_mmap_threshold, os.environ)})}.",
         f"Computed for one {GPU_BYTES / GB:.0f} GB GPU at block {args.gpu_block}, batch 1 (formulas in the text); "
         "arithmetic, not measured (`--device cuda` measures on a GPU).",
     ]

@@ -179,3 +179,18 @@ def test_a_bad_heap_threshold_is_refused_before_any_run(capsys) -> None:  # noqa
     with pytest.raises(SystemExit):
         scale.parse_args(["--shapes", "SmolLM2-135M", "--malloc-mmap-threshold", "-1"])
     assert "--malloc-mmap-threshold must be between 0" in capsys.readouterr().err
+
+
+def test_checkpointing_keeps_the_chunked_delta_rules_inputs_in_the_formula() -> None:
+    """Each gdn layer's own checkpoint (the chunked delta rule's groups of chunks) holds q and k after the Hedgehog
+    map (2d wide) and v: counted per token beside the layer inputs, where the block is longer than the chunk."""
+    from hf_recattn.conversion.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(scale.scale_recipe("gdn", 1, 128, 64), "scale")
+    shape = (2, 64, 96, 4, 2, 16, 100, True)
+    student = scale.build_student(scale.qwen3_teacher(shape, "cpu"), recipe)
+    assert scale.checkpoint_kept(student, 128) == 2 * (4 * 32 + 2 * (32 + 16))
+    assert scale.checkpoint_kept(student, student.model.layers[0].self_attn.mixer.chunk_size) == 0
+    kept = scale.Run(128, checkpointing=True, checkpoint_kept=1000)
+    plain = scale.estimate(shape, scale.Run(128, checkpointing=True))
+    assert scale.estimate(shape, kept)["activations"] - plain["activations"] == 1000 * 2 * 128
