@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 #: ``mallopt``'s parameter number for the mmap threshold (glibc's <malloc.h>)
 M_MMAP_THRESHOLD = -3
 #: the threshold the commands set unless told otherwise: requests of 2 MiB and more are mapped on their own. Measured
-#: on SmolLM2-135M's shape (docs/conversion.md, "Qwen3 shapes on the CPU"): both stages peak at about the formulas'
-#: bytes (4 MiB: up to 1.12x, glibc's own: 1.5x), for about a quarter more time per step (page faults; 1 MiB: 0.9x
-#: to 1x for 40% more)
+#: (docs/conversion.md, "Qwen3 shapes on the CPU"): both stages peak within 1.1x the formulas' bytes on SmolLM2-135M's
+#: and Qwen3-0.6B's shapes (4 MiB: up to 1.16x; glibc's own threshold: 1.4-1.6x), for more system time per step
+#: (page faults; 1 MiB: the same bound for as much system time or more)
 DEFAULT_MMAP_THRESHOLD = 2 * 2**20
 #: glibc's documented upper limit on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX, 4 * 1024 * 1024 * sizeof(long))
 MAX_MMAP_THRESHOLD = 32 * 2**20
