@@ -7,7 +7,10 @@
 # is left):
 #   1. scripts/check_delta_kernels.py at the shapes that once faulted: the Triton delta rule, forward and backward,
 #      against the float64 torch form. If it fails, the first case runs again under compute-sanitizer (memcheck),
-#      whose report names the kernel and source line of an out-of-bounds access.
+#      whose report names the kernel and source line of an out-of-bounds access, and then the candidate cures
+#      run at that case: 32 value columns per pass in the gradient kernels, their float32 products without
+#      tensor cores or in one TF32 pass, and (when DELTA_PTXAS names a newer ptxas) that ptxas; the summary says
+#      which pass.
 #   2. benchmarks/kernel_speed.py --device cuda at 2k-32k tokens, fp32: ours (Triton, and the torch forms),
 #      transformers' torch gated delta rule, SDPA, flash-linear-attention (when it imports); the Triton delta
 #      backward only when step 1 passed.
@@ -53,6 +56,13 @@ else
     delta_ok=0
     step delta_sanitizer 90 compute-sanitizer --tool memcheck --print-limit 10 \
         "$python" scripts/check_delta_kernels.py --lengths 2048 --heads 9 --dims 64 --chunks 64 --dtypes float32
+    failing=(--lengths 2048 --heads 9 --dims 64 --chunks 64 --dtypes float32)
+    step delta_block32 40 "$python" scripts/check_delta_kernels.py "${failing[@]}" --grad-block 32
+    step delta_ieee 40 "$python" scripts/check_delta_kernels.py "${failing[@]}" --grad-precision ieee
+    step delta_tf32 40 "$python" scripts/check_delta_kernels.py "${failing[@]}" --grad-precision tf32
+    if [[ -n ${DELTA_PTXAS:-} ]]; then
+        step delta_ptxas 60 env TRITON_PTXAS_PATH="$DELTA_PTXAS" "$python" scripts/check_delta_kernels.py "${failing[@]}"
+    fi
 fi
 
 impls=("ours gdr" "ours gdr torch" "hf gdr" sdpa "ours linear")

@@ -169,6 +169,28 @@ def test_half_precision(dtype: torch.dtype) -> None:
         _close(f"d {n}", ours[n].grad, theirs[n].grad, 3e-2)
 
 
+@pytest.mark.parametrize(("dk", "dv"), [(16, 64), (24, 20), (32, 16)])
+def test_wider_gradient_blocks(monkeypatch: pytest.MonkeyPatch, dk: int, dv: int) -> None:
+    """The per-chunk gradient kernels with 32 value columns per pass (a hardware-check variant): same gradients;
+    a value width under 32 keeps one block of its padded width."""
+    from hf_recattn.kernels import delta
+
+    monkeypatch.setattr(delta, "BLOCK_V_GRAD", 32)
+    x = _inputs(1, 2, 100, dk, dv, True)
+    _check_against(x, 32, lambda y: _reference(y, 32))
+
+
+def test_kernel_settings_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_recattn.kernels import delta
+
+    x = _inputs(1, 1, 8, 16, 16, False)
+    for name, value in (("BLOCK_V_GRAD", 64), ("GRAD_FLOAT32_PRECISION", "tf64")):
+        with monkeypatch.context() as patch:
+            patch.setattr(delta, name, value)
+            with pytest.raises(ValueError, match="BLOCK_V_GRAD must be 16 or 32"):
+                chunk_delta_rule(**x)
+
+
 def test_chunked_bad_input() -> None:
     x = _inputs(1, 1, 8, 16, 16, True)
     with pytest.raises(ValueError, match="torch.float64"):

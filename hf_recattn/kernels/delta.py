@@ -76,6 +76,10 @@ MAX_KEY_DIM = 128
 #: value columns per program: the in-chunk kernels (also the padding of the internal buffers), the sequential
 #: kernels (narrow, so that more programs walk the chunks side by side) and the per-chunk gradient kernels
 BLOCK_V, BLOCK_V_STATE, BLOCK_V_GRAD = 32, 16, 16
+#: tensor-core products of float32 inputs on CUDA: the forward and sequential kernels, and the two per-chunk
+#: gradient kernels (where three TF32 passes fault on Hopper); half inputs always take one TF32 pass
+FLOAT32_PRECISION, GRAD_FLOAT32_PRECISION = "tf32x3", "tf32x3"
+PRECISIONS = ("tf32x3", "tf32", "ieee")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -377,6 +381,7 @@ class _Plan:
     bk: int
     vp: int
     precision: str
+    grad_precision: str
 
     @property
     def n(self) -> int:
@@ -386,21 +391,34 @@ class _Plan:
     def dims(self) -> tuple[int, int, int]:
         return self.t, self.k, self.v
 
-    def options(self, bv: int, warps: int) -> dict[str, object]:
-        """Compile-time sizes and launch options of a kernel owning ``bv`` value columns."""
-        return dict(C=self.chunk, BK=self.bk, BV=bv, VP=self.vp, PRECISION=self.precision, num_warps=warps,
+    @property
+    def grad_block(self) -> int:
+        """Value columns per program of the per-chunk gradient kernels (a divisor of the padded width)."""
+        return min(self.vp, BLOCK_V_GRAD)
+
+    def options(self, bv: int, warps: int, grad: bool = False) -> dict[str, object]:
+        """Compile-time sizes and launch options of a kernel owning ``bv`` value columns (``grad``: one of the
+        per-chunk gradient kernels, with their product precision)."""
+        precision = self.grad_precision if grad else self.precision
+        return dict(C=self.chunk, BK=self.bk, BV=bv, VP=self.vp, PRECISION=precision, num_warps=warps,
                     num_stages=1)
 
 
 def _plan(q: Tensor, v: Tensor, chunk_size: int) -> _Plan:
     b, h, t, k = q.shape
     block = min(max(16, triton.next_power_of_2(v.shape[-1])), BLOCK_V)
+    if BLOCK_V_GRAD not in (16, 32) or FLOAT32_PRECISION not in PRECISIONS or GRAD_FLOAT32_PRECISION not in PRECISIONS:
+        raise ValueError(f"delta kernels: BLOCK_V_GRAD must be 16 or 32 and the float32 precisions one of "
+                         f"{PRECISIONS}, got {BLOCK_V_GRAD}, {FLOAT32_PRECISION!r}, {GRAD_FLOAT32_PRECISION!r}")
     if isinstance(_prepare_kernel, InterpretedFunction):
-        precision = "ieee"
-    else:  # tensor cores: three TF32 products keep float32 inputs at float32 accuracy
-        precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
+        precision = grad_precision = "ieee"
+    elif q.dtype == torch.float32:  # tensor cores: three TF32 products keep float32 inputs at float32 accuracy
+        precision, grad_precision = FLOAT32_PRECISION, GRAD_FLOAT32_PRECISION
+    else:
+        precision = grad_precision = "tf32"
     vp = triton.cdiv(v.shape[-1], block) * block
-    return _Plan(b * h, t, k, v.shape[-1], chunk_size, max(16, triton.next_power_of_2(k)), vp, precision)
+    return _Plan(b * h, t, k, v.shape[-1], chunk_size, max(16, triton.next_power_of_2(k)), vp, precision,
+                 grad_precision)
 
 
 def _forward(
@@ -441,10 +459,10 @@ def _backward(
     )
     dq, dk, dv, dla, dbeta, derase = grads
     dk_q, d_cum = torch.empty_like(w), torch.empty(p.bh, p.n * p.chunk, device=q.device, dtype=torch.float32)
-    _query_grad_kernel[(p.n, p.bh)](q, k, la, u, h, do, dq, dk_q, d_cum, *p.dims, **p.options(BLOCK_V_GRAD, 8))
+    grad = p.options(p.grad_block, 8, grad=True)
+    _query_grad_kernel[(p.n, p.bh)](q, k, la, u, h, do, dq, dk_q, d_cum, *p.dims, **grad)
     _chunk_grad_kernel[(p.n, p.bh)](
-        k, v, la, beta, erase, inverse, u, h, du, dh, dk_q, d_cum, dk, dv, dla, dbeta, derase, *p.dims,
-        **p.options(BLOCK_V_GRAD, 8),
+        k, v, la, beta, erase, inverse, u, h, du, dh, dk_q, d_cum, dk, dv, dla, dbeta, derase, *p.dims, **grad
     )
     return (*grads, ds0)
 
