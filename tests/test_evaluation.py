@@ -22,6 +22,7 @@ from hf_recattn.evaluation import (
     decode_stats,
     evaluate,
     generation_samples,
+    heldout,
     passkey,
     passkey_probe,
     passkey_prompt,
@@ -70,6 +71,20 @@ def test_perplexity_matches_float64_reference_for_any_batch_size() -> None:
     expected = _reference_perplexity(model.table.detach(), blocks)
     for batch_size in (1, 2, 5, 8):
         assert perplexity(model, blocks, batch_size=batch_size) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("positions", [1, 5, 12, 40])
+def test_summed_nll_is_cross_entropy_bit_for_bit(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                 positions: int) -> None:
+    """The slice-by-slice log-softmax gives exactly the full cross-entropy's sum (so no published perplexity
+    moves), with slices that do not divide the positions."""
+    monkeypatch.setattr(heldout, "NLL_ROWS", 5)
+    gen = torch.Generator().manual_seed(positions)
+    logits = (torch.randn(positions, 300, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 300, (positions,), generator=gen)
+    expected = F.cross_entropy(logits.float(), targets, reduction="sum")
+    assert torch.equal(heldout.summed_nll(logits, targets), expected)
 
 
 def test_perplexity_of_uniform_logits_is_the_vocab_size() -> None:

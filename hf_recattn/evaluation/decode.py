@@ -54,7 +54,7 @@ def decode_stats(
     ids = torch.randint(low, vocab, (1, context_length), generator=gen).to(device)
     with eval_mode(model), progress_bar(1 + steps, progress, "forward") as bar:
         start = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # the next token's logits only
         prefill_s = time.perf_counter() - start
         bar.update()
         cache = cache_of(out)
