@@ -200,7 +200,7 @@ render_markdown = table
 
 def merge(paths: list[str], out: Path, plot_path: str | None, peers: dict[str, dict[str, Any]] | None = None) -> int:
     """One result file from parts measured in several processes with the same settings; the provenance of the
-    part holding the teacher, with the parts' commands."""
+    part holding the teacher, with the parts' commands (a merged file among the parts brings its own list)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     if any(part["settings"] != parts[0]["settings"] for part in parts):
         raise SystemExit("pareto.py --merge: the files were measured with different settings")
@@ -208,7 +208,8 @@ def merge(paths: list[str], out: Path, plot_path: str | None, peers: dict[str, d
     if not holders:
         raise SystemExit("pareto.py --merge: no file holds the teacher's row")
     results = {**holders[0], "models": {name: row for part in parts for name, row in part["models"].items()}}
-    results["parts"] = [part["provenance"]["command"] for part in parts]
+    # a file merged before keeps the commands of its own parts
+    results["parts"] = [command for part in parts for command in part.get("parts", [part["provenance"]["command"]])]
     write_json(out, results)
     print(table(results, peers))
     if plot_path:

@@ -142,3 +142,24 @@ def test_plot_only_measures_nothing(pareto: ModuleType, tmp_path: Path) -> None:
         pareto.main(["--plot-only", str(bad)])
     with pytest.raises(SystemExit, match="not a benchmarks/pareto.py result file"):
         pareto.main(["--plot-only", str(bad), "--plot", str(tmp_path / "x.png")])
+
+
+def test_merge_keeps_the_commands_of_a_file_merged_before(
+    pareto: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Merging a merged file with a new part lists every part's command once, the teacher's provenance kept."""
+    monkeypatch.setattr(pareto, "table", lambda *_: "")
+
+    def part(name: str, command: str, rows: list[str]) -> Path:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"benchmark": "pareto", "settings": {"context": 8},
+                                    "models": dict.fromkeys(rows, {}), "provenance": {"command": command}}))
+        return path
+
+    first = tmp_path / "first.json"
+    pareto.merge([str(part("teacher", "a", ["teacher"])), str(part("b", "b", ["x"]))], first, None)
+    joined = tmp_path / "joined.json"
+    pareto.merge([str(first), str(part("c", "c", ["y"]))], joined, None)
+    result = json.loads(joined.read_text())
+    assert result["parts"] == ["a", "b", "c"]
+    assert result["provenance"] == {"command": "a"} and sorted(result["models"]) == ["teacher", "x", "y"]
