@@ -54,9 +54,9 @@ if step check_delta 120 "$python" scripts/check_delta_kernels.py "${delta[@]}"; 
     delta_ok=1
 else
     delta_ok=0
-    step delta_sanitizer 90 compute-sanitizer --tool memcheck --print-limit 10 \
-        "$python" scripts/check_delta_kernels.py --lengths 2048 --heads 9 --dims 64 --chunks 64 --dtypes float32
     failing=(--lengths 2048 --heads 9 --dims 64 --chunks 64 --dtypes float32)
+    step delta_sanitizer 90 compute-sanitizer --tool memcheck --print-limit 10 \
+        "$python" scripts/check_delta_kernels.py "${failing[@]}"
     step delta_block32 40 "$python" scripts/check_delta_kernels.py "${failing[@]}" --grad-block 32
     step delta_ieee 40 "$python" scripts/check_delta_kernels.py "${failing[@]}" --grad-precision ieee
     step delta_tf32 40 "$python" scripts/check_delta_kernels.py "${failing[@]}" --grad-precision tf32
