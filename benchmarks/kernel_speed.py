@@ -234,6 +234,13 @@ def render_markdown(results: dict) -> str:
     return "\n".join([*lines, "", *results["notes"]])
 
 
+def delta_grad_variant(precision: str, block: str, warps: str) -> None:
+    """Set the Triton delta rule's gradient-kernel settings (checked at the kernel's next call)."""
+    from hf_recattn.kernels import delta
+
+    delta.GRAD_FLOAT32_PRECISION, delta.BLOCK_V_GRAD, delta.GRAD_WARPS = precision, int(block), int(warps)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
@@ -252,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--leave-out", nargs="+", action="extend", default=[], metavar="IMPL/MODE",
         help="cells not run (e.g. 'ours gdr/fwd+bwd'); say why with --note")
     add("--note", action="append", default=[], help="a line added to the results' notes")
+    add("--delta-grad", nargs=3, metavar=("PRECISION", "BLOCK", "WARPS"),
+        help="a variant of the Triton delta rule's per-chunk gradient kernels (scripts/check_delta_kernels.py's "
+             "--grad-precision, --grad-block, --grad-warps), e.g. 'split 16 8'")
     add("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     add("--quick", action="store_true", help="smoke run: lengths 1024 4096, 3 repeats")
     add("--memory-cell", nargs=3, metavar=("IMPL", "T", "MODE"), help=argparse.SUPPRESS)
@@ -267,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.delta_grad:
+        delta_grad_variant(*args.delta_grad)
     if args.memory_cell:
         impl, length, mode = args.memory_cell
         print(json.dumps({"mib": memory_cell(impl, int(length), mode, args)}))
@@ -297,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         "impls": args.impls, "lengths": args.lengths, "modes": args.modes,
         "cells": [{"impl": i, "length": t, "mode": m, "seconds": seconds, **({"mib": mem[i, t, m]} if mem else {})}
                   for (i, t, m), seconds in secs.items()],
-        "notes": [note, *args.note],
+        "notes": [note, *args.note, *([f"Triton delta gradient kernels: float32 products {args.delta_grad[0]}, "
+                                       f"{args.delta_grad[1]} value columns, {args.delta_grad[2]} warps"]
+                                     if args.delta_grad else [])],
     })
     print(render_markdown(results))
     return 0

@@ -2,7 +2,7 @@
 
     python scripts/check_delta_kernels.py                      # the shapes that faulted, and around them
     TRITON_INTERPRET=1 python scripts/check_delta_kernels.py --device cpu --lengths 100 --heads 1 --dims 16
-    python scripts/check_delta_kernels.py --grad-precision tf32 --grad-block 32   # a variant of the kernels
+    python scripts/check_delta_kernels.py --grad-precision tf32 --grad-block 32 --grad-warps 2   # a variant
 
 Runs every case (tokens x heads x head dim x chunk x dtype), each kernel launch followed by a synchronize and a
 printed line, so that an illegal memory access names its kernel and case (the last line printed). Values and the
@@ -11,9 +11,10 @@ GPU refuses (shared memory: the gradient kernels at chunks of 128 with heads of 
 skipped. Exit 0 when every other case passes: only then may ``hf_recattn.kernels`` register ``chunk_delta`` with
 ``backward_verified=True`` (the models run chunks of 64).
 
-``--grad-precision`` and ``--grad-block`` run a variant of the two per-chunk gradient kernels (their float32
-tensor-core products in one TF32 pass or without tensor cores; 32 value columns per pass instead of 16): the
-candidate cures of the fault on Hopper GPUs, which a passing run shows; the package's defaults stay until then.
+``--grad-precision``, ``--grad-block`` and ``--grad-warps`` run a variant of the two per-chunk gradient kernels
+(their float32 tensor-core products in one TF32 pass, without tensor cores, or as three TF32 passes written out in
+the kernel; 32 value columns per pass instead of 16; 2 warps per program, which compiles to per-warp products
+instead of Hopper's warp-group ones): the candidate cures of the fault on Hopper GPUs, which a passing run shows.
 """
 
 from __future__ import annotations
@@ -97,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="float32 products of the per-chunk gradient kernels on CUDA")
     parser.add_argument("--grad-block", type=int, choices=(16, 32), default=delta.BLOCK_V_GRAD,
                         help="value columns per pass of the per-chunk gradient kernels")
+    parser.add_argument("--grad-warps", type=int, choices=(2, 4, 8), default=delta.GRAD_WARPS,
+                        help="warps per program of the per-chunk gradient kernels (2: no warp-group products)")
     args = parser.parse_args(argv)
     delta.GRAD_FLOAT32_PRECISION, delta.BLOCK_V_GRAD = args.grad_precision, args.grad_block
+    delta.GRAD_WARPS = args.grad_warps
     rtol = {**RTOL, torch.float32: RTOL_ONE_TF32} if args.grad_precision == "tf32" else RTOL
-    print(f"gradient kernels: float32 products {args.grad_precision}, {args.grad_block} value columns per pass")
+    print(f"gradient kernels: float32 products {args.grad_precision}, {args.grad_block} value columns per pass, "
+          f"{args.grad_warps} warps")
     if args.device == "cuda":  # (the interpreter runs launches one after the other anyway)
         for name in KERNELS:
             setattr(delta, name, _Synchronized(name, getattr(delta, name), torch.cuda.synchronize))

@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 from bounds import OutOfBounds, checked_memory, interpreted_only  # noqa: E402
 
 from hf_recattn.kernels.decode import fused_delta_step, fused_linear_step  # noqa: E402
-from hf_recattn.kernels.delta import chunk_delta_rule  # noqa: E402
+from hf_recattn.kernels.delta import _split_tf32, chunk_delta_rule  # noqa: E402
 from hf_recattn.modeling.ops_delta import delta_chunked, delta_step  # noqa: E402
 from hf_recattn.modeling.ops_linear import linear_step  # noqa: E402
 
@@ -180,11 +180,44 @@ def test_wider_gradient_blocks(monkeypatch: pytest.MonkeyPatch, dk: int, dv: int
     _check_against(x, 32, lambda y: _reference(y, 32))
 
 
+@pytest.mark.parametrize("setting", ["GRAD_FLOAT32_PRECISION", "FLOAT32_PRECISION"])
+def test_split_products(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """Products as three one-pass TF32 products of split operands (``split``, a hardware-check variant), in the
+    gradient kernels or everywhere: the interpreter runs the split algebra (its TF32 products are exact), which
+    drops only low x low (under 2^-20 relative), so the float32 tolerance holds."""
+    from hf_recattn.kernels import delta
+
+    monkeypatch.setattr(delta, setting, "split")
+    plan = delta._plan(torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16), 16)
+    assert (plan.grad_precision, plan.precision)[setting == "FLOAT32_PRECISION"] == "split"
+    x = _inputs(1, 2, 70, 32, 24, True)
+    _check_against(x, 32, lambda y: _reference(y, 32))
+
+
+@triton.jit
+def _split_kernel(x_ptr, high_ptr, low_ptr, N: tl.constexpr):
+    rows = tl.arange(0, N)
+    high, low = _split_tf32(tl.load(x_ptr + rows))
+    tl.store(high_ptr + rows, high)
+    tl.store(low_ptr + rows, low)
+
+
+@interpreted_only
+def test_split_tf32_parts() -> None:
+    """The high part keeps the sign, exponent and 10 mantissa bits (13 low bits clear); high + low is x exactly."""
+    x = torch.cat([torch.randn(60) * 1e3, torch.tensor([0.0, -0.0, 1.0, -3.1415927])])
+    high, low = torch.empty_like(x), torch.empty_like(x)
+    _split_kernel[(1,)](x, high, low, N=64)
+    assert (high.view(torch.int32) & 0x1FFF).eq(0).all()
+    assert torch.equal(high + low, x)
+    assert (low.abs() <= x.abs() * 2.0**-10).all()
+
+
 def test_kernel_settings_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_recattn.kernels import delta
 
     x = _inputs(1, 1, 8, 16, 16, False)
-    for name, value in (("BLOCK_V_GRAD", 64), ("GRAD_FLOAT32_PRECISION", "tf64")):
+    for name, value in (("BLOCK_V_GRAD", 64), ("GRAD_FLOAT32_PRECISION", "tf64"), ("GRAD_WARPS", 3)):
         with monkeypatch.context() as patch:
             patch.setattr(delta, name, value)
             with pytest.raises(ValueError, match="BLOCK_V_GRAD must be 16 or 32"):

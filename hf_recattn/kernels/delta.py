@@ -76,14 +76,42 @@ MAX_KEY_DIM = 128
 #: value columns per program: the in-chunk kernels (also the padding of the internal buffers), the sequential
 #: kernels (narrow, so that more programs walk the chunks side by side) and the per-chunk gradient kernels
 BLOCK_V, BLOCK_V_STATE, BLOCK_V_GRAD = 32, 16, 16
+#: warps per program of the per-chunk gradient kernels: 4 or 8 take Hopper's warp-group products (wgmma), 2 the
+#: older per-warp ones (mma.sync)
+GRAD_WARPS = 8
 #: tensor-core products of float32 inputs on CUDA: the forward and sequential kernels, and the two per-chunk
 #: gradient kernels (where three TF32 passes fault on Hopper); half inputs always take one TF32 pass
 FLOAT32_PRECISION, GRAD_FLOAT32_PRECISION = "tf32x3", "tf32x3"
-PRECISIONS = ("tf32x3", "tf32", "ieee")
+#: Triton's own ``input_precision`` values, and ``split``: three one-pass TF32 products of operands split in the
+#: kernel into a TF32 high part and a float32 remainder (the arithmetic of ``tf32x3``, written out)
+PRECISIONS = ("tf32x3", "tf32", "ieee", "split")
+#: clears the 13 low mantissa bits of a float32 (as int32 bits): what a TF32 product reads of it
+TF32_MASK = tl.constexpr(-8192)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----- device helpers -----------------------------------------------------------------------------------------
+@triton.jit
+def _split_tf32(x):
+    """x as its TF32 high part (low mantissa bits cleared) and the float32 remainder, which sum to x exactly."""
+    high = (x.to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
+    return high, x - high
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b in float32 at ``PRECISION``; ``split``: hi·hi + hi·lo + lo·hi, each one TF32 pass."""
+    if PRECISION == "split":
+        a_high, a_low = _split_tf32(a)
+        b_high, b_low = _split_tf32(b)
+        out = tl.dot(a_low, b_high, input_precision="tf32")
+        out = tl.dot(a_high, b_low, out, input_precision="tf32")
+        out = tl.dot(a_high, b_high, out, input_precision="tf32")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
 @triton.jit
 def _load_row(ptr, rows, n):
     """float32 entries ``rows`` of a vector of length n, zero past its end (padded tokens: no decay, no write)."""
@@ -122,7 +150,7 @@ def _system(k, prev, cum, er, C: tl.constexpr, PRECISION: tl.constexpr):
     rc = tl.arange(0, C)
     strictly = rc[:, None] > rc[None, :]
     decay = tl.exp(tl.where(strictly, prev[:, None] - cum[None, :], float("-inf")))
-    gram = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    gram = _dot(k, tl.trans(k), PRECISION)
     return gram * decay * er[:, None], gram, decay
 
 
@@ -138,7 +166,7 @@ def _chunk_scores(q_ptr, k_ptr, la_ptr, T, K, C: tl.constexpr, BK: tl.constexpr,
     q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
     k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
     cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair
+    scores = _dot(q, tl.trans(k), PRECISION) * pair
     return i_c, i_bh, n, rt, rk, rv, q, cum, scores
 
 
@@ -161,12 +189,12 @@ def _prepare_kernel(
     inverse = _unit_lower_inverse(lower, C)
     row = i_bh * tp + rt
     tl.store(a_ptr + row[:, None] * C + rc[None, :], inverse)
-    w = tl.dot(inverse, k * (er * tl.exp(prev))[:, None], input_precision=PRECISION)
+    w = _dot(inverse, k * (er * tl.exp(prev))[:, None], PRECISION)
     tl.store(w_ptr + row[:, None] * BK + rk[None, :], w)
     for i_v in range(VP // BV):
         rv = i_v * BV + tl.arange(0, BV)
         v = load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
-        u = tl.dot(inverse, v * be[:, None], input_precision=PRECISION)
+        u = _dot(inverse, v * be[:, None], PRECISION)
         tl.store(u_ptr + row[:, None] * VP + rv[None, :], u)
 
 
@@ -188,11 +216,11 @@ def _state_forward_kernel(
         tl.store(h_ptr + ((i_bh * n + i_c) * BK + rk[:, None]) * VP + rv[None, :], state)
         w = tl.load(w_ptr + row[:, None] * BK + rk[None, :])
         u_at = u_ptr + row[:, None] * VP + rv[None, :]
-        u = tl.load(u_at) - tl.dot(w, state, input_precision=PRECISION)
+        u = tl.load(u_at) - _dot(w, state, PRECISION)
         tl.store(u_at, u)
         cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
         k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(last - cum)[:, None]
-        state = state * tl.exp(last) + tl.dot(tl.trans(k), u, input_precision=PRECISION)
+        state = state * tl.exp(last) + _dot(tl.trans(k), u, PRECISION)
     store_tile(sn_ptr + i_bh * K * V, state, rk, rv, K, V)
 
 
@@ -205,8 +233,8 @@ def _output_kernel(
     i_c, i_bh, n, rt, rk, rv, q, cum, scores = _chunk_scores(q_ptr, k_ptr, la_ptr, T, K, C, BK, BV, PRECISION)
     state = tl.load(h_ptr + ((i_bh * n + i_c) * BK + rk[:, None]) * VP + rv[None, :])
     u = tl.load(u_ptr + (i_bh * n * C + rt)[:, None] * VP + rv[None, :])
-    o = tl.dot(q * tl.exp(cum)[:, None], state, input_precision=PRECISION)
-    o += tl.dot(scores, u, input_precision=PRECISION)
+    o = _dot(q * tl.exp(cum)[:, None], state, PRECISION)
+    o += _dot(scores, u, PRECISION)
     store_tile(o_ptr + i_bh * T * V, o, rt, rv, T, V)
 
 
@@ -219,7 +247,7 @@ def _local_value_grad_kernel(
     """One chunk, one head, one value block: the in-chunk part of dU, (Q K^T * D)^T dO."""
     i_c, i_bh, n, rt, rk, rv, q, cum, scores = _chunk_scores(q_ptr, k_ptr, la_ptr, T, K, C, BK, BV, PRECISION)
     do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
-    du = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
+    du = _dot(tl.trans(scores), do, PRECISION)
     tl.store(du_ptr + (i_bh * n * C + rt)[:, None] * VP + rv[None, :], du)
 
 
@@ -244,13 +272,13 @@ def _state_backward_kernel(
         cum, prev, last, pair = _decays(la_ptr + i_bh * T, rt, T, C)
         k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(last - cum)[:, None]
         du_at = du_ptr + row[:, None] * VP + rv[None, :]
-        du = tl.load(du_at) + tl.dot(k, grad, input_precision=PRECISION)
+        du = tl.load(du_at) + _dot(k, grad, PRECISION)
         tl.store(du_at, du)
         q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K) * tl.exp(cum)[:, None]
         do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
         w = tl.load(w_ptr + row[:, None] * BK + rk[None, :])
-        grad = grad * tl.exp(last) + tl.dot(tl.trans(q), do, input_precision=PRECISION)
-        grad -= tl.dot(tl.trans(w), du, input_precision=PRECISION)
+        grad = grad * tl.exp(last) + _dot(tl.trans(q), do, PRECISION)
+        grad -= _dot(tl.trans(w), du, PRECISION)
     if HAS_S0:
         store_tile(ds0_ptr + i_bh * K * V, grad, rk, rv, K, V)
 
@@ -274,8 +302,8 @@ def _query_grad_kernel(
         state = tl.load(h_ptr + ((i_bh * n + i_c) * BK + rk[:, None]) * VP + rv[None, :])
         u = tl.load(u_ptr + row[:, None] * VP + rv[None, :])
         do = load_tile(do_ptr + i_bh * T * V, rt, rv, T, V)
-        d_read += tl.dot(do, tl.trans(state), input_precision=PRECISION)
-        d_scores += tl.dot(do, tl.trans(u), input_precision=PRECISION)
+        d_read += _dot(do, tl.trans(state), PRECISION)
+        d_scores += _dot(do, tl.trans(u), PRECISION)
     # outputs: O = diag(exp(G)) Q S + (Q K^T * D) U
     q = load_tile(q_ptr + i_bh * T * K, rt, rk, T, K)
     k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
@@ -283,9 +311,9 @@ def _query_grad_kernel(
     d_read *= tl.exp(cum)[:, None]
     d_cum = tl.sum(q * d_read, 1)
     d_qk = d_scores * pair  # zero above the diagonal
-    dq = d_read + tl.dot(d_qk, k, input_precision=PRECISION)
-    dk = tl.dot(tl.trans(d_qk), q, input_precision=PRECISION)
-    z = d_qk * tl.dot(q, tl.trans(k), input_precision=PRECISION)  # dD * D: exp(G_t - G_s)
+    dq = d_read + _dot(d_qk, k, PRECISION)
+    dk = _dot(tl.trans(d_qk), q, PRECISION)
+    z = d_qk * _dot(q, tl.trans(k), PRECISION)  # dD * D: exp(G_t - G_s)
     d_cum += tl.sum(z, 1) - tl.sum(z, 0)
     store_tile(dq_ptr + i_bh * T * K, dq, rt, rk, T, K)
     tl.store(dkq_ptr + row[:, None] * BK + rk[None, :], dk)
@@ -324,12 +352,12 @@ def _chunk_grad_kernel(
         at_rows = row[:, None] * VP + rv[None, :]
         u, du = tl.load(u_ptr + at_rows), tl.load(du_ptr + at_rows)
         v = load_tile(v_ptr + i_bh * T * V, rt, rv, T, V)
-        r = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
+        r = _dot(tl.trans(inverse), du, PRECISION)
         store_tile(dv_ptr + i_bh * T * V, r * be[:, None], rt, rv, T, V)
         d_beta += tl.sum(r * v, 1)
-        d_key_rhs -= tl.dot(r, tl.trans(state), input_precision=PRECISION)
-        d_key_state += tl.dot(u, tl.trans(grad), input_precision=PRECISION)
-        d_lower -= tl.dot(r, tl.trans(u), input_precision=PRECISION)
+        d_key_rhs -= _dot(r, tl.trans(state), PRECISION)
+        d_key_state += _dot(u, tl.trans(grad), PRECISION)
+        d_lower -= _dot(r, tl.trans(u), PRECISION)
         d_carry += tl.sum(state * grad, 1)
 
     k = load_tile(k_ptr + i_bh * T * K, rt, rk, T, K)
@@ -353,7 +381,7 @@ def _chunk_grad_kernel(
     lower, gram, decay = _system(k, prev, cum, er, C, PRECISION)
     d_lower = d_lower * decay  # zero on and above the diagonal
     d_gram = d_lower * er[:, None]
-    dk += tl.dot(d_gram, k, input_precision=PRECISION) + tl.dot(tl.trans(d_gram), k, input_precision=PRECISION)
+    dk += _dot(d_gram, k, PRECISION) + _dot(tl.trans(d_gram), k, PRECISION)
     z = d_gram * gram  # dL * L
     d_prev += tl.sum(z, 1)
     d_cum -= tl.sum(z, 0)
@@ -407,11 +435,14 @@ class _Plan:
 def _plan(q: Tensor, v: Tensor, chunk_size: int) -> _Plan:
     b, h, t, k = q.shape
     block = min(max(16, triton.next_power_of_2(v.shape[-1])), BLOCK_V)
-    if BLOCK_V_GRAD not in (16, 32) or FLOAT32_PRECISION not in PRECISIONS or GRAD_FLOAT32_PRECISION not in PRECISIONS:
-        raise ValueError(f"delta kernels: BLOCK_V_GRAD must be 16 or 32 and the float32 precisions one of "
-                         f"{PRECISIONS}, got {BLOCK_V_GRAD}, {FLOAT32_PRECISION!r}, {GRAD_FLOAT32_PRECISION!r}")
-    if isinstance(_prepare_kernel, InterpretedFunction):
-        precision = grad_precision = "ieee"
+    if (BLOCK_V_GRAD not in (16, 32) or GRAD_WARPS not in (2, 4, 8) or FLOAT32_PRECISION not in PRECISIONS
+            or GRAD_FLOAT32_PRECISION not in PRECISIONS):
+        raise ValueError(f"delta kernels: BLOCK_V_GRAD must be 16 or 32, GRAD_WARPS 2, 4 or 8 and the float32 "
+                         f"precisions one of {PRECISIONS}, got {BLOCK_V_GRAD}, {GRAD_WARPS}, "
+                         f"{FLOAT32_PRECISION!r}, {GRAD_FLOAT32_PRECISION!r}")
+    if isinstance(_prepare_kernel, InterpretedFunction):  # IEEE products; ``split`` still runs its algebra
+        precision, grad_precision = (("split" if x == "split" else "ieee")
+                                     for x in (FLOAT32_PRECISION, GRAD_FLOAT32_PRECISION))
     elif q.dtype == torch.float32:  # tensor cores: three TF32 products keep float32 inputs at float32 accuracy
         precision, grad_precision = FLOAT32_PRECISION, GRAD_FLOAT32_PRECISION
     else:
@@ -459,7 +490,7 @@ def _backward(
     )
     dq, dk, dv, dla, dbeta, derase = grads
     dk_q, d_cum = torch.empty_like(w), torch.empty(p.bh, p.n * p.chunk, device=q.device, dtype=torch.float32)
-    grad = p.options(p.grad_block, 8, grad=True)
+    grad = p.options(p.grad_block, GRAD_WARPS, grad=True)
     _query_grad_kernel[(p.n, p.bh)](q, k, la, u, h, do, dq, dk_q, d_cum, *p.dims, **grad)
     _chunk_grad_kernel[(p.n, p.bh)](
         k, v, la, beta, erase, inverse, u, h, du, dh, dk_q, d_cum, dk, dv, dla, dbeta, derase, *p.dims, **grad
