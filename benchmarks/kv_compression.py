@@ -7,7 +7,8 @@ L tokens the press's ``compression_ratio`` is 1 - kept / L (DuoAttention: the sh
 kept tokens per head on average). A press that cannot run is listed with its error. On the Pareto table's probes:
 
 * passkey retrieval (``--passkey-lengths``, keys at depths 0.1 / 0.5 / 0.9, the same prompts and keys as
-  ``hf_recattn.evaluation.passkey_probe``): the prompt up to the question is the context the press compresses
+  ``hf_recattn.evaluation.passkey_probe`` over those lengths, or, with ``--passkey-drawn-before``, over those
+  lengths first and then ``--passkey-lengths``): the prompt up to the question is the context the press compresses
   once at prefill; the question ("What is the pass key? The pass key is") follows through the compressed cache,
   unseen by the press (question-agnostic, like a constant-size state); greedy answers, scored as the project does;
 * perplexity of ``--ppl-continuation`` held-out tokens continuing a ``--ppl-context``-token held-out context
@@ -38,7 +39,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,9 +136,14 @@ def budgets(bytes_mib: list[float], pareto: dict[str, Any] | None, students: lis
 
 
 # ----- the probes -------------------------------------------------------------------------------------------
-def passkey_cases(tokenizer: Any, lengths: list[int], trials: int, seed: int = 0) -> list[dict[str, Any]]:
-    """passkey_probe's prompts (its keys, depths and lengths), each split into the context and the question."""
+def passkey_cases(tokenizer: Any, lengths: list[int], trials: int, seed: int = 0,
+                  drawn_before: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """passkey_probe's prompts (its keys, depths and lengths), each split into the context and the question.
+    ``drawn_before``: lengths a probe measured first, whose keys are drawn and dropped, so that the keys of
+    ``lengths`` are the ones that probe gave them (the Pareto table's 4k keys follow its 1k ones)."""
     rng = random.Random(seed)
+    for _ in range(len(drawn_before) * trials):
+        rng.randrange(10_000, 100_000)
     question = passkey_question_ids(tokenizer)
     cases = []
     for length in lengths:
@@ -268,6 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=PRESSES)
     parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--passkey-trials", type=int, default=6)
+    parser.add_argument("--passkey-drawn-before", type=int, nargs="*", default=[], metavar="TOKENS",
+                        help="lengths the compared probe measured before --passkey-lengths (their keys are drawn "
+                             "and dropped, so the keys match it; e.g. 1024 to measure only the Pareto table's 4096)")
     parser.add_argument("--ppl-context", type=int, default=1024)
     parser.add_argument("--ppl-continuation", type=int, default=256)
     parser.add_argument("--ppl-blocks", type=int, default=4)
@@ -285,7 +294,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("teacher", "passkey_lengths", "passkey_trials", "ppl_context", "ppl_continuation", "ppl_blocks",
             "heldout_tokens", "block_size")
-    return {"corpus": CORPUS_SHA256, "pins": list(PINS)} | {key: getattr(args, key) for key in keys}
+    drawn = {"passkey_drawn_before": args.passkey_drawn_before} if args.passkey_drawn_before else {}
+    return {"corpus": CORPUS_SHA256, "pins": list(PINS)} | {key: getattr(args, key) for key in keys} | drawn
 
 
 def start_results(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     teacher, tokenizer = load_teacher(args.teacher)
     per_token = bytes_per_token(teacher)
     kept = budgets(args.bytes, pareto, args.students, per_token)
-    cases = passkey_cases(tokenizer, args.passkey_lengths, args.passkey_trials)
+    cases = passkey_cases(tokenizer, args.passkey_lengths, args.passkey_trials,
+                          drawn_before=args.passkey_drawn_before)
     lengths = sorted({len(c["context_ids"]) for c in cases} | {args.ppl_context})
     for tokens in [t for t in kept if t >= max(lengths)]:
         print(f"{', '.join(kept.pop(tokens))}: {tokens} tokens hold every context here, nothing to compress")

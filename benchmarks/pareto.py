@@ -174,7 +174,8 @@ def table(results: dict[str, Any], peers: dict[str, dict[str, Any]] | None = Non
 def peer_rows(paths: list[str]) -> dict[str, dict[str, Any]]:
     """Rows of other methods measured on the same probes: every press that ran in ``kv_compression.py`` result
     files, with its cache MiB, passkey accuracy and its perplexity ratio (a continuation of a compressed held-out
-    context against the teacher without a press) under in-distribution."""
+    context against the teacher without a press) under in-distribution. A press at one budget in several files
+    (e.g. passkey lengths measured apart) is one row with every length."""
     peers: dict[str, dict[str, Any]] = {}
     for path in paths:
         file = Path(path)
@@ -189,9 +190,17 @@ def peer_rows(paths: list[str]) -> dict[str, dict[str, Any]]:
             if row.get("press") is None or "error" in row:
                 continue
             ratio = {"in-distribution": row["continuation_perplexity"] / base} if base else {}
-            peers[f"{row['press']} {row['kept_tokens']} tokens (kvpress)"] = {
-                "cache_mib": row["cache_mib"], "passkey": row["passkey"], "perplexity_ratio": ratio,
-                "training_tokens": 0}
+            name = f"{row['press']} {row['kept_tokens']} tokens (kvpress)"
+            if name in peers:  # the same press and budget in another file (e.g. other passkey lengths): one row
+                earlier = peers[name]["perplexity_ratio"].get("in-distribution")
+                if earlier and ratio and abs(ratio["in-distribution"] / earlier - 1) > 1e-6:
+                    raise SystemExit(f"--peers {path}: {name} has another perplexity ratio than in an earlier "
+                                     f"file ({ratio} against {peers[name]['perplexity_ratio']})")
+                peers[name]["passkey"] = {**peers[name]["passkey"], **row["passkey"]}
+                peers[name]["perplexity_ratio"] = peers[name]["perplexity_ratio"] or ratio
+                continue
+            peers[name] = {"cache_mib": row["cache_mib"], "passkey": dict(row["passkey"]),
+                           "perplexity_ratio": ratio, "training_tokens": 0}
     return peers
 
 

@@ -79,6 +79,8 @@ def test_passkey_cases_are_the_projects_prompts_split_before_the_question(kv: Mo
         assert "pass key" in tokenizer.decode(case["question_ids"]) and case["max_new_tokens"] == 8
     assert len({c["key"] for c in cases}) == 6
     assert [c["key"] for c in kv.passkey_cases(tokenizer, [200, 240], trials=3)] == [c["key"] for c in cases]
+    later = kv.passkey_cases(tokenizer, [240], trials=3, drawn_before=[200])  # the 240 prompts of that probe alone
+    assert later == cases[3:]
 
 
 def test_the_probe_file_round_trip(kv: ModuleType, tmp_path: Path) -> None:
@@ -145,6 +147,16 @@ def test_pareto_reads_the_presses_as_peer_rows(kv: ModuleType, pareto: ModuleTyp
     teacher["passkey"]["4096"] = student["passkey"]["4096"] = 0.5
     assert pareto.table(results, peers).splitlines()[3].endswith("| 33% | - | - | 0 |")  # not measured at 4096
     assert lines[4].startswith("| student | 1.00 |")
+    longer = results_of(kv)
+    longer["rows"]["SnapKV 100"]["passkey"] = {"800": 0.0}
+    (tmp_path / "kv800.json").write_text(json.dumps(longer))
+    both = pareto.peer_rows([str(path), str(tmp_path / "kv800.json")])  # one row with both lengths
+    assert list(both) == list(peers) and both["SnapKV 100 tokens (kvpress)"]["passkey"] == {
+        "200": pytest.approx(1 / 3), "800": 0.0}
+    longer["rows"]["SnapKV 100"]["continuation_perplexity"] *= 2
+    (tmp_path / "kv800.json").write_text(json.dumps(longer))
+    with pytest.raises(SystemExit, match="another perplexity ratio"):
+        pareto.peer_rows([str(path), str(tmp_path / "kv800.json")])
     for bad, why in ((tmp_path / "none.json", "no such file"), (tmp_path / "other.json", "kv_compression.py")):
         if why != "no such file":
             bad.write_text(json.dumps({"benchmark": "pareto"}))
