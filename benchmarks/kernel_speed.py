@@ -234,13 +234,6 @@ def render_markdown(results: dict) -> str:
     return "\n".join([*lines, "", *results["notes"]])
 
 
-def delta_grad_variant(precision: str, block: str, warps: str) -> None:
-    """Set the Triton delta rule's gradient-kernel settings (checked at the kernel's next call)."""
-    from hf_recattn.kernels import delta
-
-    delta.GRAD_FLOAT32_PRECISION, delta.BLOCK_V_GRAD, delta.GRAD_WARPS = precision, int(block), int(warps)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
@@ -278,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.delta_grad:
-        delta_grad_variant(*args.delta_grad)
+        from hf_recattn.kernels.delta import set_gradient_variant
+
+        precision, block, warps = args.delta_grad
+        set_gradient_variant(precision, int(block), int(warps))
     if args.memory_cell:
         impl, length, mode = args.memory_cell
         print(json.dumps({"mib": memory_cell(impl, int(length), mode, args)}))

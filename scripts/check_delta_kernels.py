@@ -96,13 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--grad-precision", choices=delta.PRECISIONS, default=delta.GRAD_FLOAT32_PRECISION,
                         help="float32 products of the per-chunk gradient kernels on CUDA")
-    parser.add_argument("--grad-block", type=int, choices=(16, 32), default=delta.BLOCK_V_GRAD,
+    parser.add_argument("--grad-block", type=int, choices=delta.GRAD_BLOCKS, default=delta.BLOCK_V_GRAD,
                         help="value columns per pass of the per-chunk gradient kernels")
-    parser.add_argument("--grad-warps", type=int, choices=(2, 4, 8), default=delta.GRAD_WARPS,
+    parser.add_argument("--grad-warps", type=int, choices=delta.GRAD_WARP_COUNTS, default=delta.GRAD_WARPS,
                         help="warps per program of the per-chunk gradient kernels (2: no warp-group products)")
     args = parser.parse_args(argv)
-    delta.GRAD_FLOAT32_PRECISION, delta.BLOCK_V_GRAD = args.grad_precision, args.grad_block
-    delta.GRAD_WARPS = args.grad_warps
+    delta.set_gradient_variant(args.grad_precision, args.grad_block, args.grad_warps)
     rtol = {**RTOL, torch.float32: RTOL_ONE_TF32} if args.grad_precision == "tf32" else RTOL
     print(f"gradient kernels: float32 products {args.grad_precision}, {args.grad_block} value columns per pass, "
           f"{args.grad_warps} warps")

@@ -213,6 +213,17 @@ def test_split_tf32_parts() -> None:
     assert (low.abs() <= x.abs() * 2.0**-10).all()
 
 
+def test_set_gradient_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts' one setter of the gradient kernels' settings: the next call plans with them."""
+    from hf_recattn.kernels import delta
+
+    for name in ("GRAD_FLOAT32_PRECISION", "BLOCK_V_GRAD", "GRAD_WARPS"):  # restored after the test
+        monkeypatch.setattr(delta, name, getattr(delta, name))
+    delta.set_gradient_variant("split", 32, 2)
+    plan = delta._plan(torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 40), 16)
+    assert (plan.grad_precision, plan.grad_block, delta.GRAD_WARPS) == ("split", 32, 2)
+
+
 def test_kernel_settings_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_recattn.kernels import delta
 

@@ -68,7 +68,7 @@ from .tiles import load_state_block, load_tile, store_tile
 
 Tensor = torch.Tensor
 
-__all__ = ["chunk_delta_rule"]
+__all__ = ["chunk_delta_rule", "set_gradient_variant"]
 
 #: the largest key head dimension (a program holds whole key vectors; the gradient kernels' shared memory use
 #: grows with it); values are split in blocks and have no limit
@@ -79,6 +79,8 @@ BLOCK_V, BLOCK_V_STATE, BLOCK_V_GRAD = 32, 16, 16
 #: warps per program of the per-chunk gradient kernels: 4 or 8 take Hopper's warp-group products (wgmma), 2 the
 #: older per-warp ones (mma.sync)
 GRAD_WARPS = 8
+#: the values BLOCK_V_GRAD and GRAD_WARPS may take
+GRAD_BLOCKS, GRAD_WARP_COUNTS = (16, 32), (2, 4, 8)
 #: tensor-core products of float32 inputs on CUDA: the forward and sequential kernels, and the two per-chunk
 #: gradient kernels (where three TF32 passes fault on Hopper); half inputs always take one TF32 pass
 FLOAT32_PRECISION, GRAD_FLOAT32_PRECISION = "tf32x3", "tf32x3"
@@ -432,10 +434,17 @@ class _Plan:
                     num_stages=1)
 
 
+def set_gradient_variant(precision: str, block: int, warps: int) -> None:
+    """Run the per-chunk gradient kernels with these settings from the next call on (``GRAD_FLOAT32_PRECISION``,
+    ``BLOCK_V_GRAD``, ``GRAD_WARPS``: the hardware-check variants), checked when that call plans its launches."""
+    global GRAD_FLOAT32_PRECISION, BLOCK_V_GRAD, GRAD_WARPS
+    GRAD_FLOAT32_PRECISION, BLOCK_V_GRAD, GRAD_WARPS = precision, block, warps
+
+
 def _plan(q: Tensor, v: Tensor, chunk_size: int) -> _Plan:
     b, h, t, k = q.shape
     block = min(max(16, triton.next_power_of_2(v.shape[-1])), BLOCK_V)
-    if (BLOCK_V_GRAD not in (16, 32) or GRAD_WARPS not in (2, 4, 8) or FLOAT32_PRECISION not in PRECISIONS
+    if (BLOCK_V_GRAD not in GRAD_BLOCKS or GRAD_WARPS not in GRAD_WARP_COUNTS or FLOAT32_PRECISION not in PRECISIONS
             or GRAD_FLOAT32_PRECISION not in PRECISIONS):
         raise ValueError(f"delta kernels: BLOCK_V_GRAD must be 16 or 32, GRAD_WARPS 2, 4 or 8 and the float32 "
                          f"precisions one of {PRECISIONS}, got {BLOCK_V_GRAD}, {GRAD_WARPS}, "
