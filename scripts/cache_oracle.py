@@ -79,11 +79,17 @@ def position_score(keep: str, needle: range) -> Callable[[torch.Tensor, torch.Te
     return score
 
 
-def override_cache_decisions(model: Any, keep: str, needle: range) -> None:
-    """Make every cached hybrid layer of ``model`` (one row at a time) decide by prompt position: each layer
-    records the keys it is given, in order, and its far part's score is replaced by ``position_score``."""
+def override_cache_decisions(model: Any, keep: str, needle: range, layers: list[int] | None = None) -> None:
+    """Make the cached hybrid layers of ``model`` (all, or those of ``layers``; one row at a time) decide by prompt
+    position: each records the keys it is given, in order, and its far part's score is replaced by
+    ``position_score``."""
     score = position_score(keep, needle)
-    for mixer in hybrid_mixers(model):
+    mixers = hybrid_mixers(model)
+    chosen = range(len(mixers)) if layers is None else layers
+    unknown = sorted(set(chosen) - set(range(len(mixers))))
+    if unknown:
+        raise ValueError(f"--layers: {unknown} are not among the {len(mixers)} cached hybrid layers")
+    for mixer in (mixers[i] for i in chosen):
         recorded: list[torch.Tensor] = []
         _record_keys(mixer, recorded)
         own = mixer.far.far_recall_error
@@ -114,7 +120,8 @@ def _record_keys(mixer: HybridMixer, recorded: list[torch.Tensor]) -> None:
 def key_positions(keys: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
     """The prompt position [Hkv, N] of each candidate key [Hkv, N, D] among the recorded ones [Hkv, P, D]
     (-1 where none is within MATCH)."""
-    distance = torch.cdist(keys.float(), recorded.float())  # [Hkv, N, P]
+    # the direct form: the matrix-product one cancels to ~1e-4 for equal vectors, above MATCH
+    distance = torch.cdist(keys.float(), recorded.float(), compute_mode="donot_use_mm_for_euclid_dist")
     nearest = distance.min(-1)
     return torch.where(nearest.values < MATCH, nearest.indices, -1)
 
@@ -148,7 +155,7 @@ def trial(model: Any, tokenizer: Any, length: int, key: str, depth: float, args:
     if args.far_off:
         switch_far_off(fresh)
     if args.keep != "as-trained":
-        override_cache_decisions(fresh, args.keep, span)
+        override_cache_decisions(fresh, args.keep, span, args.layers)
     with torch.no_grad():
         answer = tokenizer.decode(
             greedy_continuation(fresh, tokenizer, torch.tensor([ids]), args.new_tokens).tokens, skip_special_tokens=True
@@ -162,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="an hf_recattn checkpoint folder with hybrid layers")
     parser.add_argument("--keep", choices=KEEP, default="needle", help="what every decision keeps (see above)")
     parser.add_argument("--cache-slots", type=int, default=None, help="cache slots per KV head (default: as saved)")
+    parser.add_argument("--layers", type=int, nargs="+", default=None,
+                        help="override only these cached hybrid layers (counted from 0); the others decide as trained")
     parser.add_argument("--far-off", action="store_true", help="the far part's mixing weight to about 1e-13")
     parser.add_argument("--teacher-weights", metavar="TEACHER", help="load this teacher's tensors of equal shape")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096], help="prompt tokens")
@@ -193,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     print(f"right: {sum(r['correct'] for r in rows)} of {len(rows)}")
     if args.json:
-        settings = {name: getattr(args, name) for name in ("keep", "cache_slots", "far_off", "teacher_weights")}
+        names = ("keep", "layers", "cache_slots", "far_off", "teacher_weights")
+        settings = {name: getattr(args, name) for name in names}
         write_json(args.json, {"checkpoint": args.checkpoint, "settings": settings, "rows": rows})
     return 0
 

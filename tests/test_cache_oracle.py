@@ -46,6 +46,18 @@ def test_the_needle_stays_cached_in_every_head(far: dict) -> None:
             assert sorted(row.tolist()) == list(needle)
 
 
+def test_only_the_layers_named_are_overridden() -> None:
+    ids = _prompt(5 * WINDOW)
+    needle = range(SINKS + 2, SINKS + 2 + SLOTS)
+    far = FAR_PARTS["linear (leaving keys)"]
+    plain = _cached(_model(far), ids)
+    model = _model(far)
+    oracle.override_cache_decisions(model, "needle", needle, layers=[1])
+    found = _cached(model, ids)
+    assert torch.equal(found[0], plain[0])
+    assert all(sorted(row.tolist()) == list(needle) for row in found[1])
+
+
 @pytest.mark.parametrize("far", FAR_PARTS.values(), ids=FAR_PARTS.keys())
 def test_the_spread_sample_is_the_top_priorities_of_every_decided_position(far: dict) -> None:
     ids = _prompt(6 * WINDOW)
@@ -76,9 +88,9 @@ def test_spread_priorities_cover_a_prefix_evenly() -> None:
 
 
 def test_a_key_is_traced_to_its_position_and_an_unknown_one_to_minus_one() -> None:
-    recorded = torch.randn(2, 7, 4)
-    keys = torch.stack([recorded[:, 5], recorded[:, 2], torch.full((2, 4), 9.0)], dim=1)
-    assert oracle.key_positions(keys, recorded).tolist() == [[5, 2, -1], [5, 2, -1]]
+    recorded = 30.0 + torch.randn(2, 40, 64)  # past 25 rows, where cdist's matrix-product form loses 1e-5
+    keys = torch.stack([recorded[:, 35], recorded[:, 2], torch.full((2, 64), 9.0)], dim=1)
+    assert oracle.key_positions(keys, recorded).tolist() == [[35, 2, -1], [35, 2, -1]]
 
 
 def test_far_off_and_bad_input() -> None:
@@ -90,6 +102,8 @@ def test_far_off_and_bad_input() -> None:
     without = with_hybrid_options(model, {"cache_slots": 0})
     with pytest.raises(ValueError, match="no hybrid layer has an exact cache"):
         oracle.override_cache_decisions(without, "needle", range(0))
+    with pytest.raises(ValueError, match=r"--layers: \[2\] are not among the 2 cached hybrid layers"):
+        oracle.override_cache_decisions(model, "needle", range(0), [0, 2])
     oracle.override_cache_decisions(model, "needle", range(0))
     with pytest.raises(ValueError, match="one prompt at a time"):
         model(torch.tensor([_prompt(3 * WINDOW)] * 2))
@@ -108,7 +122,7 @@ def test_a_trial_plants_the_key_traces_its_needle_and_leaves_the_model_as_it_was
         vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, attention=hybrid)).eval()
     before = [m.mix_logit.clone() for m in oracle.hybrid_mixers(model)]
-    args = oracle.argparse.Namespace(keep="needle+spread", far_off=True, new_tokens=3)
+    args = oracle.argparse.Namespace(keep="needle+spread", layers=None, far_off=True, new_tokens=3)
     row = oracle.trial(model, tok, 240, "12345", 0.5, args)
     ids, _ = oracle.passkey_ids(tok, 240, "12345", 0.5)
     needle = tok.decode(ids[row["needle"][0] : row["needle"][1]])
