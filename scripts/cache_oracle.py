@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.cache_slots is not None:
         model = with_hybrid_options(model, {"cache_slots": args.cache_slots})
-    hybrid_mixers(model)
+    hybrid_mixers(model)  # a checkpoint without a cache is refused before any trial
     if args.teacher_weights:
         teacher, _ = load_causal_lm(args.teacher_weights)
         print(f"tensors taken from {args.teacher_weights}: {take_weights(model, teacher)}")

@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 import torch
-from cache_oracle import needle_span, spread_priority
+from cache_oracle import needle_span, position_score, spread_priority
 
 from hf_recattn.atomic import write_json
 from hf_recattn.conversion.teacher import load_causal_lm
@@ -53,10 +53,11 @@ def kept_columns(keep: str, length: int, needle: range, args: argparse.Namespace
 
 
 def cache_visible(length: int, needle: range, args: argparse.Namespace) -> torch.Tensor:
-    """[length, length] bool: what a hybrid cache keeping the needle, then the spread sample, shows each query."""
+    """[length, length] bool: what a hybrid cache keeping the needle, then the spread sample, shows each query (its
+    decisions by cache_oracle's own rule)."""
     sinks, window = args.sinks, args.window
     positions = torch.arange(length)
-    priority = spread_priority(positions) + 4.0 * ((positions >= needle.start) & (positions < needle.stop)).double()
+    priority = position_score("needle+spread", needle)(positions, torch.zeros(length, dtype=torch.float64))
     slots = args.spread + len(needle)
     visible = torch.zeros(length, length, dtype=torch.bool)
     for t in range(length):
