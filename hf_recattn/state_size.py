@@ -70,7 +70,7 @@ def exact_cache_elements(config: RecAttnConfig, context_length: int) -> int:
     sequence: the state less that of the same model without the cache; 0 without one."""
     if not hybrid_cache_slots(config):
         return 0
-    plain = config_with_hybrid_options(config, {"cache_slots": 0})
+    plain = config_with_hybrid_options(config, {"cache_slots": 0, "cache_score": "far"})
     return sum(r.state_elements for r in state_size_report(config, context_length)) - sum(
         r.state_elements for r in state_size_report(plain, context_length))
 

@@ -5,17 +5,19 @@ checkpoint whose cache decisions are overridden by prompt position.
     python scripts/cache_oracle.py runs/NAME/model --keep needle+spread --cache-slots 284 --far-off
     python scripts/cache_oracle.py runs/NAME/model --keep needle+spread --cache-slots 284 --far-off \
         --teacher-weights embedded
+    python scripts/cache_oracle.py runs/NAME/model --keep as-trained --cache-score novelty
 
-``--keep`` decides what the cache keeps at every decision, in place of the far part's score:
+``--keep`` decides what the cache keeps at every decision, in place of the layer's score (``cache_score``: the far
+part's recall error unless ``--cache-score`` or the checkpoint says otherwise):
 
-* ``as-trained``: the far part's own score (a baseline through the same code);
-* ``needle``: the needle's pairs (its sentence through the key) first, the rest by the far part's score;
+* ``as-trained``: the layer's own score (a baseline through the same code);
+* ``needle``: the needle's pairs (its sentence through the key) first, the rest by the layer's own score;
 * ``spread``: the pairs of an evenly spread sample of the prompt: priority frac(position x 0.618...), a
   low-discrepancy sequence, so that the top G of the tokens that have left lie about evenly over them;
 * ``needle+spread``: the needle first, then the spread sample.
 
 A candidate pair is traced to its prompt position by its key, which the hybrid holds rotary-embedded (so two
-positions never share one); a pair that matches no recorded key (none should) keeps the far part's score.
+positions never share one); a pair that matches no recorded key (none should) keeps the layer's own score.
 ``--far-off`` sets every hybrid layer's mixing logit to 30, so that the far part enters with weight about 1e-13
 while its state still updates. ``--teacher-weights`` loads a teacher's tensors over every tensor of the same name
 and shape (the attention projections, MLPs, norms, embeddings): the student's cache and far part with the
@@ -38,6 +40,7 @@ from hf_recattn.conversion.teacher import load_causal_lm
 from hf_recattn.evaluation.generation import greedy_continuation
 from hf_recattn.evaluation.passkey import PASSKEY_DEPTHS, passkey_answered, passkey_ids
 from hf_recattn.evaluation.templates import probe_template
+from hf_recattn.modeling.cache_scores import CACHE_SCORES, Decision
 from hf_recattn.modeling.hybrid_options import with_hybrid_options
 from hf_recattn.modeling.mixer_hybrid import HybridMixer
 
@@ -81,8 +84,7 @@ def position_score(keep: str, needle: range) -> Callable[[torch.Tensor, torch.Te
 
 def override_cache_decisions(model: Any, keep: str, needle: range, layers: list[int] | None = None) -> None:
     """Make the cached hybrid layers of ``model`` (all, or those of ``layers``; one row at a time) decide by prompt
-    position: each records the keys it is given, in order, and its far part's score is replaced by
-    ``position_score``."""
+    position: each records the keys it is given, in order, and its cache score is replaced by ``position_score``."""
     score = position_score(keep, needle)
     mixers = hybrid_mixers(model)
     chosen = range(len(mixers)) if layers is None else layers
@@ -92,14 +94,15 @@ def override_cache_decisions(model: Any, keep: str, needle: range, layers: list[
     for mixer in (mixers[i] for i in chosen):
         recorded: list[torch.Tensor] = []
         _record_keys(mixer, recorded)
-        own = mixer.far.far_recall_error
+        own = mixer.cache_score
 
-        def decide(k: torch.Tensor, v: torch.Tensor, state: Any, own: Any = own, recorded: list = recorded) -> Any:
-            if k.shape[0] != 1:
+        def decide(far: Any, decision: Decision, own: Any = own, recorded: list = recorded) -> torch.Tensor:
+            if decision.keys.shape[0] != 1:
                 raise ValueError("cache_oracle traces one prompt at a time (batch 1)")
-            return score(key_positions(k[0], torch.cat(recorded, dim=1)), own(k, v, state)[0])[None]
+            positions = key_positions(decision.keys[0], torch.cat(recorded, dim=1))
+            return score(positions, own(far, decision)[0])[None]
 
-        mixer.far.far_recall_error = decide
+        mixer.cache_score = decide
 
 
 def _record_keys(mixer: HybridMixer, recorded: list[torch.Tensor]) -> None:
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="an hf_recattn checkpoint folder with hybrid layers")
     parser.add_argument("--keep", choices=KEEP, default="needle", help="what every decision keeps (see above)")
     parser.add_argument("--cache-slots", type=int, default=None, help="cache slots per KV head (default: as saved)")
+    parser.add_argument("--cache-score", choices=tuple(CACHE_SCORES), default=None,
+                        help="the layers' own score (default: as saved; see modeling/cache_scores.py)")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="override only these cached hybrid layers (counted from 0); the others decide as trained")
     parser.add_argument("--far-off", action="store_true", help="the far part's mixing weight to about 1e-13")
@@ -183,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_causal_lm(args.checkpoint)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.cache_slots is not None:
-        model = with_hybrid_options(model, {"cache_slots": args.cache_slots})
+    options = {name: value for name, value in (("cache_slots", args.cache_slots), ("cache_score", args.cache_score))
+               if value is not None}
+    if options:
+        model = with_hybrid_options(model, options)
     hybrid_mixers(model)  # a checkpoint without a cache is refused before any trial
     if args.teacher_weights:
         teacher, _ = load_causal_lm(args.teacher_weights)
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     print(f"right: {sum(r['correct'] for r in rows)} of {len(rows)}")
     if args.json:
-        names = ("keep", "layers", "cache_slots", "far_off", "teacher_weights")
+        names = ("keep", "layers", "cache_slots", "cache_score", "far_off", "teacher_weights")
         settings = {name: getattr(args, name) for name in names}
         write_json(args.json, {"checkpoint": args.checkpoint, "settings": settings, "rows": rows})
     return 0

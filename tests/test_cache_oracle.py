@@ -7,6 +7,7 @@ import torch
 from mixer_checks import tiny_perturbed_model
 from script_modules import load_script
 
+from hf_recattn.modeling.cache_scores import far_recall
 from hf_recattn.modeling.hybrid_options import with_hybrid_options
 
 oracle = load_script("scripts", "cache_oracle")
@@ -40,6 +41,17 @@ def test_the_needle_stays_cached_in_every_head(far: dict) -> None:
     plain = _cached(_model(far), ids)
     assert any(set(row.tolist()) != set(needle) for rows in plain.values() for row in rows)  # not kept by itself
     model = _model(far)
+    oracle.override_cache_decisions(model, "needle", needle)
+    for rows in _cached(model, ids).values():
+        for row in rows:
+            assert sorted(row.tolist()) == list(needle)
+
+
+def test_the_needle_is_kept_over_the_novelty_score_too() -> None:
+    """The override wraps whichever score the layer uses: with ``cache_score: novelty`` the needle stays as well."""
+    ids = _prompt(5 * WINDOW)
+    needle = range(SINKS + 2, SINKS + 2 + SLOTS)
+    model = with_hybrid_options(_model(FAR_PARTS["gated delta (arriving tokens)"]), {"cache_score": "novelty"})
     oracle.override_cache_decisions(model, "needle", needle)
     for rows in _cached(model, ids).values():
         for row in rows:
@@ -129,4 +141,4 @@ def test_a_trial_plants_the_key_traces_its_needle_and_leaves_the_model_as_it_was
     assert "12345" in needle.replace(" ", "") and row["back"] == 240 - row["needle"][0]
     assert row["correct"] == ("12345" in row["answer"].replace(" ", ""))
     assert all(torch.equal(b, m.mix_logit) for b, m in zip(before, oracle.hybrid_mixers(model), strict=True))
-    assert all("far_recall_error" not in vars(m.far) for m in oracle.hybrid_mixers(model))  # overrides: a copy
+    assert all(m.cache_score is far_recall for m in oracle.hybrid_mixers(model))  # the overrides went to a copy

@@ -4,10 +4,11 @@ rule broken on purpose, which those tests must catch), left padding, fixed state
 
 The rule (docs/mixers.md): a real token leaving the window joins the pending buffer; when a row's pending buffer
 holds W tokens, after that query, the cache's pairs and the pending ones are scored against the far state
-(``far_recall_error``), the G highest stay cached (ties: the older), the others are evicted (into the far state for
-a far part reading leaving keys, in token order). A query sees sinks, cache, pending and window by softmax, plus the
-far state. Tolerances: fp32 forms within 1e-5 relative of the reference, float64 within 1e-10; float64 gradients
-within 1e-9.
+(``far_recall_error``; with ``cache_score: novelty`` by the distance of their values to the nearest value of the
+window after that query, over their own norm), the G highest stay cached (ties: the older), the others are evicted
+(into the far state for a far part reading leaving keys, in token order). A query sees sinks, cache, pending and
+window by softmax, plus the far state. Tolerances: fp32 forms within 1e-5 relative of the reference, float64
+within 1e-10; float64 gradients within 1e-9.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from reference_recurrent_softmax import finish, taylor_value
 from test_delta import params_live, params_of
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
-from hf_recattn.modeling import mixer_hybrid
+from hf_recattn.modeling import cache_scores, mixer_hybrid
 from hf_recattn.modeling.far_part import ARRIVING, LEAVING, FarPart, FarTerms
 from hf_recattn.modeling.mixer_base import Mixer, MixerInputs, State, group_queries, ungroup_output
 from hf_recattn.modeling.mixers import MIXERS, build_mixer, register_mixer, validate_spec
@@ -164,6 +165,13 @@ def _output(far: Leaving | Arriving, share: torch.Tensor, combine: str, b: int, 
     return g * near_num / near_den + (1 - g) * finish(far_num, far_den, len(evicted), far.finish, EPS, gain)
 
 
+def _novelty(value: torch.Tensor, window: list[torch.Tensor]) -> float:
+    """How unlike the window's values ``value`` is: the nearest one's distance over its own norm."""
+    value = value.detach()
+    nearest = min(float(torch.linalg.vector_norm(value - other.detach())) for other in window)
+    return nearest / float(torch.linalg.vector_norm(value))
+
+
 def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, value: torch.Tensor,
            evicted: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """How badly the far state recalls (key, value) after token t."""
@@ -204,7 +212,11 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                 if len(pending) == window:
                     candidates = cache + pending
                     pairs = [(k[b, hk, s], v[b, hk, s]) for s in evicted]
-                    scores = [_score(far, b, t, hk, k[b, hk, s], v[b, hk, s], pairs) for s in candidates]
+                    if mixer.spec["cache_score"] == "novelty":
+                        after = [v[b, hk, s] for s in range(t - window + 1, t + 1) if s in real and s not in sinks]
+                        scores = [_novelty(v[b, hk, s], after) for s in candidates]
+                    else:
+                        scores = [_score(far, b, t, hk, k[b, hk, s], v[b, hk, s], pairs) for s in candidates]
                     ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])  # stable: the older first
                     cache = sorted(candidates[i] for i in ranked[:slots])
                     evicted += [s for s in candidates if s not in cache]
@@ -284,9 +296,29 @@ def test_forms_match_the_reference(far: str, sinks: int) -> None:
     assert rel_err(real_rows(plain, mask), expected) > 1e-3  # the cache matters
 
 
-@pytest.mark.parametrize("far", ["linear-elu", "linear-relu-l2", "taylor2", "toy", "delta"])
-def test_float64_forms_match_the_reference_closely(far: str) -> None:
-    mixer = make(far, torch.float64, window=2, slots=3, sink_tokens=1)
+@pytest.mark.parametrize("sinks", [0, 1])
+@pytest.mark.parametrize("far", ["linear-hedgehog", "toy", "delta"])
+def test_novelty_forms_match_the_reference(far: str, sinks: int) -> None:
+    """cache_score='novelty' (fp32, as above): the same forms, decisions by the window's values."""
+    mixer = make(far, sink_tokens=sinks, cache_score="novelty")
+    inputs = checks.random_inputs(SHAPE, 14, seed=11)
+    mask = left_padded(14, PAD)
+    with torch.no_grad():
+        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
+        expected = reference_of(mixer)(inputs, mask)
+        by_far = make(far, sink_tokens=sinks)
+        by_far.load_state_dict(mixer.state_dict())
+        other = by_far.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
+    assert rel_err(real_rows(parallel, mask), expected) < FP32
+    assert state["cmask"].all()
+    assert rel_err(real_rows(other, mask), expected) > 1e-4  # the score decides something here
+
+
+@pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("linear-relu-l2", "far"), ("taylor2", "far"),
+                                            ("toy", "far"), ("delta", "far"), ("linear-elu", "novelty"),
+                                            ("delta", "novelty")])
+def test_float64_forms_match_the_reference_closely(far: str, score: str) -> None:
+    mixer = make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score)
     inputs = checks.random_inputs(SHAPE, 13, torch.float64, seed=2)
     mask = left_padded(13, PAD)
     with torch.no_grad():
@@ -295,22 +327,24 @@ def test_float64_forms_match_the_reference_closely(far: str) -> None:
             assert rel_err(real_rows(checks.outputs_of(mixer, form, inputs, mask), mask), expected) < FP64, form
 
 
-@pytest.mark.parametrize("far", ["linear-elu", "linear-hedgehog", "taylor2", "delta"])
-def test_parallel_gradients_match_the_reference(far: str) -> None:
+@pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("linear-hedgehog", "far"), ("taylor2", "far"),
+                                            ("delta", "far"), ("linear-hedgehog", "novelty"), ("delta", "novelty")])
+def test_parallel_gradients_match_the_reference(far: str, score: str) -> None:
     """float64 gradients of q, k, v, x and every parameter through the parallel form (the choice itself is discrete:
     no gradient through the ranking, in either)."""
-    mixer = make(far, torch.float64, window=2, slots=2, sink_tokens=1)
+    mixer = make(far, torch.float64, window=2, slots=2, sink_tokens=1, cache_score=score)
     unused = () if far == "delta" else ("x",)
     checks.assert_gradients_match(mixer, reference_of(mixer), 11, GRAD, unused=unused)
 
 
+@pytest.mark.parametrize("score", ["far", "novelty"])
 @pytest.mark.parametrize("far", ["linear-hedgehog", "delta"])
-def test_decisions_equal_across_forms_and_chunk_sizes(far: str) -> None:
+def test_decisions_equal_across_forms_and_chunk_sizes(far: str, score: str) -> None:
     """Chunks of any size (those not dividing the 17 tokens included) and token steps end in the same cache,
     pending buffer and window, bit for bit; the far state too for a far part reading leaving keys."""
     q, k, v, x = checks.random_inputs(SHAPE, 17, seed=3)
     mask = left_padded(17, PAD)
-    mixer = make(far, window=3, slots=2)
+    mixer = make(far, window=3, slots=2, cache_score=score)
     with torch.no_grad():
         _, want = run_steps(mixer, q, k, v, x, mask)
         for size in (1, 2, 3, 5, 7, 17, 64):
@@ -339,9 +373,10 @@ def test_a_masked_decision_at_every_step_changes_nothing(far: str, monkeypatch: 
         assert torch.equal(got_state[name], want_state[name]), name
 
 
-@pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize("far", ["linear-hedgehog", "delta"])
-def test_one_token_step_is_the_general_block(far: str, sinks: int) -> None:
+@pytest.mark.parametrize(("far", "sinks", "score"), [("linear-hedgehog", 0, "far"), ("linear-hedgehog", 2, "far"),
+                                                     ("delta", 0, "far"), ("delta", 2, "far"),
+                                                     ("linear-hedgehog", 2, "novelty"), ("delta", 0, "novelty")])
+def test_one_token_step_is_the_general_block(far: str, sinks: int, score: str) -> None:
     """The decode step's shortcut (one token, sinks settled) gives the general block's outputs and states bit for
     bit over 40 tokens, decisions every 3 real tokens per row (the second row left-padded by 5, so the rows decide
     at different steps and their oldest window tokens leave at different steps): a far part reading leaving keys
@@ -350,8 +385,8 @@ def test_one_token_step_is_the_general_block(far: str, sinks: int) -> None:
     seq, pad = 40, 5
     q, k, v, x = checks.random_inputs(SHAPE, seq, seed=9)
     mask = left_padded(seq, pad)
-    mixer = make(far, window=3, slots=2, sink_tokens=sinks)
-    general = make(far, window=3, slots=2, sink_tokens=sinks)
+    mixer = make(far, window=3, slots=2, sink_tokens=sinks, cache_score=score)
+    general = make(far, window=3, slots=2, sink_tokens=sinks, cache_score=score)
     general.load_state_dict(mixer.state_dict())
     general.step = lambda q, k, v, inputs, state: general._block(q, k, v, inputs, state, general._far_step)  # type: ignore
     taken, decided = [], []
@@ -420,11 +455,12 @@ def hand_made(dtype: torch.dtype = torch.float32) -> checks.Inputs:
     return q, k, v, x
 
 
-def assert_keeps_the_new_key(far: str = "linear-elu") -> None:
+def assert_keeps_the_new_key(far: str = "linear-elu", score: str = "far") -> None:
     """W = 2, G = 1: the first decision (empty state, all tied) keeps the oldest k0 pair; once the state predicts
     k0, the cached k0 pair is re-scored and dropped for k1, which then stays: every form, both rows (the second
-    left-padded by 3, so its decisions fall later)."""
-    mixer = make(far, window=2, slots=1)
+    left-padded by 3, so its decisions fall later). With ``novelty`` every v0 pair scores 0 against a window of v0
+    pairs (ties: the oldest stays) until v1 leaves the window, and v1 then scores 1 / |v1| in every later window."""
+    mixer = make(far, window=2, slots=1, cache_score=score)
     q, k, v, x = hand_made()
     mask = left_padded(SEQ, PAD)
     with torch.no_grad():
@@ -437,6 +473,26 @@ def assert_keeps_the_new_key(far: str = "linear-elu") -> None:
 @pytest.mark.parametrize("far", ["linear-elu", "toy", "taylor2"])
 def test_a_pair_the_state_predicts_is_dropped_and_a_new_key_kept(far: str) -> None:
     assert_keeps_the_new_key(far)
+
+
+@pytest.mark.parametrize("far", ["linear-elu", "delta-noconv"])
+def test_novelty_keeps_the_value_the_window_does_not_hold(far: str) -> None:
+    assert_keeps_the_new_key(far, "novelty")
+
+
+def test_novelty_drops_a_kept_value_once_the_window_holds_it_again() -> None:
+    """G = 1, W = 2: v1 at token 5 is cached; when v1 comes back at token 10 the re-scored copy scores 0 against
+    the window holding it, and the newer distinct value at token 8 (v0 + 2 e2) takes the slot."""
+    mixer = make("linear-elu", window=2, slots=1, cache_score="novelty")
+    q, k, v, x = hand_made()
+    k[:, :, 8, 0], k[:, :, 8, 2], v[:, :, 8, 2] = 0.0, 3.0, 2.0
+    k[:, :, 10], v[:, :, 10] = k[:, :, NEW_AT], v[:, :, NEW_AT]
+    mask = torch.ones(2, SEQ, dtype=torch.bool)
+    with torch.no_grad():
+        _, before = run_steps(mixer, q[:, :, :10], k[:, :, :10], v[:, :, :10], x[:, :10], mask[:, :10])
+        _, after = run_steps(mixer, q, k, v, x, mask)
+    assert torch.equal(before["cv"][:, :, 0], v[:, :, NEW_AT])
+    assert torch.equal(after["cv"][:, :, 0], v[:, :, 8])
 
 
 def test_a_predicted_pair_is_never_kept_over_new_keys() -> None:
@@ -485,6 +541,18 @@ def _never_evicts(score: torch.Tensor, filled: torch.Tensor, slots: int) -> tupl
     return order, filled[:, None, :] & ~kept, cmask
 
 
+@pytest.mark.parametrize("broken", ["negated novelty", "never evicts"])
+def test_broken_novelty_rules_are_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check catches a novelty score negated and a cache that never evicts."""
+    score, needs_far = cache_scores.CACHE_SCORES["novelty"]
+    if broken == "negated novelty":
+        monkeypatch.setitem(cache_scores.CACHE_SCORES, "novelty", (lambda far, d: -score(far, d), needs_far))
+    else:
+        monkeypatch.setattr(mixer_hybrid, "keep_slots", _never_evicts)
+    with pytest.raises(AssertionError):
+        assert_keeps_the_new_key("linear-elu", "novelty")
+
+
 @pytest.mark.parametrize("broken", ["negated score", "no re-scoring", "never evicts"])
 def test_broken_rules_are_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rule broken on purpose fails the eviction-order check above (that is the test that catches it)."""
@@ -506,6 +574,8 @@ MODEL_SPECS = {
     "taylor": {"mixer": "hybrid", "window": 2, "cache_slots": 3, "far": {"mixer": "taylor", "order": 2}},
     "delta": {"mixer": "hybrid", "window": 2, "cache_slots": 2, "combine": "sum", "far": {"mixer": "delta"}},
     "rwkv7": {"mixer": "hybrid", "window": 2, "cache_slots": 2, "combine": "sum", "far": "rwkv7"},
+    "delta-novelty": {"mixer": "hybrid", "window": 2, "cache_slots": 2, "combine": "sum", "far": {"mixer": "delta"},
+                      "sink_tokens": 1, "cache_score": "novelty"},
     "retrieval": {"mixer": "retrieval_heads", "heads": [1], "others": {
         "mixer": "hybrid", "window": 2, "cache_slots": 1, "far": {"mixer": "linear", "feature_map": "elu"}}},
 }
@@ -563,6 +633,10 @@ def test_variants_drop_the_cache() -> None:
         ({"cache_slots": 2, "far": {"mixer": "taylor", "denominator": "l2"}, "combine": "sum"},
          r"layer 2: option 'cache_slots' needs a taylor far part with denominator='exact'"),
         ({"cache_slots": 2, "far": "heinsen"}, r"layer 2: option 'far' must be a linear or taylor"),
+        ({"cache_slots": 2, "cache_score": "attention"},
+         r"layer 2: option 'cache_score' must be one of \['far', 'novelty'\], got 'attention'"),
+        ({"cache_score": "novelty"},
+         r"layer 2: option 'cache_score'='novelty' scores the exact cache, which is off \(cache_slots: 0\)"),
     ],
 )
 def test_bad_specs_name_layer_and_option(spec: dict, pattern: str) -> None:

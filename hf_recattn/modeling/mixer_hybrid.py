@@ -32,11 +32,12 @@ token, and a window without it loses much of their quality). Sink tokens never e
 may be ``"none"``: softmax over the window and the sinks only (what the conversion report calls
 window-only).
 
-``cache_slots`` G keeps, per KV head, the G pairs the far state recalls worst as exact softmax keys (LoLA): a real
-token leaving the window waits in a pending buffer (still a softmax key); when a row's buffer holds W tokens, the
-cache and the buffer are scored by the far part's ``far_recall_error``, the top G stay cached and the rest are
-evicted (into the far state, for a far part reading leaving keys). hybrid_cache.py keeps the books; docs/mixers.md
-gives the rule and its timing. The state then also holds the pending buffer (W slots) and the cache (G slots).
+``cache_slots`` G keeps, per KV head, G pairs as exact softmax keys (LoLA; by default those the far state recalls
+worst): a real token leaving the window waits in a pending buffer (still a softmax key); when a row's buffer holds W
+tokens, the cache and the buffer are scored (``cache_score``, cache_scores.py: by default the far part's
+``far_recall_error``), the top G stay cached and the rest are evicted (into the far state, for a far part reading
+leaving keys). hybrid_cache.py keeps the books; docs/mixers.md gives the rule and its timing. The state then also
+holds the pending buffer (W slots) and the cache (G slots).
 
 The recurrent state holds the last W keys / values (with a mask of which are real tokens), the N sink keys /
 values (with a mask of the filled slots) and the far mixer's state (keys prefixed "far."). Both parts read
@@ -53,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache_scores import CACHE_SCORES, Decision
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
 from .gated_parts import logit
 from .hybrid_cache import (
@@ -198,6 +200,10 @@ class HybridMixer(Mixer):
             (int,), 0, "exact key/value slots per KV head for the pairs the far state recalls worst (0: none)",
             minimum=0,
         ),
+        "cache_score": Option(
+            (str,), "far", "what the exact cache keeps: the pairs the far state recalls worst ('far'), or the values "
+            "least like any in the window ('novelty'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
+        ),
     }
     state_kind = "window"
 
@@ -210,6 +216,9 @@ class HybridMixer(Mixer):
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         check_open_unit(spec, where, "mix_init")
+        if spec["cache_score"] != cls.options["cache_score"].default and not spec["cache_slots"]:
+            raise ValueError(f"{where}: option 'cache_score'={spec['cache_score']!r} scores the exact cache, which "
+                             "is off (cache_slots: 0)")
         if spec["far"] == NO_FAR:
             if spec["cache_slots"]:
                 raise ValueError(f"{where}: option 'cache_slots' needs a far part (its state scores the pairs and "
@@ -220,7 +229,8 @@ class HybridMixer(Mixer):
         problem = _far_spec_problem(far, spec["combine"])
         if problem is not None:
             raise ValueError(f"{where}: option 'far' {problem}")
-        problem = MIXERS[far["mixer"]].far_recall_problem(far) if spec["cache_slots"] else None
+        reads_far = CACHE_SCORES[spec["cache_score"]][1]
+        problem = MIXERS[far["mixer"]].far_recall_problem(far) if spec["cache_slots"] and reads_far else None
         if problem is not None:
             raise ValueError(f"{where}: option 'cache_slots' {problem}")
         spec["far"] = far
@@ -246,6 +256,7 @@ class HybridMixer(Mixer):
         self.mix_init = float(spec["mix_init"])
         self.sink_tokens = int(spec["sink_tokens"])
         self.cache_slots = int(spec["cache_slots"])
+        self.cache_score = CACHE_SCORES[spec["cache_score"]][0]
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and self.cache_slots > limit:
             raise ValueError(
@@ -521,23 +532,27 @@ class HybridMixer(Mixer):
         self, blk: CacheBlock, j: int, cache: tuple[torch.Tensor, ...], far: State
     ) -> tuple[tuple[torch.Tensor, ...], State]:
         """The decision after query j in the rows whose pending buffer is then full (see ``_evict``)."""
-        pending = pending_pairs(blk.timing, j, self.window)
+        w = self.window
+        pending = pending_pairs(blk.timing, j, w)
         pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending))
-        return self._evict(blk.timing.decide[:, j], pending_pair, cache, far)
+        window = (blk.values[:, :, j + w + 1 : j + 2 * w + 1], blk.real[:, j + w + 1 : j + 2 * w + 1])  # U: see above
+        return self._evict(blk.timing.decide[:, j], pending_pair, window, cache, far)
 
     def _evict(
-        self, rows: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], cache: tuple[torch.Tensor, ...],
-        far: State,
+        self, rows: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], window: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, ...], far: State,
     ) -> tuple[tuple[torch.Tensor, ...], State]:
         """The decision in the ``rows`` [B] marked: the cache's pairs and the W ``pending`` ones (keys and values
-        [B, Hkv, W, D], in token order; meaningful in those rows) scored against the far state, the G worst
-        recalled kept, the others (a far part reading leaving keys) added to it in token order. The other rows keep
+        [B, Hkv, W, D], in token order; meaningful in those rows) scored by ``cache_score`` (against the far state
+        or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after the deciding query), the G highest
+        kept, the others (a far part reading leaving keys) added to the far state in token order. The other rows keep
         their cache and far state."""
         ck, cv, cmask = cache
         keys = torch.cat([ck, pending[0]], dim=2)
         values = torch.cat([cv, pending[1]], dim=2)
         filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
-        score = self.far.far_recall_error(keys, values, far).detach()  # the choice is discrete: no gradient
+        # the choice is discrete: no gradient
+        score = self.cache_score(self.far, Decision(keys, values, far, *window)).detach()
         keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
         cache = (
             _where_rows(rows, gather_heads(keys, keep), ck),
@@ -600,7 +615,7 @@ class HybridMixer(Mixer):
         cache = (state["ck"], state["cv"], state["cmask"])
         ((_, _, decides),) = decision_spans(full[:, None])
         if decides:
-            cache, far = self._evict(full, (pk, pv), cache, far)
+            cache, far = self._evict(full, (pk, pv), (values[:, :, s - w :], real[:, -w:]), cache, far)
             empty = full[:, None, None, None]
             pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
         new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2]}

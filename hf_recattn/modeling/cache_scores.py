@@ -1,0 +1,56 @@
+"""What decides which pairs the hybrid's exact cache keeps (its option ``cache_score``).
+
+At each decision (mixer_hybrid.py, hybrid_cache.py) the cache's pairs and the pending ones are scored; the G highest
+stay exact. A score is a function of the far part and a ``Decision``: the candidates' keys and values, the far
+state, and the values of the window's tokens at that moment (the W most recent, which every query still sees by
+softmax). Registered in ``CACHE_SCORES``; a new score is a function here plus one line there.
+
+* ``far``: the far part's own recall error, ``far_recall_error(k, v, state)`` (LoLA's rule): the pairs the state
+  recalls worst stay. Needs a far family that declares the score.
+* ``novelty``: how unlike every value in the window a candidate's value is, ``min_w |v - v_w| / |v|`` per KV head.
+  A pair whose value the window holds again (text that repeats, a recurring phrase) adds little beside it; one
+  unlike anything recent (a fact stated once) scores high for as long as nothing like it comes back, since the
+  cached pairs are re-scored against each new window. It reads neither the far state nor its parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Decision(NamedTuple):
+    """What a decision scores: ``keys`` / ``values`` [B, Hkv, N, D] of the N candidates (the cache's slots, then the
+    pending pairs), the far ``state``, and the window's values [B, Hkv, W, D] with their real-token mask [B, W]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    state: dict[str, torch.Tensor]
+    window: torch.Tensor
+    window_real: torch.Tensor
+
+
+def far_recall(far: Any, decision: Decision) -> torch.Tensor:
+    """[B, Hkv, N]: the far part's recall error of each candidate against its state."""
+    return far.far_recall_error(decision.keys, decision.values, decision.state)
+
+
+def window_novelty(far: Any, decision: Decision) -> torch.Tensor:
+    """[B, Hkv, N]: the distance from each candidate's value to the nearest real value of the window, over the
+    candidate's own norm (in float32 at least; +inf where the window holds no real token)."""
+    dtype = torch.promote_types(decision.values.dtype, torch.float32)
+    values, window = decision.values.to(dtype), decision.window.to(dtype)
+    # the direct form: the matrix-product one leaves ~1e-4 between equal vectors, and a repeat must score ~0
+    distance = torch.cdist(values, window, compute_mode="donot_use_mm_for_euclid_dist")
+    distance = distance.masked_fill(~decision.window_real[:, None, None, :], float("inf"))
+    return distance.amin(-1) / values.norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)
+
+
+CacheScore = Callable[[Any, Decision], torch.Tensor]
+#: option ``cache_score``'s choices: the score, and whether it needs the far family's ``far_recall_error``
+CACHE_SCORES: dict[str, tuple[CacheScore, bool]] = {
+    "far": (far_recall, True),
+    "novelty": (window_novelty, False),
+}
