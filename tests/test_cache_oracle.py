@@ -20,9 +20,9 @@ FAR_PARTS = {
 }
 
 
-def _model(far: dict) -> torch.nn.Module:
+def _model(far: dict, score: str = "far") -> torch.nn.Module:
     hybrid = {"mixer": "hybrid", "window": WINDOW, "sink_tokens": SINKS, "far": far, "combine": "sum"}
-    return with_hybrid_options(tiny_perturbed_model(hybrid), {"cache_slots": SLOTS}).eval()
+    return with_hybrid_options(tiny_perturbed_model(hybrid), {"cache_slots": SLOTS, "cache_score": score}).eval()
 
 
 def _prompt(decided: int) -> list[int]:
@@ -34,24 +34,17 @@ def _cached(model: torch.nn.Module, ids: list[int]) -> dict[int, torch.Tensor]:
     return contents.cached_positions(model, ids)
 
 
-@pytest.mark.parametrize("far", FAR_PARTS.values(), ids=FAR_PARTS.keys())
-def test_the_needle_stays_cached_in_every_head(far: dict) -> None:
+SCORED = {f"{name}, {score}": (far, score) for name, far in FAR_PARTS.items() for score in ("far", "novelty")}
+
+
+@pytest.mark.parametrize(("far", "score"), SCORED.values(), ids=SCORED.keys())
+def test_the_needle_stays_cached_in_every_head(far: dict, score: str) -> None:
+    """The override wraps whichever score the layer uses (``cache_score``)."""
     ids = _prompt(5 * WINDOW)
     needle = range(SINKS + 2, SINKS + 2 + SLOTS)  # left the window early: every later decision must keep it
-    plain = _cached(_model(far), ids)
+    plain = _cached(_model(far, score), ids)
     assert any(set(row.tolist()) != set(needle) for rows in plain.values() for row in rows)  # not kept by itself
-    model = _model(far)
-    oracle.override_cache_decisions(model, "needle", needle)
-    for rows in _cached(model, ids).values():
-        for row in rows:
-            assert sorted(row.tolist()) == list(needle)
-
-
-def test_the_needle_is_kept_over_the_novelty_score_too() -> None:
-    """The override wraps whichever score the layer uses: with ``cache_score: novelty`` the needle stays as well."""
-    ids = _prompt(5 * WINDOW)
-    needle = range(SINKS + 2, SINKS + 2 + SLOTS)
-    model = with_hybrid_options(_model(FAR_PARTS["gated delta (arriving tokens)"]), {"cache_score": "novelty"})
+    model = _model(far, score)
     oracle.override_cache_decisions(model, "needle", needle)
     for rows in _cached(model, ids).values():
         for row in rows:

@@ -544,9 +544,10 @@ def _never_evicts(score: torch.Tensor, filled: torch.Tensor, slots: int) -> tupl
 @pytest.mark.parametrize("broken", ["negated novelty", "never evicts"])
 def test_broken_novelty_rules_are_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check catches a novelty score negated and a cache that never evicts."""
-    score, needs_far = cache_scores.CACHE_SCORES["novelty"]
+    novelty = cache_scores.CACHE_SCORES["novelty"]
     if broken == "negated novelty":
-        monkeypatch.setitem(cache_scores.CACHE_SCORES, "novelty", (lambda far, d: -score(far, d), needs_far))
+        negated = novelty._replace(score=lambda far, d: -novelty.score(far, d))
+        monkeypatch.setitem(cache_scores.CACHE_SCORES, "novelty", negated)
     else:
         monkeypatch.setattr(mixer_hybrid, "keep_slots", _never_evicts)
     with pytest.raises(AssertionError):

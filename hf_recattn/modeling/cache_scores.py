@@ -48,9 +48,15 @@ def window_novelty(far: Any, decision: Decision) -> torch.Tensor:
     return distance.amin(-1) / values.norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)
 
 
-CacheScore = Callable[[Any, Decision], torch.Tensor]
-#: option ``cache_score``'s choices: the score, and whether it needs the far family's ``far_recall_error``
-CACHE_SCORES: dict[str, tuple[CacheScore, bool]] = {
-    "far": (far_recall, True),
-    "novelty": (window_novelty, False),
+class CacheScore(NamedTuple):
+    """One choice of option ``cache_score``: the ``score`` (far part, decision) -> [B, Hkv, N], and whether it
+    ``reads_far``: needs the far family's ``far_recall_error``."""
+
+    score: Callable[[Any, Decision], torch.Tensor]
+    reads_far: bool
+
+
+CACHE_SCORES: dict[str, CacheScore] = {
+    "far": CacheScore(far_recall, reads_far=True),
+    "novelty": CacheScore(window_novelty, reads_far=False),
 }

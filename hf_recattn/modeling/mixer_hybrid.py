@@ -197,7 +197,7 @@ class HybridMixer(Mixer):
         "mix_init": Option((float,), 0.5, "initial window weight g = sigmoid(lambda), in (0, 1)"),
         "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
         "cache_slots": Option(
-            (int,), 0, "exact key/value slots per KV head for the pairs the far state recalls worst (0: none)",
+            (int,), 0, "exact key/value slots per KV head, filled as 'cache_score' says (0: none)",
             minimum=0,
         ),
         "cache_score": Option(
@@ -229,7 +229,7 @@ class HybridMixer(Mixer):
         problem = _far_spec_problem(far, spec["combine"])
         if problem is not None:
             raise ValueError(f"{where}: option 'far' {problem}")
-        reads_far = CACHE_SCORES[spec["cache_score"]][1]
+        reads_far = CACHE_SCORES[spec["cache_score"]].reads_far
         problem = MIXERS[far["mixer"]].far_recall_problem(far) if spec["cache_slots"] and reads_far else None
         if problem is not None:
             raise ValueError(f"{where}: option 'cache_slots' {problem}")
@@ -256,7 +256,7 @@ class HybridMixer(Mixer):
         self.mix_init = float(spec["mix_init"])
         self.sink_tokens = int(spec["sink_tokens"])
         self.cache_slots = int(spec["cache_slots"])
-        self.cache_score = CACHE_SCORES[spec["cache_score"]][0]
+        self.cache_score = CACHE_SCORES[spec["cache_score"]].score
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and self.cache_slots > limit:
             raise ValueError(
@@ -535,7 +535,8 @@ class HybridMixer(Mixer):
         w = self.window
         pending = pending_pairs(blk.timing, j, w)
         pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending))
-        window = (blk.values[:, :, j + w + 1 : j + 2 * w + 1], blk.real[:, j + w + 1 : j + 2 * w + 1])  # U: see above
+        after = slice(j + w + 1, j + 2 * w + 1)  # U indices of the window once query j is through
+        window = (blk.values[:, :, after], blk.real[:, after])
         return self._evict(blk.timing.decide[:, j], pending_pair, window, cache, far)
 
     def _evict(
