@@ -87,6 +87,8 @@ MIXER_SPECS: dict[str, dict] = {
     "hybrid(64)+hedgehog": {"mixer": "hybrid", "window": 64},
     "hybrid(64,sink4)+hedgehog": {"mixer": "hybrid", "window": 64, "sink_tokens": 4},
     "hybrid(64,cache64)+hedgehog": {"mixer": "hybrid", "window": 64, "cache_slots": 64},
+    "hybrid(64,cache64,novelty)+hedgehog": {"mixer": "hybrid", "window": 64, "cache_slots": 64,
+                                             "cache_score": "novelty"},
     "deltanet": {"mixer": "deltanet"},  # presets (hf_recattn/modeling/presets.py)
     "gdn": {"mixer": "gdn"},
     "comba": {"mixer": "comba"},

@@ -26,10 +26,12 @@ from hf_recattn.training.distill_settings import DistillSettings
 CONVERSION_ONLY = ["skip_tokens", "retrieval_share", "answer_weight"]
 REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
             "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn",
-            "hybrid-w64-sink4-hedgehog-cache64", "hybrid-w64-sink4-gdn-cache64", "gemma3-270m-full-hybrid-gdn-cache64"}
+            "hybrid-w64-sink4-hedgehog-cache64", "hybrid-w64-sink4-gdn-cache64", "gemma3-270m-full-hybrid-gdn-cache64",
+            "hybrid-w64-sink4-gdn-novelty64", "gemma3-270m-full-hybrid-gdn-novelty64"}
 #: the recipes with the hybrid's exact cache, and the most of SmolLM2's bf16 KV cache at 8k their state may take
 CACHED = {"hybrid-w64-sink4-hedgehog-cache64": 0.033, "hybrid-w64-sink4-gdn-cache64": 0.03,
-          "gemma3-270m-full-hybrid-gdn-cache64": 0.03}
+          "gemma3-270m-full-hybrid-gdn-cache64": 0.03, "hybrid-w64-sink4-gdn-novelty64": 0.03,
+          "gemma3-270m-full-hybrid-gdn-novelty64": 0.03}
 
 
 def smollm2_config() -> LlamaConfig:
