@@ -18,8 +18,9 @@ from typing import Any
 from .atomic import write_text
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
+from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
-from .modeling.hybrid_options import hybrid_cache_slots
+from .modeling.hybrid_options import hybrid_cache_scores, hybrid_cache_slots
 from .state_size import exact_cache_elements, state_size_report
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
@@ -90,9 +91,9 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
     slots = hybrid_cache_slots(config)
     if slots:
         cache = exact_cache_elements(config, contexts[-1]) * BYTES_PER_ELEMENT
-        lines += ["", f"Of this model's state, the exact cache of its hybrid layers (`cache_slots` {slots}: the key / "
-                  f"value pairs its far state recalls worst, and the buffer of those waiting to be ranked) takes "
-                  f"{human_bytes(cache)} at every context."]
+        keeps = "; ".join(CACHE_SCORES[score].keeps for score in hybrid_cache_scores(config))
+        lines += ["", f"Of this model's state, the exact cache of its hybrid layers (`cache_slots` {slots}: {keeps}, "
+                  f"and the buffer of those waiting to be ranked) takes {human_bytes(cache)} at every context."]
     return "\n".join(lines)
 
 

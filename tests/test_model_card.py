@@ -18,7 +18,7 @@ from tiny_lm import tiny_tokenizer
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
 from hf_recattn.hub import check_repo_id, checkpoint_files
-from hf_recattn.model_card import build_model_card, write_model_card
+from hf_recattn.model_card import build_model_card, state_table, write_model_card
 from hf_recattn.zoo import _entry_name, build_zoo, entry_from_run, format_zoo, zoo_entries
 
 LAYERS = [{"mixer": "hybrid", "window": 4}, {"mixer": "linear", "feature_map": "elu"}]
@@ -254,3 +254,23 @@ def test_cached_hybrid_entry_and_card_show_the_cache_and_recall(tmp_path: Path) 
     assert "1024 tokens: 100%, 4096 tokens: 50%" in card
     assert "Recall of one fact by how far before the question it was planted: 100 tokens back: 100%, 1000 tokens " \
            "back: 50%." in card
+
+
+@pytest.mark.parametrize(("scores", "says", "never"), [
+    (["far"], ["its far state recalls worst"], "least like"),
+    (["novelty"], ["least like any value in the window"], "recalls worst"),
+    (["far", "novelty"], ["its far state recalls worst; the key / value pairs whose values are least like"], None),
+])
+def test_card_says_what_each_cache_score_keeps(scores: list[str], says: list[str], never: str | None) -> None:
+    """The card's sentence on the exact cache names what the layers' ``cache_score`` keeps, each score once."""
+    layers = [{"mixer": "hybrid", "window": 4, "cache_slots": 8, "cache_score": s} for s in scores for _ in range(2)]
+    layers.append({"mixer": "hybrid", "window": 4})  # no cache: says nothing
+    config = RecAttnConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layers),
+                           num_attention_heads=4, num_key_value_heads=HKV, max_position_embeddings=256,
+                           attention=layers)
+    text = state_table(config)
+    for phrase in says:
+        assert phrase in text
+    assert text.count("recalls worst") <= 1 and text.count("least like") <= 1
+    if never:
+        assert never not in text

@@ -49,14 +49,16 @@ def window_novelty(far: Any, decision: Decision) -> torch.Tensor:
 
 
 class CacheScore(NamedTuple):
-    """One choice of option ``cache_score``: the ``score`` (far part, decision) -> [B, Hkv, N], and whether it
-    ``reads_far``: needs the far family's ``far_recall_error``."""
+    """One choice of option ``cache_score``: the ``score`` (far part, decision) -> [B, Hkv, N], whether it
+    ``reads_far`` (needs the far family's ``far_recall_error``), and what the cache ``keeps``, in words (cards)."""
 
     score: Callable[[Any, Decision], torch.Tensor]
     reads_far: bool
+    keeps: str
 
 
 CACHE_SCORES: dict[str, CacheScore] = {
-    "far": CacheScore(far_recall, reads_far=True),
-    "novelty": CacheScore(window_novelty, reads_far=False),
+    "far": CacheScore(far_recall, reads_far=True, keeps="the key / value pairs its far state recalls worst"),
+    "novelty": CacheScore(window_novelty, reads_far=False,
+                          keeps="the key / value pairs whose values are least like any value in the window"),
 }

@@ -33,6 +33,19 @@ def _slots(spec: dict[str, Any]) -> int:
     return max([own, *nested])
 
 
+def _scores(spec: dict[str, Any]) -> list[str]:
+    """The ``cache_score`` of each hybrid with an exact cache in ``spec`` (itself, then nested)."""
+    own = []
+    if spec.get("mixer") == HybridMixer.name and int(spec.get("cache_slots", 0)):
+        own = [spec.get("cache_score", HybridMixer.options["cache_score"].default)]
+    return own + [s for value in spec.values() if isinstance(value, dict) and "mixer" in value for s in _scores(value)]
+
+
+def hybrid_cache_scores(config: RecAttnConfig) -> list[str]:
+    """The ``cache_score`` of the model's hybrid layers with an exact cache, each once, in layer order."""
+    return list(dict.fromkeys(s for spec in config.layer_specs() for s in _scores(spec)))
+
+
 def hybrid_cache_slots(config: RecAttnConfig) -> int:
     """The largest exact cache (``cache_slots``) of the model's hybrid layers; 0 when none has one."""
     return max(_slots(spec) for spec in config.layer_specs())
