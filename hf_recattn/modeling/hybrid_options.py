@@ -5,11 +5,15 @@ to a hybrid trained without it): options that add no parameters, so the trained 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 from .configuration import RecAttnConfig
 from .mixer_hybrid import HybridMixer
 from .modeling import RecAttnForCausalLM
+
+#: the hybrid's ``cache_score`` when a spec does not set it
+DEFAULT_CACHE_SCORE: str = HybridMixer.options["cache_score"].default
 
 
 def _respec(spec: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -26,29 +30,28 @@ def _respec(spec: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, An
     return out, found
 
 
-def _slots(spec: dict[str, Any]) -> int:
-    """The largest ``cache_slots`` of a hybrid in ``spec`` (itself or nested); 0 without one."""
-    own = int(spec.get("cache_slots", 0)) if spec.get("mixer") == HybridMixer.name else 0
-    nested = [_slots(value) for value in spec.values() if isinstance(value, dict) and "mixer" in value]
-    return max([own, *nested])
+def _hybrids(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The hybrid specs in ``spec``: itself when it is one, then those nested in it (retrieval heads' ``others``)."""
+    if spec.get("mixer") == HybridMixer.name:
+        yield spec
+    for value in spec.values():
+        if isinstance(value, dict) and "mixer" in value:
+            yield from _hybrids(value)
 
 
-def _scores(spec: dict[str, Any]) -> list[str]:
-    """The ``cache_score`` of each hybrid with an exact cache in ``spec`` (itself, then nested)."""
-    own = []
-    if spec.get("mixer") == HybridMixer.name and int(spec.get("cache_slots", 0)):
-        own = [spec.get("cache_score", HybridMixer.options["cache_score"].default)]
-    return own + [s for value in spec.values() if isinstance(value, dict) and "mixer" in value for s in _scores(value)]
+def _cached(config: RecAttnConfig) -> Iterator[dict[str, Any]]:
+    """The model's hybrid specs with an exact cache, in layer order."""
+    return (h for spec in config.layer_specs() for h in _hybrids(spec) if int(h.get("cache_slots", 0)))
 
 
 def hybrid_cache_scores(config: RecAttnConfig) -> list[str]:
     """The ``cache_score`` of the model's hybrid layers with an exact cache, each once, in layer order."""
-    return list(dict.fromkeys(s for spec in config.layer_specs() for s in _scores(spec)))
+    return list(dict.fromkeys(h.get("cache_score", DEFAULT_CACHE_SCORE) for h in _cached(config)))
 
 
 def hybrid_cache_slots(config: RecAttnConfig) -> int:
     """The largest exact cache (``cache_slots``) of the model's hybrid layers; 0 when none has one."""
-    return max(_slots(spec) for spec in config.layer_specs())
+    return max((int(h["cache_slots"]) for h in _cached(config)), default=0)
 
 
 def config_with_hybrid_options(config: RecAttnConfig, options: dict[str, Any]) -> RecAttnConfig:
