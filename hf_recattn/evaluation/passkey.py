@@ -90,16 +90,16 @@ def passkey_probe(
     depend only on ``seed``, so every model sees the same prompts. ``progress``: the label of a progress bar over
     the prompts (None: no bar)."""
     _check_passkey_args(context_lengths, trials, depths, max_new_tokens)
-    rng = random.Random(seed)
     accuracy: dict[str, float] = {}
     by_depth: dict[str, dict[str, float]] = {}
     answers: dict[str, list[dict[str, Any]]] = {}
     skipped: list[int] = []
     limit = max_positions(model)
     runs = sum(limit is None or length <= limit for length in context_lengths)
+    drawn = passkey_keys(context_lengths, trials, seed)
     with eval_mode(model), progress_bar(runs * trials, progress, "prompt") as bar:
         for length in context_lengths:
-            keys = [f"{rng.randrange(10_000, 100_000)}" for _ in range(trials)]
+            keys = drawn[length]
             if limit is not None and length > limit:
                 skipped.append(length)
                 continue
@@ -114,6 +114,13 @@ def passkey_probe(
     mean = sum(accuracy.values()) / len(accuracy) if accuracy else None
     return {"accuracy": accuracy, "mean_accuracy": mean, "accuracy_by_depth": by_depth, "trials": trials,
             "depths": list(depths), "skipped": skipped, "answers": answers}
+
+
+def passkey_keys(context_lengths: Sequence[int], trials: int, seed: int = 0) -> dict[int, list[str]]:
+    """The 5-digit keys ``passkey_probe`` plants, ``trials`` per context length, drawn in the order of the lengths:
+    the same ``seed`` and lengths give the same keys."""
+    rng = random.Random(seed)
+    return {length: [f"{rng.randrange(10_000, 100_000)}" for _ in range(trials)] for length in context_lengths}
 
 
 def _passkey_trial(model: Any, tokenizer: Any, prompt_length: int, key: str, depth: float,
