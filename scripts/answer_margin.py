@@ -21,10 +21,8 @@ import torch
 
 from hf_recattn.atomic import write_json
 from hf_recattn.conversion.teacher import load_causal_lm
+from hf_recattn.evaluation.passkey import PASSKEY_ANSWER_TOKENS as ANSWER_ROOM
 from hf_recattn.evaluation.passkey import PASSKEY_DEPTHS, passkey_ids, passkey_keys
-
-#: ``passkey_probe``'s answer room: its prompts have ``length - ANSWER_ROOM`` tokens
-ANSWER_ROOM = 8
 
 
 def answer_ids(tokenizer: Any, key: str) -> list[int]:

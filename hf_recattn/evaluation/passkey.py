@@ -18,6 +18,8 @@ from .templates import Template, probe_template
 
 #: where the passkey sits in its prompt (0 = start, 1 = end): a fixed grid shared by every model
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+#: the answer's room: ``passkey_probe``'s prompts have ``length - PASSKEY_ANSWER_TOKENS`` tokens
+PASSKEY_ANSWER_TOKENS = 8
 
 
 def passkey_ids(tokenizer: Any, context_length: int, key: str, depth: float,
@@ -76,7 +78,7 @@ def passkey_probe(
     context_lengths: Sequence[int] = (1024, 4096, 8192),
     trials: int = 3,
     seed: int = 0,
-    max_new_tokens: int = 8,
+    max_new_tokens: int = PASSKEY_ANSWER_TOKENS,
     depths: Sequence[float] = PASSKEY_DEPTHS,
     progress: str | None = None,
 ) -> dict[str, Any]:
