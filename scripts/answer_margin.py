@@ -23,6 +23,7 @@ from hf_recattn.atomic import write_json
 from hf_recattn.conversion.teacher import load_causal_lm
 from hf_recattn.evaluation.passkey import PASSKEY_ANSWER_TOKENS as ANSWER_ROOM
 from hf_recattn.evaluation.passkey import PASSKEY_DEPTHS, passkey_ids, passkey_keys
+from hf_recattn.evaluation.progress import progress_bar
 
 
 def answer_ids(tokenizer: Any, key: str) -> list[int]:
@@ -48,18 +49,21 @@ def answer_margin(model: Any, prompt: list[int], answer: list[int]) -> dict[str,
 
 
 def margins(model: Any, tokenizer: Any, lengths: list[int], trials: int, depths: list[float],
-            seed: int = 0) -> list[dict[str, Any]]:
-    """One row per prompt: length, key, depth, tokens from the needle to the end, and ``answer_margin``'s fields."""
+            seed: int = 0, progress: str | None = None) -> list[dict[str, Any]]:
+    """One row per prompt: length, key, depth, tokens from the needle to the end, and ``answer_margin``'s fields.
+    ``progress``: the label of a progress bar over the prompts (None: no bar)."""
     if trials < 1 or not lengths or any(length <= ANSWER_ROOM for length in lengths):
         raise ValueError(f"--lengths must exceed {ANSWER_ROOM} tokens and --trials must be at least 1")
     rows = []
-    for length, keys in passkey_keys(lengths, trials, seed).items():
-        for i, key in enumerate(keys):
-            depth = depths[i % len(depths)]
-            prompt, at = passkey_ids(tokenizer, length - ANSWER_ROOM, key, depth)
-            row = answer_margin(model, prompt, answer_ids(tokenizer, key))
-            row["rival_token"] = tokenizer.decode([row["rival_id"]])
-            rows.append({"length": length, "key": key, "depth": depth, "back": len(prompt) - at, **row})
+    with progress_bar(len(lengths) * trials, progress, "prompt") as bar:
+        for length, keys in passkey_keys(lengths, trials, seed).items():
+            for i, key in enumerate(keys):
+                depth = depths[i % len(depths)]
+                prompt, at = passkey_ids(tokenizer, length - ANSWER_ROOM, key, depth)
+                row = answer_margin(model, prompt, answer_ids(tokenizer, key))
+                row["rival_token"] = tokenizer.decode([row["rival_id"]])
+                rows.append({"length": length, "key": key, "depth": depth, "back": len(prompt) - at, **row})
+                bar.update()
     return rows
 
 
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_causal_lm(args.checkpoint)
-    rows = margins(model.eval(), tokenizer, args.lengths, args.trials, args.depths)
+    rows = margins(model.eval(), tokenizer, args.lengths, args.trials, args.depths, progress="margins")
     print("| tokens | key | depth | needle, tokens back | first token | best other | lead (nats) | rest | forced |")
     print("|---:|---|---:|---:|---:|---|---:|---:|---|")
     for r in rows:
