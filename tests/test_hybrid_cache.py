@@ -28,10 +28,11 @@ from mixer_steps import left_padded, run_chunked, run_steps
 from reference import phi_elu, phi_hedgehog, real_rows, rel_err
 from reference_delta import delta_reference
 from reference_recurrent_softmax import finish, taylor_value
+from reference_retention import retention_score
 from test_delta import params_live, params_of
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
-from hf_recattn.modeling import cache_scores, mixer_hybrid
+from hf_recattn.modeling import cache_scores, hybrid_cached
 from hf_recattn.modeling.far_part import ARRIVING, LEAVING, FarPart, FarTerms
 from hf_recattn.modeling.mixer_base import Mixer, MixerInputs, State, group_queries, ungroup_output
 from hf_recattn.modeling.mixers import MIXERS, build_mixer, register_mixer, validate_spec
@@ -115,8 +116,9 @@ def _one_thread() -> None:
 
 
 def make(far: str, dtype: torch.dtype = torch.float32, window: int = 3, slots: int = 2, **options: Any) -> Mixer:
-    """A hybrid with the cache over the named far part, its parameters moved off their initial values."""
-    spec, combine = FARS[far]
+    """A hybrid with the cache over the named far part ("none": none), its parameters moved off their initial
+    values."""
+    spec, combine = FARS[far] if far != "none" else ("none", "shared")
     spec = validate_spec({"mixer": "hybrid", "far": spec, "combine": combine, "window": window,
                           "cache_slots": slots, "chunk_size": 4, **options}, "layer 5")
     mixer = build_mixer(spec, SHAPE)
@@ -149,11 +151,13 @@ def _near_terms(qv: torch.Tensor, keys: list[torch.Tensor], values: list[torch.T
     return sum(w * value for w, value in zip(weights, values, strict=True)), sum(weights)
 
 
-def _output(far: Leaving | Arriving, share: torch.Tensor, combine: str, b: int, t: int, h: int, hk: int,
+def _output(far: Leaving | Arriving | None, share: torch.Tensor, combine: str, b: int, t: int, h: int, hk: int,
             qv: torch.Tensor, near: tuple[Any, Any], evicted: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One query head's output from its softmax terms and the far part."""
+    """One query head's output from its softmax terms and the far part (the softmax alone without one)."""
     g = share[h]
     near_num, near_den = near
+    if far is None:
+        return near_num / near_den
     if isinstance(far, Arriving):
         return g * near_num / near_den + (1 - g) * far.out[b, t, h]
     weights = [far.kernel(qv, key, h, hk) for key, _ in evicted]
@@ -184,7 +188,7 @@ def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, 
 
 
 def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mixer: Mixer,
-                     far: Leaving | Arriving) -> torch.Tensor:
+                     far: Leaving | Arriving | None) -> torch.Tensor:
     """The hybrid with the cache, token by token, one row and key head at a time: lists of token positions for the
     sinks, the cache, the pending buffer and the evicted pairs."""
     q, k, v = q.double(), k.double(), v.double()
@@ -215,6 +219,8 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                     if mixer.spec["cache_score"] == "novelty":
                         after = [v[b, hk, s] for s in range(t - window + 1, t + 1) if s in real and s not in sinks]
                         scores = [_novelty(v[b, hk, s], after) for s in candidates]
+                    elif mixer.spec["cache_score"] == "learned":
+                        scores = [retention_score(mixer.retention, hk, k[b, hk, s], v[b, hk, s]) for s in candidates]
                     else:
                         scores = [_score(far, b, t, hk, k[b, hk, s], v[b, hk, s], pairs) for s in candidates]
                     ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])  # stable: the older first
@@ -227,8 +233,11 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def far_of(mixer: Mixer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
-           mask: torch.Tensor) -> Leaving | Arriving:
-    """The reference's view of the mixer's far part (live parameters, so that gradients reach them)."""
+           mask: torch.Tensor) -> Leaving | Arriving | None:
+    """The reference's view of the mixer's far part (live parameters, so that gradients reach them); None without
+    one."""
+    if mixer.far is None:
+        return None
     far, name = mixer.far, mixer.far.name
     if name == "delta":
         params = params_live(far) if q.dtype == torch.float64 else params_of(far)
@@ -366,7 +375,7 @@ def test_a_masked_decision_at_every_step_changes_nothing(far: str, monkeypatch: 
     mixer = make(far, sink_tokens=1)
     with torch.no_grad():
         want, want_state = run_steps(mixer, q, k, v, x, mask)
-        monkeypatch.setattr(mixer_hybrid, "decision_spans", lambda decide: [(0, 1, True)])
+        monkeypatch.setattr(hybrid_cached, "decision_spans", lambda decide: [(0, 1, True)])
         got, got_state = run_steps(mixer, q, k, v, x, mask)
     assert torch.equal(got, want)
     for name in want_state:
@@ -549,7 +558,7 @@ def test_broken_novelty_rules_are_caught(broken: str, monkeypatch: pytest.Monkey
         negated = novelty._replace(score=lambda far, d: -novelty.score(far, d))
         monkeypatch.setitem(cache_scores.CACHE_SCORES, "novelty", negated)
     else:
-        monkeypatch.setattr(mixer_hybrid, "keep_slots", _never_evicts)
+        monkeypatch.setattr(hybrid_cached, "keep_slots", _never_evicts)
     with pytest.raises(AssertionError):
         assert_keeps_the_new_key("linear-elu", "novelty")
 
@@ -563,7 +572,7 @@ def test_broken_rules_are_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -
     elif broken == "no re-scoring":
         monkeypatch.setattr(cls, "far_recall_error", _stale_cache(cls.far_recall_error, 1))
     else:
-        monkeypatch.setattr(mixer_hybrid, "keep_slots", _never_evicts)
+        monkeypatch.setattr(hybrid_cached, "keep_slots", _never_evicts)
     with pytest.raises(AssertionError, match="the new key is cached"):
         assert_keeps_the_new_key()
 
@@ -627,7 +636,8 @@ def test_variants_drop_the_cache() -> None:
     [
         ({"cache_slots": -1}, r"layer 2: option 'cache_slots' must be >= 0"),
         ({"cache_slots": 1.5}, r"layer 2: option 'cache_slots' must be int"),
-        ({"cache_slots": 2, "far": "none"}, r"layer 2: option 'cache_slots' needs a far part .* got far='none'"),
+        ({"cache_slots": 2, "far": "none"},
+         r"layer 2: option 'cache_slots' with cache_score='far' needs a far part .* got far='none'"),
         ({"cache_slots": 2, "far": "toy_mute", "combine": "sum"},
          r"layer 2: option 'cache_slots' needs a far part that scores recall \(far_recall_error\); a toy_mute far "
          r"part declares none"),
@@ -635,7 +645,7 @@ def test_variants_drop_the_cache() -> None:
          r"layer 2: option 'cache_slots' needs a taylor far part with denominator='exact'"),
         ({"cache_slots": 2, "far": "heinsen"}, r"layer 2: option 'far' must be a linear or taylor"),
         ({"cache_slots": 2, "cache_score": "attention"},
-         r"layer 2: option 'cache_score' must be one of \['far', 'novelty'\], got 'attention'"),
+         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'learned'\], got 'attention'"),
         ({"cache_score": "novelty"},
          r"layer 2: option 'cache_score'='novelty' scores the exact cache, which is off \(cache_slots: 0\)"),
     ],

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..modeling.modeling import RecAttnAttention
+from ..training.attention_objective import retention_head_of
 from ..training.attention_transfer import TransferResult, run_attention_transfer
 from .families import split_fused, teacher_layer_specs
 from .settings import Stage1Settings
@@ -36,14 +37,24 @@ def attention_transfer(
     """Train every converted layer's mixer parameters to match the teacher's attention; resumable.
 
     ``run_attention_transfer`` (see there for ``layers`` and the keyword ``options``: seed, checkpoint folder,
-    progress, ...), given the teacher's softmax twins when ``settings.attention_kl`` asks for its attention weights.
+    progress, ...), given the teacher's softmax twins when ``settings.attention_kl`` or a learned cache score (its
+    retention head's target) asks for its attention weights.
     """
-    twins = None
-    if settings.attention_kl:
-        chosen = range(student.config.num_hidden_layers) if layers is None else layers
-        twins = softmax_twins(teacher, student.config, chosen)
+    needed = _twin_layers(student, layers, bool(settings.attention_kl))
+    twins = softmax_twins(teacher, student.config, needed) if needed else None
     return run_attention_transfer(teacher, student, blocks, settings, layers=layers, teacher_attention=twins,
                                   **options)
+
+
+def _twin_layers(student: nn.Module, layers: Collection[int] | None, attention_kl: bool) -> list[int]:
+    """The layers whose teacher attention weights stage 1 needs: every trained one with ``attention_kl``, else those
+    whose hybrid learns its cache score (its retention head's target); none for a student that is no model (the run
+    itself says what is wrong with it)."""
+    config = getattr(student, "config", None)
+    if config is None:
+        return []
+    chosen = range(config.num_hidden_layers) if layers is None else layers
+    return [i for i in chosen if attention_kl or retention_head_of(student, i) is not None]
 
 
 def softmax_twins(teacher: nn.Module, config: Any, layers: Iterable[int]) -> dict[int, RecAttnAttention]:

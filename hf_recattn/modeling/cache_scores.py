@@ -1,9 +1,10 @@
 """What decides which pairs the hybrid's exact cache keeps (its option ``cache_score``).
 
 At each decision (mixer_hybrid.py, hybrid_cache.py) the cache's pairs and the pending ones are scored; the G highest
-stay exact. A score is a function of the far part and a ``Decision``: the candidates' keys and values, the far
-state, and the values of the window's tokens at that moment (the W most recent, which every query still sees by
-softmax). Registered in ``CACHE_SCORES``; a new score is a function here plus one line there.
+stay exact. A score is a function of the layer's ``ScoreParts`` (its far part, its retention head) and a
+``Decision``: the candidates' keys and values, the far state, and the values of the window's tokens at that moment
+(the W most recent, which every query still sees by softmax). Registered in ``CACHE_SCORES``; a new score is a
+function here plus one line there.
 
 * ``far``: the far part's own recall error, ``far_recall_error(k, v, state)`` (LoLA's rule): the pairs the state
   recalls worst stay. Needs a far family that declares the score.
@@ -11,6 +12,9 @@ softmax). Registered in ``CACHE_SCORES``; a new score is a function here plus on
   A pair whose value the window holds again (text that repeats, a recurring phrase) adds little beside it; one
   unlike anything recent (a fact stated once) scores high for as long as nothing like it comes back, since the
   cached pairs are re-scored against each new window. It reads neither the far state nor its parameters.
+* ``learned``: the layer's retention head (retention_head.py, Locret's retaining heads) predicts from each pair
+  the attention the teacher's later queries put on it; trained during conversion (training/retention_objective.py).
+  It reads no far state, so it also serves a hybrid without a far part (a pure learned-eviction softmax cache).
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+
+
+class ScoreParts(NamedTuple):
+    """What of the layer a score may read: its far part (None without one) and its retention head (None unless the
+    score is learned)."""
+
+    far: Any
+    head: Any
 
 
 class Decision(NamedTuple):
@@ -32,12 +44,17 @@ class Decision(NamedTuple):
     window_real: torch.Tensor
 
 
-def far_recall(far: Any, decision: Decision) -> torch.Tensor:
+def far_recall(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     """[B, Hkv, N]: the far part's recall error of each candidate against its state."""
-    return far.far_recall_error(decision.keys, decision.values, decision.state)
+    return parts.far.far_recall_error(decision.keys, decision.values, decision.state)
 
 
-def window_novelty(far: Any, decision: Decision) -> torch.Tensor:
+def learned_retention(parts: ScoreParts, decision: Decision) -> torch.Tensor:
+    """[B, Hkv, N]: the retention head's predicted log importance of each candidate."""
+    return parts.head(decision.keys, decision.values)
+
+
+def window_novelty(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     """[B, Hkv, N]: the distance from each candidate's value to the nearest real value of the window, over the
     candidate's own norm (in float32 at least; +inf where the window holds no real token)."""
     dtype = torch.promote_types(decision.values.dtype, torch.float32)
@@ -49,16 +66,21 @@ def window_novelty(far: Any, decision: Decision) -> torch.Tensor:
 
 
 class CacheScore(NamedTuple):
-    """One choice of option ``cache_score``: the ``score`` (far part, decision) -> [B, Hkv, N], whether it
-    ``reads_far`` (needs the far family's ``far_recall_error``), and what the cache ``keeps``, in words (cards)."""
+    """One choice of option ``cache_score``: the ``score`` (score parts, decision) -> [B, Hkv, N], whether it
+    ``reads_far`` (needs the far family's ``far_recall_error``), what the cache ``keeps``, in words (cards), and
+    whether it is ``learned`` (the layer then holds a retention head, whose parameters the score reads)."""
 
-    score: Callable[[Any, Decision], torch.Tensor]
+    score: Callable[[ScoreParts, Decision], torch.Tensor]
     reads_far: bool
     keeps: str
+    learned: bool = False
 
 
 CACHE_SCORES: dict[str, CacheScore] = {
     "far": CacheScore(far_recall, reads_far=True, keeps="the key / value pairs its far state recalls worst"),
     "novelty": CacheScore(window_novelty, reads_far=False,
                           keeps="the key / value pairs whose values are least like any value in the window"),
+    "learned": CacheScore(learned_retention, reads_far=False, learned=True,
+                          keeps="the key / value pairs its retention head, trained on the teacher's attention, "
+                          "predicts later queries will attend to most"),
 }

@@ -106,9 +106,11 @@ def keep_slots(
     """The decision over N candidates (the cache's G slots, then the pending pairs) from their scores [B, Hkv, N]
     and filled slots [B, N]: the candidate indices [B, Hkv, G] that stay cached (filled ones first, in candidate
     order, which is token order), the evicted candidates [B, Hkv, N] and the new cache mask [B, G]. The highest
-    scores stay (ties: the older pair); a score that is not a number counts as the highest."""
+    scores stay (ties: the older pair); a score that is not a number counts as the highest, an empty slot below
+    every filled one."""
     n = score.shape[-1]
-    key = torch.where(filled[:, None, :], score.nan_to_num(nan=float("inf")), torch.full_like(score, -1.0))
+    empty = torch.full_like(score, -float("inf"))  # below any score, of either sign
+    key = torch.where(filled[:, None, :], score.nan_to_num(nan=float("inf")), empty)
     top = torch.argsort(key, dim=-1, descending=True, stable=True)[..., :slots]
     unfilled = ~filled[:, None, :].expand_as(score).gather(-1, top)
     keep = top.gather(-1, torch.argsort(top + n * unfilled.long(), dim=-1))

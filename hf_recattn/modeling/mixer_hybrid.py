@@ -36,8 +36,11 @@ window-only).
 worst): a real token leaving the window waits in a pending buffer (still a softmax key); when a row's buffer holds W
 tokens, the cache and the buffer are scored (``cache_score``, cache_scores.py: by default the far part's
 ``far_recall_error``), the top G stay cached and the rest are evicted (into the far state, for a far part reading
-leaving keys). hybrid_cache.py keeps the books; docs/mixers.md gives the rule and its timing. The state then also
-holds the pending buffer (W slots) and the cache (G slots).
+leaving keys; dropped without a far part, which a score reading no far state allows: ``novelty``, ``learned``).
+hybrid_cache.py keeps the books and hybrid_cached.py runs the forms with the cache on; docs/mixers.md gives the
+rule and its timing. The state then also holds the pending buffer (W slots) and the cache (G slots).
+``cache_score: learned`` adds a retention head (retention_head.py), trained during conversion on the teacher's
+attention (training/retention_objective.py).
 
 The recurrent state holds the last W keys / values (with a mask of which are real tokens), the N sink keys /
 values (with a mask of the filled slots) and the far mixer's state (keys prefixed "far."). Both parts read
@@ -47,36 +50,24 @@ ignored), and the window logits use s = 1/sqrt(d).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache_scores import CACHE_SCORES, Decision
+from .cache_scores import CACHE_SCORES
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
 from .gated_parts import logit
-from .hybrid_cache import (
-    Timing,
-    block_timing,
-    decision_spans,
-    gather_heads,
-    gather_tokens,
-    keep_slots,
-    pending_after,
-    pending_pairs,
-    undecided_visible,
-)
+from .hybrid_cached import FAR_PREFIX, ExactCacheForms, FarForm, far_state, real_tokens, slice_inputs
 from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option, check_open_unit
 from .registry import MIXERS, build_mixer, mixer_class, validate_spec
+from .retention_head import RetentionHead
 
 COMBINE = ("shared", "sum")
-FAR_PREFIX = "far."
 NO_FAR = "none"
-#: the far part's terms of the queries over the keys it reads, and its next state (None in the parallel form)
-FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[FarTerms, State | None]]
+RETENTION_PREFIX = "retention."
 
 
 class FarRead(NamedTuple):
@@ -107,9 +98,9 @@ def _far_spec_problem(far: dict[str, Any], combine: str) -> str | None:
 
 
 def _window_key(key: str) -> str | None:
-    """window-only: the far part's keys have no place; the hybrid's own (``mix_logit``, kept by a window with
-    sinks, which never reads it) keep their names."""
-    return None if key.startswith(FAR_PREFIX) else key
+    """window-only: the far part's and the retention head's keys have no place (the cache goes with the far part);
+    the hybrid's own (``mix_logit``, kept by a window with sinks, which never reads it) keep their names."""
+    return None if key.startswith((FAR_PREFIX, RETENTION_PREFIX)) else key
 
 
 def _far_key(key: str) -> str | None:
@@ -117,52 +108,7 @@ def _far_key(key: str) -> str | None:
     return key[len(FAR_PREFIX) :] if key.startswith(FAR_PREFIX) else None
 
 
-def _far_state(state: State) -> State:
-    """The far mixer's part of a hybrid state, without the prefix."""
-    return {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
-
-
-def _real_tokens(inputs: MixerInputs, q: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: which of the block's tokens are real."""
-    mask = inputs.token_mask
-    return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if mask is None else mask.bool()
-
-
-def _slice_inputs(inputs: MixerInputs, start: int, stop: int) -> MixerInputs:
-    """The inputs of tokens start..stop-1 of the block (``inputs`` itself when that is the whole block)."""
-    t = inputs.hidden_states.shape[1]
-    if start == 0 and stop == t:
-        return inputs
-    mask = inputs.padding_mask
-    return MixerInputs(
-        hidden_states=inputs.hidden_states[:, start:stop],
-        padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + stop],
-        past_length=inputs.past_length + start,
-    )
-
-
-def _where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` in the batch rows [B] marked, ``old`` in the others."""
-    return torch.where(rows.view(-1, *(1,) * (old.dim() - 1)), new, old)
-
-
-class CacheBlock(NamedTuple):
-    """A block of new tokens with the cache on: the queries, keys and values and their inputs, U's keys, values
-    and real tokens (pending, window, new: see hybrid_cache.py), the decisions' timing and the sinks (their keys,
-    values and visibility [B, 1, 1, T, N + T] and which new tokens are sinks), or None without sinks."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    inputs: MixerInputs
-    keys: torch.Tensor
-    values: torch.Tensor
-    real: torch.Tensor
-    timing: Timing
-    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-
-
-class HybridMixer(Mixer):
+class HybridMixer(ExactCacheForms, Mixer):
     """Sliding-window softmax + a recurrent far mixer, mixed per head by a learnable weight.
 
     Paper: LoLCATs, Zhang et al., "LoLCATs: On Low-Rank Linearizing of Large Language Models",
@@ -174,7 +120,9 @@ class HybridMixer(Mixer):
       with Attention Sinks", arXiv:2309.17453;
     * ``far``: any family declaring the far-part protocol; each names its own paper;
     * ``cache_slots``: the sparse cache of LoLA, McDermott et al., "LoLA: Low-Rank Linear Attention With Sparse
-      Caching", arXiv:2505.23666.
+      Caching", arXiv:2505.23666;
+    * ``cache_score: learned``: the retaining heads of Locret, Huang et al., "Locret: Enhancing Eviction in
+      Long-Context LLM Inference with Trained Retaining Heads", arXiv:2410.01805.
     """
 
     name = "hybrid"
@@ -201,8 +149,9 @@ class HybridMixer(Mixer):
             minimum=0,
         ),
         "cache_score": Option(
-            (str,), "far", "what the exact cache keeps: the pairs the far state recalls worst ('far'), or the values "
-            "least like any in the window ('novelty'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
+            (str,), "far", "what the exact cache keeps: the pairs the far state recalls worst ('far'), the values "
+            "least like any in the window ('novelty') or what a retention head trained on the teacher's attention "
+            "predicts later queries need ('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
         ),
     }
     state_kind = "window"
@@ -220,9 +169,10 @@ class HybridMixer(Mixer):
             raise ValueError(f"{where}: option 'cache_score'={spec['cache_score']!r} scores the exact cache, which "
                              "is off (cache_slots: 0)")
         if spec["far"] == NO_FAR:
-            if spec["cache_slots"]:
-                raise ValueError(f"{where}: option 'cache_slots' needs a far part (its state scores the pairs and "
-                                 "takes those the cache evicts), got far='none'")
+            if spec["cache_slots"] and CACHE_SCORES[spec["cache_score"]].reads_far:
+                raise ValueError(f"{where}: option 'cache_slots' with cache_score={spec['cache_score']!r} needs a far "
+                                 "part (its state scores the pairs), got far='none'; a score that reads no far state "
+                                 "('novelty', 'learned') drops the evicted pairs instead")
             return
         far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])
         far = validate_spec(far, f"{where}: option 'far'")
@@ -256,7 +206,10 @@ class HybridMixer(Mixer):
         self.mix_init = float(spec["mix_init"])
         self.sink_tokens = int(spec["sink_tokens"])
         self.cache_slots = int(spec["cache_slots"])
-        self.cache_score = CACHE_SCORES[spec["cache_score"]].score
+        chosen = CACHE_SCORES[spec["cache_score"]]
+        self.cache_score = chosen.score
+        # the learned score's parameters (retention_head.py); only with the cache on, which is what they score
+        self.retention = RetentionHead(shape) if chosen.learned and self.cache_slots else None
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and self.cache_slots > limit:
             raise ValueError(
@@ -304,9 +257,9 @@ class HybridMixer(Mixer):
             far_inputs = MixerInputs(
                 hidden_states=inputs.hidden_states, padding_mask=real, past_length=inputs.past_length
             )
-        terms, far_state = read.form(read.q, k, v, far_inputs, _far_state(read.state))
-        if far_state is not None:
-            read.new_state.update({FAR_PREFIX + name: x for name, x in far_state.items()})
+        terms, after = read.form(read.q, k, v, far_inputs, far_state(read.state))
+        if after is not None:
+            read.new_state.update({FAR_PREFIX + name: x for name, x in after.items()})
         return terms, far_inputs
 
     # ----- one block of new tokens against the sinks, the window buffer and the far state --------------------
@@ -341,7 +294,7 @@ class HybridMixer(Mixer):
         w, t = self.window, q.shape[2]
         if self.cache_slots:
             return self._cached_block(q, k, v, inputs, state, far_form)
-        new_real = _real_tokens(inputs, q)
+        new_real = real_tokens(inputs, q)
         new_state: State = {}
         qg = group_queries(q, self.shape.num_kv_heads)
         if self.sink_tokens:
@@ -462,167 +415,6 @@ class HybridMixer(Mixer):
         share = torch.sigmoid(self.mix_logit)[:, None]  # [H, 1] against [B, T, H, E]
         return share * near + (1.0 - share) * far_out
 
-    # ----- the exact cache (cache_slots): hybrid_cache.py's bookkeeping around the same softmax and far part ---
-    def _cached_block(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
-    ) -> tuple[torch.Tensor, State]:
-        """``_block`` with the cache: the queries run in spans cut after each decision; a decision moves pairs
-        between the cache and (a far part reading leaving keys) the far state."""
-        w = self.window
-        new_real = _real_tokens(inputs, q)
-        new_state: State = {}
-        sinks = None
-        if self.sink_tokens:
-            sink_keys, sink_values, new_sink, sink_visible, sink_state = self._sinks(k, v, new_real, state)
-            new_state.update(sink_state)
-            new_real = new_real & ~new_sink
-            sinks = (sink_keys, sink_values, sink_visible, new_sink)
-        real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # U: pending, window, new
-        timing = block_timing(state["pmask"], state["wmask"], new_real, w)
-        blk = CacheBlock(q, k, v, inputs, torch.cat([state["pk"], state["wk"], k], dim=2),
-                         torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks)
-        cache, far = (state["ck"], state["cv"], state["cmask"]), _far_state(state)
-        outs = []
-        for start, stop, decides in decision_spans(timing.decide):
-            out, far = self._cached_span(blk, start, stop, cache, far, far_form)
-            outs.append(out)
-            if decides:
-                cache, far = self._decide(blk, stop - 1, cache, far)
-        slots, pmask = pending_after(timing, w)
-        keep = pmask[:, None, :, None]
-        new_state.update({
-            "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": real[:, -w:],
-            "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
-            "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
-            "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2],
-        })
-        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
-        return torch.cat(outs, dim=1), new_state
-
-    def _cached_span(
-        self, blk: CacheBlock, start: int, stop: int, cache: tuple[torch.Tensor, ...], far: State, far_form: FarForm
-    ) -> tuple[torch.Tensor, State]:
-        """The outputs of queries start..stop-1 over the sinks, the cache, the tokens not decided yet and the far
-        state, and the far state after them (one reading arriving tokens has read theirs)."""
-        q = blk.q[:, :, start:stop]
-        inputs = _slice_inputs(blk.inputs, start, stop)
-        ck, cv, cmask = cache
-        columns = 2 * self.window + stop
-        keys, values = [ck, blk.keys[:, :, :columns]], [cv, blk.values[:, :, :columns]]
-        new_sink = None if blk.sinks is None else blk.sinks[3]
-        visible = [
-            cmask[:, None, None, None, :].expand(-1, 1, 1, stop - start, -1),
-            undecided_visible(blk.timing, blk.real, self.window, start, stop, new_sink),
-        ]
-        if blk.sinks is not None:
-            keys.insert(0, blk.sinks[0])
-            values.insert(0, blk.sinks[1])
-            visible.insert(0, blk.sinks[2][..., start:stop, :])
-        qg = group_queries(q, self.shape.num_kv_heads)
-        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, torch.cat(keys, dim=2)) * self.scale
-        scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
-        if self.far.far_reads == ARRIVING:
-            k, v = blk.k[:, :, start:stop], blk.v[:, :, start:stop]
-            terms, far = far_form(q, k, v, inputs, far)
-        else:
-            terms = self.far.far_read(q, inputs, far)
-        return self._combine(terms, inputs, scores, torch.cat(values, dim=2)), far
-
-    def _decide(
-        self, blk: CacheBlock, j: int, cache: tuple[torch.Tensor, ...], far: State
-    ) -> tuple[tuple[torch.Tensor, ...], State]:
-        """The decision after query j in the rows whose pending buffer is then full (see ``_evict``)."""
-        w = self.window
-        pending = pending_pairs(blk.timing, j, w)
-        pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending))
-        after = slice(j + w + 1, j + 2 * w + 1)  # U indices of the window once query j is through
-        window = (blk.values[:, :, after], blk.real[:, after])
-        return self._evict(blk.timing.decide[:, j], pending_pair, window, cache, far)
-
-    def _evict(
-        self, rows: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], window: tuple[torch.Tensor, torch.Tensor],
-        cache: tuple[torch.Tensor, ...], far: State,
-    ) -> tuple[tuple[torch.Tensor, ...], State]:
-        """The decision in the ``rows`` [B] marked: the cache's pairs and the W ``pending`` ones (keys and values
-        [B, Hkv, W, D], in token order; meaningful in those rows) scored by ``cache_score`` (against the far state
-        or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after the deciding query), the G highest
-        kept, the others (a far part reading leaving keys) added to the far state in token order. The other rows keep
-        their cache and far state."""
-        ck, cv, cmask = cache
-        keys = torch.cat([ck, pending[0]], dim=2)
-        values = torch.cat([cv, pending[1]], dim=2)
-        filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
-        # the choice is discrete: no gradient
-        score = self.cache_score(self.far, Decision(keys, values, far, *window)).detach()
-        keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
-        cache = (
-            _where_rows(rows, gather_heads(keys, keep), ck),
-            _where_rows(rows, gather_heads(values, keep), cv),
-            _where_rows(rows, new_mask, cmask),
-        )
-        if self.far.far_reads != ARRIVING:
-            added = self.far.far_add(keys, values, evicted.to(values.dtype), far)
-            far = {name: _where_rows(rows, added[name], x) for name, x in far.items()}
-        return cache, far
-
-    def _cached_step_one(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
-    ) -> tuple[torch.Tensor, State]:
-        """``_cached_block`` for one token once the sinks are settled, bit for bit, in fewer ops: its keys and values
-        are concatenated once in the general block's column order (the sinks and the new token as a sink
-        candidate, never visible once they are settled; the cache; the pending buffer, the window and the new
-        token), so that the softmax and the far part run the same ops on the same tensors; the timing is whether
-        the oldest window token leaves and fills the pending buffer, and the next window and pending buffer are
-        slices of that one buffer (``_pending_after_step``)."""
-        n, w = self.sink_tokens, self.window
-        mask = inputs.token_mask
-        itself = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
-        new_real = itself if mask is None else mask.bool()
-        sink_k, sink_v = ([state["sk"], k], [state["sv"], v]) if n else ([], [])
-        keys = torch.cat([*sink_k, state["ck"], state["pk"], state["wk"], k], dim=2)  # [B, Hkv, N' + G + 2W + 1, D]
-        values = torch.cat([*sink_v, state["cv"], state["pv"], state["wv"], v], dim=2)
-        real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # [B, 2W + 1]: pending, window, new
-        sinks = [state["smask"], ~itself] if n else []  # settled: every sink visible, the new token not a sink
-        visible = torch.cat([*sinks, state["cmask"], real[:, :-1], itself], dim=1)  # a padded query sees itself
-        scores = torch.einsum("bhgtd,bhsd->bhgts", group_queries(q, self.shape.num_kv_heads), keys) * self.scale
-        scores = scores.masked_fill(~visible[:, None, None, None, :], float("-inf"))
-        far = _far_state(state)
-        if self.far.far_reads == ARRIVING:
-            terms, far = self.far.far_step(q, k, v, inputs, far)
-        else:
-            terms = self.far.far_read(q, inputs, far)
-        out = self._combine(terms, inputs, scores, values)
-        new_state: State = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
-        if n:
-            new_state.update({"sk": state["sk"], "sv": state["sv"], "smask": state["smask"]})
-        new_state.update(self._pending_after_step(keys, values, real, state, far))
-        return out, new_state
-
-    def _pending_after_step(
-        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, far: State
-    ) -> State:
-        """The pending buffer, cache and far state after a one-token step (``keys`` / ``values``: its buffer, ending
-        in pending, window, new token; ``real``: their mask): a real leaving token joins the pending buffer, which
-        is then the buffer's slice one position on (that slice itself when every row's leaving token is real, as
-        on the CPU a host check finds); a row whose buffer is then full decides, and it empties."""
-        w, s = self.window, keys.shape[2]
-        leaves = real[:, w : w + 1]  # [B, 1]: the oldest window token, when real
-        pk, pv, pmask = keys[:, :, s - 2 * w : s - w], values[:, :, s - 2 * w : s - w], real[:, 1 : w + 1]
-        if leaves.device.type != "cpu" or not bool(leaves.all()):
-            pmask = torch.where(leaves, pmask, real[:, :w])
-            pk = torch.where(leaves[:, :, None, None], pk, state["pk"])
-            pv = torch.where(leaves[:, :, None, None], pv, state["pv"])
-        full = pmask.all(1)  # [B]: fewer than W wait between steps, so only a leaving token fills it
-        cache = (state["ck"], state["cv"], state["cmask"])
-        ((_, _, decides),) = decision_spans(full[:, None])
-        if decides:
-            cache, far = self._evict(full, (pk, pv), (values[:, :, s - w :], real[:, -w:]), cache, far)
-            empty = full[:, None, None, None]
-            pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
-        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2]}
-        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
-        return new_state
-
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs
@@ -639,7 +431,7 @@ class HybridMixer(Mixer):
         outs = []
         for start in range(0, t, self.chunk_size):
             stop = min(start + self.chunk_size, t)
-            sub = _slice_inputs(inputs, start, stop)
+            sub = slice_inputs(inputs, start, stop)
             out, state = self._block(
                 q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, self._far_chunked
             )
@@ -673,18 +465,6 @@ class HybridMixer(Mixer):
                 {FAR_PREFIX + name: x for name, x in self.far.init_state(batch_size, device, dtype).items()}
             )
         return state
-
-    def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
-        """The pending buffer (W slots) and the cache (G slots per KV head), empty."""
-        hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
-        return {
-            "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
-            "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
-            "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
-            "ck": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
-            "cv": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
-            "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
-        }
 
     def state_size(self, context_length: int) -> int:
         """Window, sinks, pending buffer and cache (keys, values and masks) and the far state: fixed."""

@@ -8,7 +8,8 @@ only its attention (``RecAttnAttention.attend``) on the *teacher's* inputs, and 
 trains that layer's new mixer parameters, nothing else (the copied q/k/v/o projections stay frozen, unless some are
 named to train: for mixers without parameters of their own). With an ``attention_kl`` weight the loss adds the KL
 divergence from the teacher's attention weights (given per layer by a module with ``log_attention_weights``) to the
-mixer's.
+mixer's. A layer whose hybrid keeps its exact cache by a learned score (``cache_score: learned``) adds its retention
+head's loss (retention_objective.py) on the same teacher weights.
 
 ``TransferObjective`` is that loss as a module, the model its Trainer trains (``attention_transfer.py``): one
 teacher forward per batch, then every trained layer; it returns the sum of the layers' losses. The layers' parameter
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import parallel
 from .forms import decoder_layers
+from .retention_objective import retention_loss, retention_targets
 from .sharding import copy_full
 
 
@@ -71,6 +73,11 @@ def load_mixer_state(
         )
     for name, param in expected.items():
         copy_full(param, tensors[name])  # this process's share of a parameter sharded by FSDP
+
+
+def retention_head_of(student: nn.Module, i: int) -> nn.Module | None:
+    """Layer ``i``'s retention head (a hybrid with ``cache_score: learned``), or None."""
+    return getattr(decoder_layers(student)[i].self_attn.mixer, "retention", None)
 
 
 # ----- capturing the teacher -------------------------------------------------------------------------------
@@ -139,12 +146,14 @@ def attention_kl_divergence(log_p: torch.Tensor, weights: torch.Tensor) -> torch
 @dataclass
 class LayerValues:
     """One step's numbers per layer, each the whole batch's (the mean over the processes): the output MSE, the MSE
-    relative to the target's mean square, the attention KL (layers that have it) and the loss the layer trains on."""
+    relative to the target's mean square, the attention KL (layers that have it), the loss the layer trains on and
+    the retention head's loss (layers with ``cache_score: learned``)."""
 
     mse: dict[int, float] = field(default_factory=dict)
     relative: dict[int, float] = field(default_factory=dict)
     kl: dict[int, float] = field(default_factory=dict)
     loss: dict[int, float] = field(default_factory=dict)
+    retention: dict[int, float] = field(default_factory=dict)
 
 
 class TransferObjective(nn.Module):
@@ -171,9 +180,11 @@ class TransferObjective(nn.Module):
         self.teacher_attention = dict(teacher_attention or {})  # a plain dict: not registered either
         self.layers = list(layers)
         self.attention_kl = float(attention_kl or 0.0)
-        missing = [i for i in self.layers if i not in self.teacher_attention] if self.attention_kl else []
+        needed = [i for i in self.layers if self.attention_kl or retention_head_of(student, i) is not None]
+        missing = [i for i in needed if i not in self.teacher_attention]
         if missing:
-            raise ValueError(f"stage 1: attention_kl needs the teacher's attention weights of layers {missing}")
+            raise ValueError(f"stage 1: attention_kl and learned cache scores need the teacher's attention weights "
+                             f"of layers {missing}")
         first = next(student.parameters())
         self.dtype = first.dtype  # a bfloat16 teacher's activations are cast to it
         self.rotary = getattr(student, "model", student).rotary_emb
@@ -200,25 +211,45 @@ class TransferObjective(nn.Module):
         The layer's terms are recomputed in the backward (``torch.utils.checkpoint``): the same operations on the
         same inputs give the same gradient bit for bit, while only one layer's activations are alive at a time
         instead of every trained layer's until the step's backward."""
-        mse, kl = checkpoint(self._layer_terms, i, hidden, target, position_embeddings, use_reentrant=False)
+        head = retention_head_of(self.student, i)
+        log_p = None
+        if self.attention_kl or head is not None:
+            with torch.no_grad():
+                log_p = self.teacher_attention[i].log_attention_weights(hidden, position_embeddings)
+        kl_log_p = log_p if self.attention_kl else None
+        mse, kl = checkpoint(self._layer_terms, i, hidden, target, position_embeddings, kl_log_p, use_reentrant=False)
         mse_value, power, kl_value = _batch_means(mse, target.float().pow(2).mean(), kl)
         values.mse[i] = mse_value
         values.relative[i] = mse_value / max(power, 1e-12)
-        if kl is None:
-            values.loss[i] = mse_value
-            return mse
-        values.kl[i] = kl_value
-        values.loss[i] = mse_value + self.attention_kl * power * kl_value
-        return mse + self.attention_kl * power * kl
+        loss, values.loss[i] = mse, mse_value
+        if kl is not None:
+            values.kl[i] = kl_value
+            values.loss[i] += self.attention_kl * power * kl_value
+            loss = loss + self.attention_kl * power * kl
+        if head is not None:
+            retention = self._retention_term(i, head, hidden, position_embeddings, log_p)
+            values.retention[i] = _batch_means(retention, retention.detach(), None)[0]
+            loss = loss + retention
+        return loss
+
+    def _retention_term(
+        self, i: int, head: nn.Module, hidden: torch.Tensor, position_embeddings: Any, log_p: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``i``'s retention-head loss: its predictions from the student's keys and values against the importance
+        the teacher's attention ``log_p`` gives each key (training/retention_objective.py)."""
+        attention = decoder_layers(self.student)[i].self_attn
+        mixer = attention.mixer
+        with torch.no_grad():
+            _, keys, values = attention.project(hidden.to(self.dtype), position_embeddings)
+        target, counted = retention_targets(log_p, mixer.window, mixer.sink_tokens, mixer.shape.groups)
+        return retention_loss(head, keys, values, target, counted)
 
     def _layer_terms(
-        self, i: int, hidden: torch.Tensor, target: torch.Tensor, position_embeddings: Any
+        self, i: int, hidden: torch.Tensor, target: torch.Tensor, position_embeddings: Any,
+        log_p: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer ``i``'s output MSE to ``target`` and, with an ``attention_kl`` weight, its attention-weight KL."""
-        log_p = None
-        if self.attention_kl:
-            with torch.no_grad():
-                log_p = self.teacher_attention[i].log_attention_weights(hidden, position_embeddings)
+        """Layer ``i``'s output MSE to ``target`` and, given the teacher's log attention weights ``log_p`` (an
+        ``attention_kl`` weight), its attention-weight KL."""
         attention = decoder_layers(self.student)[i].self_attn
         pred, weights = attention.attend(hidden.to(self.dtype), position_embeddings, mixer_weights=log_p is not None)
         kl = None

@@ -75,6 +75,7 @@ class TransferResult:
     last_loss: dict[int, float] = field(default_factory=dict)  # MSE at the end (moving average, beta 0.8)
     relative_last: dict[int, float] = field(default_factory=dict)  # MSE / mean(target^2), moving average
     attention_kl_last: dict[int, float] = field(default_factory=dict)  # stage1.attention_kl's term, moving average
+    retention_last: dict[int, float] = field(default_factory=dict)  # learned cache scores' loss, moving average
     seconds: float = 0.0
     resumed_from: int = 0
     trainable_parameters: int = 0
@@ -88,6 +89,7 @@ class TransferResult:
             "last_loss": {str(k): v for k, v in self.last_loss.items()},
             "relative_last": {str(k): v for k, v in self.relative_last.items()},
             "attention_kl_last": {str(k): v for k, v in self.attention_kl_last.items()},
+            "retention_last": {str(k): v for k, v in self.retention_last.items()},
             "seconds": self.seconds,
             "resumed_from": self.resumed_from,
             "trainable_parameters": self.trainable_parameters,
@@ -163,8 +165,10 @@ def transfer_optimizer(groups: dict[int, dict[str, nn.Parameter]], settings: Tra
 
 # ----- the trainer ------------------------------------------------------------------------------------------
 def _record_step(record: dict[str, Any], values: LayerValues, beta: float = 0.8) -> None:
-    """First loss per layer, and exponential moving averages of the loss, the relative loss and the KL term."""
-    for key, numbers in (("last_loss", values.mse), ("last_rel", values.relative), ("last_kl", values.kl)):
+    """First loss per layer, and exponential moving averages of the loss, the relative loss, the KL term and the
+    retention heads' loss."""
+    for key, numbers in (("last_loss", values.mse), ("last_rel", values.relative), ("last_kl", values.kl),
+                         ("last_retention", values.retention)):
         smoothed = record.setdefault(key, {})
         for i, value in numbers.items():
             old = smoothed.get(str(i))
@@ -293,6 +297,8 @@ class _ProgressBar(TrainerCallback):
             return
         values = self.objective.values
         extra = {"kl": f"{_mean(values.kl):.3f}"} if values.kl else {}
+        if values.retention:
+            extra["retention"] = f"{_mean(values.retention):.3f}"
         self.bar.update(1)
         self.bar.set_postfix(mse=f"{_mean(values.mse):.3g}", rel=f"{_mean(values.relative):.3f}", **extra)
 
@@ -449,6 +455,7 @@ def _result(trainer: TransferTrainer, resumed: int, tokens_per_step: int, second
         last_loss={int(k): v for k, v in record.get("last_loss", {}).items()},
         relative_last={int(k): v for k, v in record.get("last_rel", {}).items()},
         attention_kl_last={int(k): v for k, v in record.get("last_kl", {}).items()},
+        retention_last={int(k): v for k, v in record.get("last_retention", {}).items()},
         seconds=seconds,
         resumed_from=resumed,
         trainable_parameters=sum(p.numel() for params in groups.values() for p in params.values()),

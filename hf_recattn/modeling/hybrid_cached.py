@@ -1,0 +1,276 @@
+"""The hybrid's exact cache (``cache_slots``) as forms of its own: ``ExactCacheForms``, which ``HybridMixer`` mixes in,
+runs a block (or one decode step) with the cache on through hybrid_cache.py's bookkeeping around the hybrid's
+softmax and far part; the pieces the hybrid's plain forms share with it (the far state's prefix, real-token masks,
+slices of a block's inputs) are here too.
+
+A decision scores the cache's pairs and the pending ones with the layer's ``cache_score`` (cache_scores.py), which
+reads the layer's ``ScoreParts``: its far part and, for ``learned``, its retention head (retention_head.py). Without
+a far part (``far: none``, a score that reads no far state) the evicted pairs are dropped and the queries see only
+the sinks, the cache and the tokens not decided yet: a learned-eviction softmax cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .cache_scores import Decision, ScoreParts
+from .far_part import ARRIVING, FarTerms
+from .hybrid_cache import (
+    Timing,
+    block_timing,
+    decision_spans,
+    gather_heads,
+    gather_tokens,
+    keep_slots,
+    pending_after,
+    pending_pairs,
+    undecided_visible,
+)
+from .mixer_base import MixerInputs, State, group_queries, ungroup_output
+
+FAR_PREFIX = "far."
+#: the far part's terms of the queries over the keys it reads, and its next state (None in the parallel form)
+FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[FarTerms, State | None]]
+
+
+def far_state(state: State) -> State:
+    """The far mixer's part of a hybrid state, without the prefix."""
+    return {name[len(FAR_PREFIX) :]: x for name, x in state.items() if name.startswith(FAR_PREFIX)}
+
+
+def real_tokens(inputs: MixerInputs, q: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: which of the block's tokens are real."""
+    mask = inputs.token_mask
+    return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if mask is None else mask.bool()
+
+
+def slice_inputs(inputs: MixerInputs, start: int, stop: int) -> MixerInputs:
+    """The inputs of tokens start..stop-1 of the block (``inputs`` itself when that is the whole block)."""
+    t = inputs.hidden_states.shape[1]
+    if start == 0 and stop == t:
+        return inputs
+    mask = inputs.padding_mask
+    return MixerInputs(
+        hidden_states=inputs.hidden_states[:, start:stop],
+        padding_mask=None if mask is None else mask[:, : mask.shape[1] - t + stop],
+        past_length=inputs.past_length + start,
+    )
+
+
+def where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` in the batch rows [B] marked, ``old`` in the others."""
+    return torch.where(rows.view(-1, *(1,) * (old.dim() - 1)), new, old)
+
+
+class CacheBlock(NamedTuple):
+    """A block of new tokens with the cache on: the queries, keys and values and their inputs, U's keys, values
+    and real tokens (pending, window, new: see hybrid_cache.py), the decisions' timing and the sinks (their keys,
+    values and visibility [B, 1, 1, T, N + T] and which new tokens are sinks), or None without sinks."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    inputs: MixerInputs
+    keys: torch.Tensor
+    values: torch.Tensor
+    real: torch.Tensor
+    timing: Timing
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+class ExactCacheForms:
+    """The hybrid's forms with the exact cache on (mixed into ``HybridMixer``, whose attributes they read: ``window``,
+    ``sink_tokens``, ``cache_slots``, ``cache_score``, ``far``, ``retention``, ``shape``, ``_sinks``, ``_combine``)."""
+
+    window: int
+    sink_tokens: int
+    cache_slots: int
+    cache_score: Callable[[ScoreParts, Decision], torch.Tensor]
+    far: Any
+    retention: Any
+    shape: Any
+    scale: float
+    _sinks: Callable[..., Any]
+    _combine: Callable[..., torch.Tensor]
+    _far_step: FarForm
+
+    def _cached_block(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
+    ) -> tuple[torch.Tensor, State]:
+        """``_block`` with the cache: the queries run in spans cut after each decision; a decision moves pairs
+        between the cache and (a far part reading leaving keys) the far state."""
+        w = self.window
+        new_real = real_tokens(inputs, q)
+        new_state: State = {}
+        sinks = None
+        if self.sink_tokens:
+            sink_keys, sink_values, new_sink, sink_visible, sink_state = self._sinks(k, v, new_real, state)
+            new_state.update(sink_state)
+            new_real = new_real & ~new_sink
+            sinks = (sink_keys, sink_values, sink_visible, new_sink)
+        real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # U: pending, window, new
+        timing = block_timing(state["pmask"], state["wmask"], new_real, w)
+        blk = CacheBlock(q, k, v, inputs, torch.cat([state["pk"], state["wk"], k], dim=2),
+                         torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks)
+        cache, far = (state["ck"], state["cv"], state["cmask"]), far_state(state)
+        outs = []
+        for start, stop, decides in decision_spans(timing.decide):
+            out, far = self._cached_span(blk, start, stop, cache, far, far_form)
+            outs.append(out)
+            if decides:
+                cache, far = self._decide(blk, stop - 1, cache, far)
+        slots, pmask = pending_after(timing, w)
+        keep = pmask[:, None, :, None]
+        new_state.update({
+            "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": real[:, -w:],
+            "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
+            "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
+            "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2],
+        })
+        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
+        return torch.cat(outs, dim=1), new_state
+
+    def _cached_span(
+        self, blk: CacheBlock, start: int, stop: int, cache: tuple[torch.Tensor, ...], far: State, far_form: FarForm
+    ) -> tuple[torch.Tensor, State]:
+        """The outputs of queries start..stop-1 over the sinks, the cache, the tokens not decided yet and the far
+        state, and the far state after them (one reading arriving tokens has read theirs)."""
+        q = blk.q[:, :, start:stop]
+        inputs = slice_inputs(blk.inputs, start, stop)
+        ck, cv, cmask = cache
+        columns = 2 * self.window + stop
+        keys, values = [ck, blk.keys[:, :, :columns]], [cv, blk.values[:, :, :columns]]
+        new_sink = None if blk.sinks is None else blk.sinks[3]
+        visible = [
+            cmask[:, None, None, None, :].expand(-1, 1, 1, stop - start, -1),
+            undecided_visible(blk.timing, blk.real, self.window, start, stop, new_sink),
+        ]
+        if blk.sinks is not None:
+            keys.insert(0, blk.sinks[0])
+            values.insert(0, blk.sinks[1])
+            visible.insert(0, blk.sinks[2][..., start:stop, :])
+        qg = group_queries(q, self.shape.num_kv_heads)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, torch.cat(keys, dim=2)) * self.scale
+        scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
+        k, v = blk.k[:, :, start:stop], blk.v[:, :, start:stop]
+        return self._mix_cached(q, k, v, inputs, far, scores, torch.cat(values, dim=2), far_form)
+
+    def _mix_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, far: State,
+        scores: torch.Tensor, values: torch.Tensor, far_form: FarForm,
+    ) -> tuple[torch.Tensor, State]:
+        """The softmax part (``scores`` over ``values``) combined with the far part's terms of the queries, and the far
+        state after them (one reading arriving tokens reads this block's ``k``, ``v`` by ``far_form``); the softmax
+        part alone without a far part."""
+        if self.far is None:
+            return ungroup_output(torch.einsum("bhgts,bhse->bhgte", torch.softmax(scores, dim=-1), values)), far
+        if self.far.far_reads == ARRIVING:
+            terms, far = far_form(q, k, v, inputs, far)
+        else:
+            terms = self.far.far_read(q, inputs, far)
+        return self._combine(terms, inputs, scores, values), far
+
+    def _decide(
+        self, blk: CacheBlock, j: int, cache: tuple[torch.Tensor, ...], far: State
+    ) -> tuple[tuple[torch.Tensor, ...], State]:
+        """The decision after query j in the rows whose pending buffer is then full (see ``_evict``)."""
+        w = self.window
+        pending = pending_pairs(blk.timing, j, w)
+        pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending))
+        after = slice(j + w + 1, j + 2 * w + 1)  # U indices of the window once query j is through
+        window = (blk.values[:, :, after], blk.real[:, after])
+        return self._evict(blk.timing.decide[:, j], pending_pair, window, cache, far)
+
+    def _evict(
+        self, rows: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], window: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, ...], far: State,
+    ) -> tuple[tuple[torch.Tensor, ...], State]:
+        """The decision in the ``rows`` [B] marked: the cache's pairs and the W ``pending`` ones (keys and values
+        [B, Hkv, W, D], in token order; meaningful in those rows) scored by ``cache_score`` (against the far state
+        or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after the deciding query), the G highest
+        kept, the others added to the far state in token order (a far part reading leaving keys) or dropped. The
+        other rows keep their cache and far state."""
+        ck, cv, cmask = cache
+        keys = torch.cat([ck, pending[0]], dim=2)
+        values = torch.cat([cv, pending[1]], dim=2)
+        filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
+        # the choice is discrete: no gradient
+        score = self.cache_score(ScoreParts(self.far, self.retention), Decision(keys, values, far, *window)).detach()
+        keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
+        cache = (
+            where_rows(rows, gather_heads(keys, keep), ck),
+            where_rows(rows, gather_heads(values, keep), cv),
+            where_rows(rows, new_mask, cmask),
+        )
+        if self.far is not None and self.far.far_reads != ARRIVING:
+            added = self.far.far_add(keys, values, evicted.to(values.dtype), far)
+            far = {name: where_rows(rows, added[name], x) for name, x in far.items()}
+        return cache, far
+
+    def _cached_step_one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """``_cached_block`` for one token once the sinks are settled, bit for bit, in fewer ops: its keys and values
+        are concatenated once in the general block's column order (the sinks and the new token as a sink
+        candidate, never visible once they are settled; the cache; the pending buffer, the window and the new
+        token), so that the softmax and the far part run the same ops on the same tensors; the timing is whether
+        the oldest window token leaves and fills the pending buffer, and the next window and pending buffer are
+        slices of that one buffer (``_pending_after_step``)."""
+        n, w = self.sink_tokens, self.window
+        mask = inputs.token_mask
+        itself = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
+        new_real = itself if mask is None else mask.bool()
+        sink_k, sink_v = ([state["sk"], k], [state["sv"], v]) if n else ([], [])
+        keys = torch.cat([*sink_k, state["ck"], state["pk"], state["wk"], k], dim=2)  # [B, Hkv, N' + G + 2W + 1, D]
+        values = torch.cat([*sink_v, state["cv"], state["pv"], state["wv"], v], dim=2)
+        real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # [B, 2W + 1]: pending, window, new
+        sinks = [state["smask"], ~itself] if n else []  # settled: every sink visible, the new token not a sink
+        visible = torch.cat([*sinks, state["cmask"], real[:, :-1], itself], dim=1)  # a padded query sees itself
+        scores = torch.einsum("bhgtd,bhsd->bhgts", group_queries(q, self.shape.num_kv_heads), keys) * self.scale
+        scores = scores.masked_fill(~visible[:, None, None, None, :], float("-inf"))
+        out, far = self._mix_cached(q, k, v, inputs, far_state(state), scores, values, self._far_step)
+        new_state: State = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
+        if n:
+            new_state.update({"sk": state["sk"], "sv": state["sv"], "smask": state["smask"]})
+        new_state.update(self._pending_after_step(keys, values, real, state, far))
+        return out, new_state
+
+    def _pending_after_step(
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, far: State
+    ) -> State:
+        """The pending buffer, cache and far state after a one-token step (``keys`` / ``values``: its buffer, ending
+        in pending, window, new token; ``real``: their mask): a real leaving token joins the pending buffer, which
+        is then the buffer's slice one position on (that slice itself when every row's leaving token is real, as
+        on the CPU a host check finds); a row whose buffer is then full decides, and it empties."""
+        w, s = self.window, keys.shape[2]
+        leaves = real[:, w : w + 1]  # [B, 1]: the oldest window token, when real
+        pk, pv, pmask = keys[:, :, s - 2 * w : s - w], values[:, :, s - 2 * w : s - w], real[:, 1 : w + 1]
+        if leaves.device.type != "cpu" or not bool(leaves.all()):
+            pmask = torch.where(leaves, pmask, real[:, :w])
+            pk = torch.where(leaves[:, :, None, None], pk, state["pk"])
+            pv = torch.where(leaves[:, :, None, None], pv, state["pv"])
+        full = pmask.all(1)  # [B]: fewer than W wait between steps, so only a leaving token fills it
+        cache = (state["ck"], state["cv"], state["cmask"])
+        ((_, _, decides),) = decision_spans(full[:, None])
+        if decides:
+            cache, far = self._evict(full, (pk, pv), (values[:, :, s - w :], real[:, -w:]), cache, far)
+            empty = full[:, None, None, None]
+            pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
+        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2]}
+        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
+        return new_state
+
+    def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
+        """The pending buffer (W slots) and the cache (G slots per KV head), empty."""
+        hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
+        return {
+            "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
+            "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
+            "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
+            "ck": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
+            "cv": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
+            "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
+        }

@@ -1,0 +1,51 @@
+"""An independent float64 reference of the learned retention score (``cache_score: learned``) and of its training
+target, one pair and one key at a time."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _unit(x: list[float]) -> tuple[list[float], float]:
+    rms = math.sqrt(sum(a * a for a in x) / len(x) + 1e-6)
+    return [a / rms for a in x], math.log(rms)
+
+
+def retention_score(head: torch.nn.Module, hk: int, key: torch.Tensor, value: torch.Tensor) -> float:
+    """The head's predicted log importance of one pair of KV head ``hk``: the value and the norms of the key's
+    rotary pairs (i, i + D/2), each scaled to unit RMS, with both log RMS, through the head's SiLU MLP."""
+    k, v = key.detach().double().tolist(), value.detach().double().tolist()
+    half = len(k) // 2
+    pairs = [math.hypot(k[i], k[i + half]) for i in range(half)]
+    v_unit, v_log = _unit(v)
+    p_unit, p_log = _unit(pairs)
+    x = v_unit + p_unit + [v_log, p_log]
+    w_in, b_in = head.w_in[hk].detach().double(), head.b_in[hk].detach().double()
+    w_out, b_out = head.w_out[hk].detach().double(), float(head.b_out[hk].detach())
+    total = b_out
+    for u in range(w_in.shape[1]):
+        a = float(b_in[u]) + sum(x[f] * float(w_in[f, u]) for f in range(len(x)))
+        total += float(w_out[u]) * a / (1.0 + math.exp(-a))
+    return total
+
+
+def importance_reference(weights: torch.Tensor, window: int, sinks: int, groups: int, floor: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key of attention ``weights`` [B, H, T, T]: the log of the largest weight any query of its KV head's group
+    at least ``window`` tokens later puts on it (floored at ``floor``), and whether the key counts (not one of the
+    first ``sinks``, some query that late exists)."""
+    bsz, heads, seq, _ = weights.shape
+    kv = heads // groups
+    target = torch.zeros(bsz, kv, seq, dtype=torch.float64)
+    counted = torch.zeros(bsz, kv, seq, dtype=torch.bool)
+    for b in range(bsz):
+        for hk in range(kv):
+            for j in range(seq):
+                later = [float(weights[b, h, i, j]) for h in range(hk * groups, (hk + 1) * groups)
+                         for i in range(j + window, seq)]
+                if later and j >= sinks:
+                    counted[b, hk, j] = True
+                    target[b, hk, j] = math.log(max(max(later), floor))
+    return target, counted
