@@ -214,6 +214,10 @@ def test_retrieval_data_settings(tmp_path: Path) -> None:
                            ({"retrieval_share": 0.5, "answer_weight": float("nan")}, "stage2.answer_weight must be")):
         message = _error(tmp_path, tiny_recipe_dict(stage2=settings))
         assert says in message, message
+    stage1 = recipe_from_dict(tiny_recipe_dict(stage1={"retrieval_share": 0.25}))
+    assert stage1.stage1.retrieval_share == 0.25 and stage1.fingerprint() != base.fingerprint()
+    message = _error(tmp_path, tiny_recipe_dict(stage1={"retrieval_share": 1.0}))
+    assert "stage1.retrieval_share must be in [0, 1)" in message, message
 
 
 def test_continuation_settings(tmp_path: Path) -> None:

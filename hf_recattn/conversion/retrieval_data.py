@@ -20,7 +20,7 @@ those of the head search and of the probes.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -137,3 +137,25 @@ def mix_blocks(
     weights = torch.ones(rows.shape, dtype=extra_weights.dtype)
     weights[is_extra] = extra_weights
     return rows, weights
+
+
+def with_retrieval_blocks(blocks: torch.Tensor, recipe: Recipe, section: str, tokenizer: Any, texts: list[str],
+                          log: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A stage's ``blocks`` with ``{section}.retrieval_share`` of them replaced by retrieval prompts built from the
+    training ``texts`` (same count and length, facts beyond the recipe's longest window), and the loss weights
+    (``{section}.answer_weight`` on the answers, where the section has it); the blocks unchanged without the share."""
+    settings = getattr(recipe, section)
+    count = round((settings.retrieval_share or 0.0) * blocks.shape[0])
+    if count == 0:
+        return blocks, None
+    weighted = hasattr(settings, "answer_weight")  # stage 1 matches attention: no token weights
+    answer_weight = (settings.answer_weight if weighted else None) or 1.0
+    log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them"
+        + (f" (answer weight {answer_weight:g})" if weighted else ""))
+    try:
+        extra, weights = retrieval_blocks(tokenizer, texts, count, settings.block_size, answer_weight, seed=recipe.seed,
+                                          min_distance=recipe_window(recipe))
+    except ValueError as err:
+        raise ValueError(f"{recipe.source}: {section}.retrieval_share: {err}") from None
+    return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)
+

@@ -38,6 +38,9 @@ class Stage1Settings:
     #: output (so one weight suits every layer): loss = MSE + attention_kl * mean(target^2) * KL; None or 0:
     #: outputs only
     attention_kl: float | None = None
+    #: share of the blocks that hide facts in training text and ask for them (``retrieval_data.py``): the teacher's
+    #: attention from the questions to the facts is what a learned cache score (``cache_score: learned``) learns from
+    retrieval_share: float | None = None
 
     def check(self, source: str, section: str = "stage1") -> None:
         """Raise ValueError naming ``source: section.key`` for the first value out of range."""
@@ -47,6 +50,8 @@ class Stage1Settings:
         positive(self.projection_lr, f"{at}.projection_lr")
         if self.attention_kl is not None:
             positive(self.attention_kl, f"{at}.attention_kl", allow_zero=True)
+        if self.retrieval_share is not None and not 0.0 <= self.retrieval_share < 1.0:
+            raise ValueError(f"{at}.retrieval_share must be in [0, 1), got {self.retrieval_share!r}")
         bad = sorted(set(self.projections) - set(ATTENTION_PROJECTIONS))
         if bad:
             raise ValueError(f"{at}.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}")

@@ -21,6 +21,7 @@ from .families import teacher_layer_types
 from .job import Job, Log, Teacher, read_json
 from .layer_selection import selected_layers
 from .recipe import Recipe
+from .retrieval_data import with_retrieval_blocks
 from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
 
 
@@ -55,6 +56,7 @@ def stage1(label: str, job: Job, teacher: Teacher, student: nn.Module, train_tex
         return {}
     job.log(f"{label} stage 1: attention transfer, {s1.tokens} tokens (batch {s1.batch_size} x {s1.block_size})")
     blocks = token_blocks(teacher.tokenizer, train_texts, s1.block_size, max_tokens=s1.tokens, seed=recipe.seed)
+    blocks, _ = with_retrieval_blocks(blocks, recipe, "stage1", teacher.tokenizer, train_texts, job.log)
     result = attention_transfer(
         teacher.model,
         student,

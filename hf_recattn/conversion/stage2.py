@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..atomic import write_json
 from ..data.corpus import token_blocks
 from ..training import parallel
 from ..training.distill import finetune
-from .job import Job, Log, Teacher
-from .recipe import Recipe
-from .retrieval_data import mix_blocks, recipe_window, retrieval_blocks
+from .job import Job, Teacher
+from .retrieval_data import with_retrieval_blocks
 from .stage1 import tokens_per_second
 
 
@@ -35,7 +33,7 @@ def stage2(label: str, job: Job, teacher: Teacher, student: nn.Module,
     )[skip // s2.block_size :]
     if skip:
         job.log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
-    blocks, weights = _with_retrieval_data(recipe, blocks, teacher.tokenizer, train_texts, job.log)
+    blocks, weights = with_retrieval_blocks(blocks, recipe, "stage2", teacher.tokenizer, train_texts, job.log)
     student, result = finetune(
         teacher.model,
         student,
@@ -52,22 +50,3 @@ def stage2(label: str, job: Job, teacher: Teacher, student: nn.Module,
     if parallel.is_main():
         write_json(job.output / "stage2" / "summary.json", summary)
     return student, summary
-
-
-def _with_retrieval_data(recipe: Recipe, blocks: torch.Tensor, tokenizer: Any, train_texts: list[str],
-                         log: Log) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stage 2's blocks with ``stage2.retrieval_share`` of them replaced by retrieval prompts built from the
-    training texts (same count and length), and the loss weights; the blocks unchanged without the option."""
-    s2 = recipe.stage2
-    count = round((s2.retrieval_share or 0.0) * blocks.shape[0])
-    if count == 0:
-        return blocks, None
-    answer_weight = s2.answer_weight or 1.0
-    log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them "
-        f"(answer weight {answer_weight:g})")
-    try:
-        extra, weights = retrieval_blocks(tokenizer, train_texts, count, s2.block_size, answer_weight, seed=recipe.seed,
-                                          min_distance=recipe_window(recipe))
-    except ValueError as err:
-        raise ValueError(f"{recipe.source}: stage2.retrieval_share: {err}") from None
-    return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)
