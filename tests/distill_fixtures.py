@@ -107,6 +107,7 @@ def tiny_recipe_dict(attention: Any = None, **sections: Any) -> dict[str, Any]:
             "block_size": 32,
             "sample_tokens": 6,
             "heldout_fraction": 0.2,
+            "probes": {"needle_prompts": 1, "needle_haystacks": ["heldout"]},  # the needles: 2 prompts per model
         },
     }
     for key, value in sections.items():

@@ -3,6 +3,7 @@ decode cost, reports, model cards and the eval / generate commands."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -244,13 +245,16 @@ def test_evaluate_quick_report_and_card(tmp_path: Path) -> None:
     tok = tiny_tokenizer()
     model = _tiny_model(tok, {"mixer": "linear", "feature_map": "elu"})
     blocks = torch.randint(3, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
-    report = evaluate(model, tok, blocks, quick=True)
+    sizes = dataclasses.replace(ev.RecallSizes.for_mode(True), needle_prompts=1, needle_haystacks=("heldout",))
+    report = evaluate(model, tok, blocks, quick=True, sizes=sizes)  # quick, with 1 needle prompt per cell
     assert report["perplexity"] == pytest.approx(perplexity(model, blocks))
     assert report["eval_tokens"] == 32 and report["block_size"] == 16
     assert set(report["passkey"]["accuracy"]) == {"1024"} and len(report["samples"]) == 2
     assert report["model"]["mixers"] == {"linear": 2}
     assert set(report["recall_by_distance"]["accuracy"]) == {"100", "1000"}  # quick: 100 and 1,000 tokens back
     assert report["recall_by_distance"]["trials"] == 2
+    needles = report["needles"]["cells"]  # in the blocks' 32 tokens of text, which had to repeat
+    assert set(needles) == {"single_number", "multi_key"} and needles["multi_key"]["heldout"]["1024"]["repeated"] == 1
     assert report["long_perplexity"]["skipped"] == {"4096": "beyond max_position_embeddings 2048"}
     path = write_report(tmp_path, report)
     assert json.loads(path.read_text())["perplexity"] == report["perplexity"]
@@ -266,6 +270,7 @@ def test_comparison_table() -> None:
     }
     lines = comparison_table(rows).splitlines()
     assert lines[0].startswith("| model | perplexity | × teacher |") and len(lines) == 5
+    assert lines[0].startswith("| model | perplexity | × teacher | passkey (synthetic) | decode")
     assert lines[2] == "| teacher | 20.00 | 1.000 | 100% | 37.0 | 2048 | 2.00 |"
     assert lines[3] == "| window-only | 30.00 | 1.500 | - | - | - | - |"
     assert lines[4].startswith("| hybrid | 22.00 | 1.100 | 50% |")
@@ -275,7 +280,7 @@ def test_comparison_table() -> None:
     rows["hybrid"]["recall_by_distance"] = {"accuracy": {"100": 1.0}}
     rows["hybrid"]["long_perplexity"] = {"perplexity": {"16384": 30.0, "4096": 25.0}}
     lines = comparison_table(rows).splitlines()
-    assert lines[0] == ("| model | perplexity | × teacher | passkey | recall @ 100/1000 | ppl @ 4096 | "
+    assert lines[0] == ("| model | perplexity | × teacher | passkey (synthetic) | recall @ 100/1000 | ppl @ 4096 | "
                         "decode ms/token | context | cache MiB |")
     assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     assert lines[2] == "| teacher | 20.00 | 1.000 | 100% | 100/50% | - | 37.0 | 2048 | 2.00 |"

@@ -363,7 +363,9 @@ def test_convert_end_to_end_with_recurrent_full_layers(tmp_path: Path, monkeypat
     recurrent, the window layers keep the teacher's weights and window."""
     monkeypatch.setenv("HF_RECATTN_CACHE", str(tmp_path / "cache"))
     small = evaluation.RecallSizes(passkey_lengths=(256,), passkey_depths=(0.5,), passkey_trials=1,
-                                   recall_lengths=(256,), recall_pairs=(1,), recall_trials=1)
+                                   recall_lengths=(256,), recall_pairs=(1,), recall_trials=1,
+                                   needle_tasks=("single_number",), needle_lengths=(1024,), needle_prompts=1,
+                                   needle_haystacks=("heldout",))
     monkeypatch.setattr(evaluation.RecallSizes, "for_mode", classmethod(lambda cls, quick: small))
     tokenizer = tiny_tokenizer()
     t = teacher("qwen3", vocab_size=len(tokenizer), max_position_embeddings=2048, pad_token_id=2)

@@ -10,6 +10,7 @@ must equal the argmax of one plain forward (exact token equality, float32) and t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -404,14 +405,16 @@ def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path)
     tok = tiny_tokenizer()
     model = _tiny_model({"mixer": "linear", "feature_map": "elu"})
     blocks = token_blocks(tok, TEXTS * 4, 32)
-    report = evaluate(model, tok, blocks, quick=True, recall_texts=TEXTS)
+    sizes = dataclasses.replace(RecallSizes.for_mode(True), needle_prompts=1, needle_haystacks=("heldout",))
+    report = evaluate(model, tok, blocks, quick=True, recall_texts=TEXTS, sizes=sizes)  # 1 needle prompt per cell
     assert set(report["passkey"]["accuracy_by_depth"]) == {"1024"}
     assert set(report["passkey"]["accuracy_by_depth"]["1024"]) == {"0.1", "0.5", "0.9"}
     recall = report["associative_recall"]
     assert set(recall["accuracy"]) == {"1024"} and set(recall["accuracy"]["1024"]) == {"1", "4", "16"}
     assert recall["trials"] == 1
     small = RecallSizes(passkey_lengths=(256,), passkey_trials=3, recall_lengths=(256,), recall_pairs=(2,),
-                        recall_trials=1)
+                        recall_trials=1, needle_tasks=("single_word",), needle_lengths=(1024,), needle_prompts=1,
+                        needle_haystacks=("heldout",))
     from_blocks = evaluate(model, tok, blocks, quick=True, sizes=small)  # the facts go into the blocks' text
     assert set(from_blocks["associative_recall"]["accuracy"]) == {"256"}
     with pytest.raises(ValueError, match="recall_pairs"):
@@ -427,8 +430,8 @@ def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path)
     teacher = {"perplexity": report["perplexity"], "passkey": {"mean_accuracy": 1.0},
                "associative_recall": {"mean_accuracy": 1.0}}
     table = comparison_table({"teacher": teacher, "tiny": student}).splitlines()
-    assert table[0].startswith("| model | perplexity | × teacher | passkey | recall |")
-    assert table[2].startswith("| teacher |") and "| 100% | 100% |" in table[2] and "| 25% |" in table[3]
+    assert table[0].startswith("| model | perplexity | × teacher | passkey (synthetic) | needles (held-out) | recall |")
+    assert table[2].startswith("| teacher |") and "| 100% | - | 100% |" in table[2] and "| 25% |" in table[3]
     folder = tmp_path / "ckpt"
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -459,7 +462,7 @@ def test_eval_command_recall_options(tmp_path: Path, capsys: pytest.CaptureFixtu
             "--recall-pairs", "1", "2", "--recall-trials", "1", "--distances", "20", "400", "--distance-trials", "1",
             "--long-lengths", "48", "512", "--long-blocks", "2"]
     assert main(args) == 0
-    assert "| passkey | recall |" in capsys.readouterr().out
+    assert "| passkey (synthetic) | recall |" in capsys.readouterr().out
     results = json.loads((tmp_path / "student" / "eval.json").read_text())["results"]
     for row in results.values():
         assert row["passkey"]["accuracy_by_depth"].keys() == {"128", "200"}

@@ -312,7 +312,9 @@ def test_teacher_mismatches() -> None:
 
 def test_eval_probe_sizes(tmp_path: Path) -> None:
     """eval.probes sets the recall probes over the quick / full defaults; out of the fingerprint until set."""
-    base = recipe_from_dict(tiny_recipe_dict())
+    unset = tiny_recipe_dict()
+    del unset["eval"]["probes"]  # the tiny recipes' own (fewer needle prompts)
+    base = recipe_from_dict(unset)
     assert base.eval.probes is None
     assert base.eval.recall_sizes() == RecallSizes.for_mode(base.eval.quick)
     set_ = recipe_from_dict(tiny_recipe_dict(eval={"quick": True, "probes": {"passkey_lengths": [1024, 4096],

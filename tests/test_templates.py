@@ -21,7 +21,7 @@ from hf_recattn.conversion.recipe import load_recipe
 from hf_recattn.conversion.retrieval_data import recipe_window, retrieval_blocks
 from hf_recattn.conversion.retrieval_heads import recall_objective
 from hf_recattn.data.corpus import split_heldout
-from hf_recattn.evaluation import distance_prompt, passkey_ids, sentence_pieces
+from hf_recattn.evaluation import NEEDLE_TASKS, distance_prompt, needle_prompt, passkey_ids, sentence_pieces
 from hf_recattn.evaluation.recall import Haystack, recall_prompt
 from hf_recattn.evaluation.templates import (
     KINDS,
@@ -84,7 +84,7 @@ def test_every_kind_splits_into_train_and_heldout() -> None:
         assert probe_template(kind) == loaded.split("heldout")[0]
         assert {t.split for t in loaded.templates} == {"train", "heldout"}
         assert all(t.where.startswith(str(templates_folder() / f"{kind}.yaml") + ":") for t in loaded.templates)
-    assert [probe_template(k).name for k in KINDS] == ["pass-key", "codes-of-people", "capitals"]
+    assert [probe_template(k).name for k in KINDS] == ["pass-key", "codes-of-people", "capitals", "magic-numbers"]
     assert not set(word_list("train")) & set(word_list("heldout")) and len(word_list("heldout")) >= 16
     with pytest.raises(ValueError, match="unknown template kind"):
         load_templates("riddles")
@@ -255,8 +255,10 @@ def test_training_prompts_never_show_heldout_wording_or_text(corpus: tuple) -> N
     assert filler and not [s for s in filler if s in stream]
     assert not [s for s in _sentences(heldout) if s in stream]
     assert not [w for w in word_list("heldout") if re.search(rf"\b{w}\b", stream)]
-    # the converse, so that the checks above can fail: every training template and training text shows up
-    unused = [(t.kind, t.name) for t in _all("train") if not any(p in stream for p in _pieces(t))]
+    # the converse, so that the checks above can fail: every training template and training text shows up (the
+    # needles' training templates wait for training data of that shape; tests/test_needles.py checks their split)
+    unused = [(t.kind, t.name) for t in _all("train")
+              if t.kind != "needles" and not any(p in stream for p in _pieces(t))]
     assert unused == []
     assert sum(s in stream for s in _sentences(train)) > 100
     assert sum(bool(re.search(rf"\b{w}\b", stream)) for w in word_list("train")) > 10
@@ -268,9 +270,12 @@ def test_probes_use_heldout_wording_and_text_only(corpus: tuple) -> None:
     rows = [passkey_ids(tokenizer, 1024, "24680", depth)[0] for depth in (0.1, 0.5, 0.9)]
     rows += [recall_prompt(tokenizer, haystack, 1024, n, seed=n).ids()[0].tolist() for n in (1, 4, 16)]
     rows += [distance_prompt(tokenizer, haystack, d, seed=d).ids()[0].tolist() for d in (100, 600)]
+    needles = [needle_prompt(tokenizer, haystack, task, 1024, seed=task) for task in NEEDLE_TASKS]
+    rows += [list(p.context) + [token for q in p.queries for token in q.ids] for p in needles]
     stream = "\x00".join(tokenizer.decode(row) for row in rows)
     assert not [(t.kind, t.name, p) for t in _all("train") for p in _pieces(t) if p in stream]
     assert not [s for s in _sentences(train) if s in stream and not any(s in h for h in heldout)]
     assert not [w for w in word_list("train") if re.search(rf"\b{w}\b", stream)]
     assert all(p in stream for kind in KINDS for p in _pieces(probe_template(kind)))
+    assert all(p in stream for t in templates("needles", "heldout") for p in _pieces(t))  # every task's wording
     assert sum(s in stream for s in _sentences(heldout)) > 20

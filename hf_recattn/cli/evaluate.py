@@ -27,7 +27,8 @@ def _label(spec: str) -> str:
 
 #: the ``hf-recattn eval`` options that set the recall probes, by RecallSizes field
 RECALL_OPTIONS = ("passkey_lengths", "passkey_depths", "passkey_trials", "recall_lengths", "recall_pairs",
-                  "recall_trials", "distances", "distance_trials", "long_lengths", "long_blocks")
+                  "recall_trials", "distances", "distance_trials", "long_lengths", "long_blocks", "needle_tasks",
+                  "needle_lengths", "needle_prompts", "needle_haystacks")
 
 
 def recall_sizes(args: argparse.Namespace) -> RecallSizes:
@@ -173,12 +174,19 @@ _PROBE_SIZE_OPTIONS: tuple[tuple[str, type, str | None, str, str], ...] = (
     ("--long-lengths", int, "+", "TOKENS",
      "block lengths of the long-block perplexity, each block from one document (default 4096 16384; --quick: 4096)"),
     ("--long-blocks", int, None, "N", "long blocks per length at most (default 4; --quick: 1)"),
+    ("--needle-tasks", str, "+", "TASK", "needle tasks in natural text: single_number single_word single_phrase "
+     "multi_key multi_value multi_query paraphrase (default all; --quick: single_number multi_key)"),
+    ("--needle-lengths", int, "+", "TOKENS", "needle prompt lengths, any (default 1024 2048 4096; --quick: 1024; "
+     "lengths beyond the model's positions are skipped)"),
+    ("--needle-prompts", int, None, "N", "needle prompts per task, haystack and length (default 20)"),
+    ("--needle-haystacks", str, "+", "NAME", "needle haystacks: heldout (the corpus's held-out documents), ood (the "
+     "embedded corpus's license texts) (default both)"),
 )
 
 
 def add_eval(sub: SubParsers) -> None:
-    p = add_command(sub, "eval", "held-out perplexity (short and long blocks), passkey, associative recall, recall "
-                    "by distance, samples and decode cost of a checkpoint")
+    p = add_command(sub, "eval", "held-out perplexity (short and long blocks), passkey, needles in natural text, "
+                    "associative recall, recall by distance, samples and decode cost of a checkpoint")
     p.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
                    "folder, or a saved datasets folder; its held-out split is used")

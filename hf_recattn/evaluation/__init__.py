@@ -1,10 +1,13 @@
 """Built-in evaluation of teachers and converted students, one module per job.
 
 * ``heldout``: perplexity on held-out token blocks, and on long blocks of one document each;
-* ``passkey``, ``recall`` and ``distance``: the recall probes (passkey retrieval, multi-query associative recall,
-  recall at fixed distances), built from the prompt builders in ``prompts`` and the facts of ``facts``, worded by
-  the held-out templates of ``templates`` (the template files and their train / held-out split), and run through
-  ``generation`` (``greedy_continuation``: the one greedy decoding through the cache);
+* ``needles``: the recall probe in natural text (RULER's tasks on held-out and out-of-distribution documents, with
+  Wilson intervals), the evidence of recall;
+* ``passkey``, ``recall`` and ``distance``: the other recall probes (passkey retrieval in synthetic filler,
+  multi-query associative recall, recall at fixed distances); all of them built from the prompt builders in
+  ``prompts`` and the facts of ``facts``, worded by the held-out templates of ``templates`` (the template files
+  and their train / held-out split), and run through ``generation`` (``greedy_continuation``: the one greedy
+  decoding through the cache);
 * ``decode``: decode cost and cache size;
 * ``suite``: all of them on one model (``evaluate``), and a sample through the cache (``cache_sample``);
 * ``progress``: the progress bars of the long passes;
@@ -29,6 +32,18 @@ from .generation import (
     prompt_ids,
 )
 from .heldout import LONG_LENGTHS, long_blocks, long_perplexity, perplexity
+from .needles import (
+    NEEDLE_HAYSTACKS,
+    NEEDLE_LENGTHS,
+    NEEDLE_PROMPTS,
+    NEEDLE_TASKS,
+    NeedlePrompt,
+    natural_haystacks,
+    needle_answered,
+    needle_probe,
+    needle_prompt,
+    wilson_interval,
+)
 from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
 from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 from .recall import associative_recall_probe
@@ -40,8 +55,13 @@ __all__ = [
     "DEFAULT_PROMPTS",
     "DISTANCES",
     "LONG_LENGTHS",
+    "NEEDLE_HAYSTACKS",
+    "NEEDLE_LENGTHS",
+    "NEEDLE_PROMPTS",
+    "NEEDLE_TASKS",
     "PASSKEY_DEPTHS",
     "Continuation",
+    "NeedlePrompt",
     "RecallSizes",
     "Template",
     "TemplateError",
@@ -61,6 +81,10 @@ __all__ = [
     "long_perplexity",
     "max_positions",
     "model_device",
+    "natural_haystacks",
+    "needle_answered",
+    "needle_probe",
+    "needle_prompt",
     "pad_id",
     "passkey_ids",
     "passkey_probe",
@@ -71,5 +95,6 @@ __all__ = [
     "prompt_ids",
     "sentence_pieces",
     "token_pieces",
+    "wilson_interval",
     "write_report",
 ]

@@ -104,15 +104,20 @@ class Haystack:
             self._documents[index] = token_pieces(self.tokenizer, sentence_pieces(self.texts[index]))
         return self._documents[index]
 
-    def pieces(self, start: int) -> Iterator[list[int]]:
-        """The pieces of every document from ``start`` on, a blank line between documents; the documents start
-        over (repeat) when a context needs more text than there is."""
+    def documents(self, start: int) -> Iterator[list[list[int]]]:
+        """The pieces of each document from ``start`` on, one list per document, the blank line between documents
+        at the start of every list but the first; the documents start over (repeat) when a context needs more text
+        than there is."""
         for k in itertools.count():
             if k == len(self.texts) and not any(self._documents.values()):
                 raise ValueError("associative recall: the held-out texts hold no tokens")
-            if k:
-                yield from self._separator
-            yield from self._document((start + k) % len(self.texts))
+            yield (self._separator if k else []) + self._document((start + k) % len(self.texts))
+
+    def pieces(self, start: int) -> Iterator[list[int]]:
+        """The pieces of every document from ``start`` on, a blank line between documents (``documents`` laid end to
+        end)."""
+        for document in self.documents(start):
+            yield from document
 
 
 def texts_from_blocks(tokenizer: Any, blocks: torch.Tensor) -> list[str]:

@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_text
+from .needles import NEEDLE_HAYSTACKS
+
+#: the comparison table's header of each needle haystack's column
+NEEDLE_COLUMNS = {"heldout": "needles (held-out)", "ood": "needles (OOD)"}
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -19,8 +23,10 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
     """A markdown table, one row per evaluated model (e.g. teacher / window-only / far-only / hybrid).
 
     The ratio column divides each perplexity by the ``reference`` row's (the first row if there is none). The
-    associative recall column appears when some row has that probe's results; so do the recall-by-distance
-    column (accuracy at each distance) and the long-block perplexity column (the shortest long length)."""
+    passkey column is the synthetic probe (a key in repeated filler); the needle columns (natural-text recall,
+    mean accuracy over the tasks and lengths of the held-out and of the out-of-distribution haystack) appear when
+    some row has that probe's results, and so do the associative recall column, the recall-by-distance column
+    (accuracy at each distance) and the long-block perplexity column (the shortest long length)."""
     if not rows:
         raise ValueError("comparison_table needs at least one row")
     ref_name = reference if reference in rows else next(iter(rows))
@@ -28,12 +34,14 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
     recall = any("associative_recall" in report for report in rows.values())
     distances = _measured(rows, "recall_by_distance", "accuracy")
     long = _measured(rows, "long_perplexity", "perplexity")[:1]
+    haystacks = [h for h in NEEDLE_HAYSTACKS if any(h in _needle_means(report) for report in rows.values())]
     extra_head = (f" recall @ {'/'.join(distances)} |" if distances else "") + (f" ppl @ {long[0]} |" if long else "")
-    extra_rule = "---:|" * (bool(distances) + bool(long))
+    extra_rule = "---:|" * (len(haystacks) + bool(recall) + bool(distances) + bool(long))
+    needle_head = "".join(f" {NEEDLE_COLUMNS[h]} |" for h in haystacks)
     lines = [
-        f"| model | perplexity | × {ref_name} | passkey |{' recall |' if recall else ''}{extra_head} decode "
-        "ms/token | context | cache MiB |",
-        f"|---|---:|---:|---:|{'---:|' if recall else ''}{extra_rule}---:|---:|---:|",
+        f"| model | perplexity | × {ref_name} | passkey (synthetic) |{needle_head}{' recall |' if recall else ''}"
+        f"{extra_head} decode ms/token | context | cache MiB |",
+        f"|---|---:|---:|---:|{extra_rule}---:|---:|---:|",
     ]
     for name, report in rows.items():
         ppl = report.get("perplexity")
@@ -44,12 +52,18 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
         mib = decode["cache_bytes"] / 2**20 if "cache_bytes" in decode else None
         lines.append(
             f"| {name} | {_fmt(ppl, '.2f')} | {_fmt(ratio, '.3f')} | {_fmt(passkey, '.0%')} | "
+            + "".join(f"{_fmt(_needle_means(report).get(h), '.0%')} | " for h in haystacks)
             + (f"{_fmt(recalled, '.0%')} | " if recall else "")
             + _long_cells(report, distances, long)
             + f"{_fmt(decode.get('median_ms_per_token'), '.1f')} | {_fmt(decode.get('context_length'), 'd')} | "
             f"{_fmt(mib, '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _needle_means(report: dict[str, Any]) -> dict[str, float]:
+    """The row's needle accuracy per haystack (the mean over its tasks and lengths); {} without that probe."""
+    return (report.get("needles") or {}).get("accuracy") or {}
 
 
 def _measured(rows: dict[str, dict[str, Any]], field: str, key: str) -> list[str]:

@@ -1,5 +1,6 @@
-"""The whole evaluation of one model: perplexity (512-token blocks and long blocks), the recall probes, greedy
-samples and decode cost.
+"""The whole evaluation of one model: perplexity (512-token blocks and long blocks), the recall probes (the
+synthetic passkey, and needles, associative recall and recall by distance in natural text), greedy samples and
+decode cost.
 
 Every function takes any causal LM (the softmax teacher or a hf_recattn student), so the numbers in a
 conversion report are measured the same way on both. Generation always goes through the model's cache
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from .decode import cache_nbytes, decode_stats
 from .distance import DISTANCES, distance_recall_probe
 from .generation import DEFAULT_PROMPTS, generation_samples, greedy_continuation, prompt_ids
 from .heldout import LONG_LENGTHS, long_perplexity, perplexity
+from .needles import NEEDLE_HAYSTACKS, NEEDLE_PROMPTS, NEEDLE_TASKS, TASK_FORMS, natural_haystacks, needle_probe
 from .passkey import PASSKEY_DEPTHS, passkey_probe
 from .recall import associative_recall_probe, texts_from_blocks
 
@@ -43,7 +45,7 @@ def describe_model(model: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class RecallSizes:
     """How much of the probes ``evaluate`` runs: context lengths, key depths, pair counts, distances, long
-    perplexity block lengths, trials."""
+    perplexity block lengths, trials; the needle tasks, their lengths, prompts per cell and haystacks."""
 
     passkey_lengths: tuple[int, ...] = (1024, 4096, 8192)
     passkey_depths: tuple[float, ...] = PASSKEY_DEPTHS
@@ -55,26 +57,37 @@ class RecallSizes:
     distance_trials: int = 3
     long_lengths: tuple[int, ...] = LONG_LENGTHS
     long_blocks: int = 4
+    needle_tasks: tuple[str, ...] = NEEDLE_TASKS
+    needle_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    needle_prompts: int = NEEDLE_PROMPTS
+    needle_haystacks: tuple[str, ...] = NEEDLE_HAYSTACKS
 
     def __post_init__(self) -> None:
-        for name in ("passkey_lengths", "recall_lengths", "recall_pairs", "distances", "long_lengths"):
+        for name in ("passkey_lengths", "recall_lengths", "recall_pairs", "distances", "long_lengths",
+                     "needle_lengths"):
             values = getattr(self, name)
             if not values or any(int(v) != v or v < 1 for v in values):
                 raise ValueError(f"{name} must be positive integers, got {list(values)}")
         if not self.passkey_depths or any(not 0.0 <= d <= 1.0 for d in self.passkey_depths):
             raise ValueError(f"passkey_depths must lie in [0, 1], got {list(self.passkey_depths)}")
-        for name in ("passkey_trials", "recall_trials", "distance_trials", "long_blocks"):
+        for name in ("passkey_trials", "recall_trials", "distance_trials", "long_blocks", "needle_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, known in (("needle_tasks", tuple(TASK_FORMS)), ("needle_haystacks", NEEDLE_HAYSTACKS)):
+            values = getattr(self, name)
+            if not values or any(v not in known for v in values):
+                raise ValueError(f"{name} must be some of {list(known)}, got {list(values)}")
 
     @classmethod
     def for_mode(cls, quick: bool) -> RecallSizes:
         """The full probes, or the quick ones: 1k tokens only, one trial per depth and per pair count, recall at
-        100 and 1,000 tokens back (two trials each) and one long block of 4,096 tokens."""
+        100 and 1,000 tokens back (two trials each), one long block of 4,096 tokens, and the needle tasks
+        single_number and multi_key at 1k on both haystacks (20 prompts each)."""
         if not quick:
             return cls()
         return cls(passkey_lengths=(1024,), passkey_trials=len(PASSKEY_DEPTHS), recall_lengths=(1024,),
-                   recall_trials=1, distances=(100, 1000), distance_trials=2, long_lengths=(4096,), long_blocks=1)
+                   recall_trials=1, distances=(100, 1000), distance_trials=2, long_lengths=(4096,), long_blocks=1,
+                   needle_tasks=("single_number", "multi_key"), needle_lengths=(1024,))
 
 
 def evaluate(
@@ -87,13 +100,16 @@ def evaluate(
     sizes: RecallSizes | None = None,
     progress: str | None = None,
     long_texts: Sequence[str] | None = None,
+    needle_texts: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
-    """Perplexity on ``heldout_blocks`` and on long blocks, passkey accuracy, associative recall, recall at
-    fixed distances, greedy samples and decode cost.
+    """Perplexity on ``heldout_blocks`` and on long blocks, passkey accuracy, needles in natural text,
+    associative recall, recall at fixed distances, greedy samples and decode cost.
 
     The recall probes plant their facts in ``recall_texts`` (held-out documents), else in the documents of
     ``heldout_blocks``; the long blocks come from ``long_texts`` (whole held-out documents, e.g.
-    ``data.corpus.long_documents``), else from the same documents. ``sizes`` sets the probes (default:
+    ``data.corpus.long_documents``), else from the same documents. The needle probe's ``heldout`` haystack is
+    those documents too, its ``ood`` one the embedded corpus's license texts (read when first needed);
+    ``needle_texts`` replaces either by name. ``sizes`` sets the probes (default:
     ``RecallSizes.for_mode(quick)``). ``quick`` shrinks the probes (recall probes at 1k only; 2 samples of 24
     tokens; decode at 512 context) for smoke runs; the perplexity always uses all the blocks given. ``progress``
     (e.g. the model's name) labels a progress bar for each pass and probe; None shows none."""
@@ -107,6 +123,11 @@ def evaluate(
     report["passkey"] = passkey_probe(model, tokenizer, context_lengths=sizes.passkey_lengths,
                                       trials=sizes.passkey_trials, depths=sizes.passkey_depths,
                                       progress=_label(progress, "passkey"))
+    haystacks = {**natural_haystacks(sizes.needle_haystacks, heldout=texts), **{
+        name: source for name, source in (needle_texts or {}).items() if name in sizes.needle_haystacks}}
+    report["needles"] = needle_probe(model, tokenizer, haystacks, tasks=sizes.needle_tasks,
+                                     lengths=sizes.needle_lengths, prompts=sizes.needle_prompts,
+                                     progress=_label(progress, "needles"))
     report["associative_recall"] = associative_recall_probe(
         model, tokenizer, texts, context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs,
         trials=sizes.recall_trials, progress=_label(progress, "associative recall"),

@@ -1,7 +1,8 @@
 """The wording of retrieval prompts as data: template files in ``hf_recattn/templates/retrieval``, one per kind.
 
 Kinds: ``passkey`` (one number hidden in text, then a question), ``codes`` (several made-up names with 4-digit
-numbers, asked in any order) and ``words`` (made-up names with words from the file's word lists). Each file
+numbers, asked in any order), ``words`` (made-up names with words from the file's word lists) and ``needles``
+(the natural-text recall probe's facts, questions and answer lead-ins, each for one ``form`` of value). Each file
 holds a ``heldout`` and a ``train`` list of templates (and ``words`` its word lists under the same two names):
 the split is the file's, a fixed list. Held-out templates and words serve the probes only, training ones the
 training data only (``conversion/retrieval_data.py``), so that the probes ask in words training never showed.
@@ -31,7 +32,15 @@ PARTS: dict[str, dict[str, tuple[bool, tuple[str, ...]]]] = {
               "query": (False, ("key", "value"))},
 }
 PARTS["words"] = PARTS["codes"]
+PARTS["needles"] = {"head": (True, ()), "form": (True, ()), "fact": (True, ("key", "value")),
+                    "question": (True, ("key",)), "answer": (True, ("key",)), "question_all": (False, ("key",)),
+                    "answer_all": (False, ("key",))}
 KINDS = tuple(PARTS)
+#: parts that are settings, not wording (no prompt shows them)
+SETTINGS = ("form",)
+#: the forms of a needles template: the value it states (a 7-digit number, a word, three words, or a 4-digit
+#: number stated in prose and asked in other words)
+NEEDLE_FORMS = ("number", "word", "phrase", "paraphrase")
 _WORD = re.compile(r"[a-z]+")
 _MIN_WORDS = 16  # enough distinct values for the largest fact count a prompt asks for
 
@@ -60,8 +69,10 @@ class Template:
         return self.parts.get("query", self.parts["fact"])
 
     def pieces(self) -> list[str]:
-        """The fixed text of every part: each part cut at its placeholders."""
-        return [literal for text in self.parts.values() for literal, *_ in string.Formatter().parse(text) if literal]
+        """The fixed text of every part that is wording (not a setting such as ``form``): each cut at its
+        placeholders."""
+        return [literal for part, text in self.parts.items() if part not in SETTINGS
+                for literal, *_ in string.Formatter().parse(text) if literal]
 
 
 @dataclass(frozen=True)
@@ -183,10 +194,25 @@ def _template(node: yaml.Node, path: Path, kind: str, split: str) -> Template:
     missing = [part for part, (required, _) in rules.items() if required and part not in parts]
     if missing:
         raise TemplateError(f"{_at(path, node)}: {label} lacks the part(s) {missing}")
-    if kind != "passkey":
+    if kind in ("codes", "words"):
         asked = "query" if "query" in parts else "fact"
         _check_asked(parts[asked], f"{_at(path, entries[asked][1])}: {label}: {asked!r}")
+    if kind == "needles":
+        _check_needle(parts, entries, f"{_at(path, node)}: {label}", path)
     return Template(kind, name, split, parts, _at(path, node))
+
+
+def _check_needle(parts: dict[str, str], entries: dict[str, tuple[yaml.Node, yaml.Node]], where: str,
+                  path: Path) -> None:
+    """A needles template: a known ``form``; ``question_all`` and ``answer_all`` together, and in every ``number``
+    template (the multi_value task asks with them)."""
+    if parts["form"] not in NEEDLE_FORMS:
+        raise TemplateError(f"{_at(path, entries['form'][1])}: form {parts['form']!r} is not one of "
+                            f"{list(NEEDLE_FORMS)}")
+    plural = [part for part in ("question_all", "answer_all") if part in parts]
+    if len(plural) == 1 or (parts["form"] == "number" and not plural):
+        raise TemplateError(f"{where} needs both 'question_all' and 'answer_all'"
+                            + (" (a number template: the multi_value task asks with them)" if not plural else ""))
 
 
 def _check_placeholders(text: str, wanted: tuple[str, ...], where: str) -> None:

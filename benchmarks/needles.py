@@ -1,0 +1,93 @@
+"""The needle probe (``hf_recattn.evaluation.needles``, docs/recall.md) on one or more models: recall of facts
+planted in natural text, per task, haystack and length, with a Wilson 95% interval per cell.
+
+Each ``--models`` spec (``embedded``, another teacher, a ``.gguf`` file, an hf_recattn checkpoint folder) is
+loaded as ``hf-recattn eval`` loads it and measured on the same prompts (same ``--seed``, same tokenizer). The
+haystacks are the embedded corpus's held-out split (``heldout``) and its license texts (``ood``).
+
+    python benchmarks/needles.py --models embedded --tasks single_number multi_key --lengths 1024 --prompts 20 \\
+        --threads 1 --out benchmarks/results/needles_smollm2_cpu.json
+
+The results and their provenance go to ``--out`` (default ``benchmarks/results/needles_cpu.json``);
+``scripts/render_docs.py`` renders the docs' table from that file with ``render_markdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from results_file import add_out_argument, run_record, write_results
+
+from hf_recattn.evaluation import (
+    NEEDLE_HAYSTACKS,
+    NEEDLE_LENGTHS,
+    NEEDLE_PROMPTS,
+    NEEDLE_TASKS,
+    natural_haystacks,
+    needle_probe,
+)
+
+NOTE = ("n counts the queries of a cell (multi_query asks 4 per prompt, multi_value one for all its values); "
+        "the interval is Wilson's at 95%")
+
+
+def _label(spec: str) -> str:
+    path = Path(spec)
+    return path.resolve().name if path.exists() else spec
+
+
+def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One model's probe result (its answers included) and the seconds it took."""
+    from hf_recattn.conversion.teacher import load_causal_lm
+
+    model, tokenizer = load_causal_lm(spec)
+    start = time.perf_counter()
+    result = needle_probe(model, tokenizer, natural_haystacks(args.haystacks), tasks=args.tasks,
+                          lengths=args.lengths, prompts=args.prompts, seed=args.seed,
+                          progress=None if args.no_progress else _label(spec))
+    return {**result, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """One row per model, task, haystack and length: accuracy, its interval, n, and prompts that repeated text."""
+    lines = ["| model | task | haystack | tokens | accuracy | 95% interval | n | repeated text |",
+             "|---|---|---|---:|---:|---|---:|---:|"]
+    for name, result in results["models"].items():
+        for task, per_haystack in result["cells"].items():
+            for haystack, per_length in per_haystack.items():
+                for length, cell in per_length.items():
+                    low, high = cell["interval"]
+                    lines.append(f"| {name} | {task} | {haystack} | {length} | {cell['accuracy']:.0%} | "
+                                 f"{low:.0%}-{high:.0%} | {cell['n']} | {cell['repeated']} |")
+        if result["skipped"]:
+            lines.append(f"| {name} | skipped | | {', '.join(map(str, result['skipped']))} | | | | |")
+    return "\n".join(lines) + "\n\n" + "\n".join(results["notes"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["embedded"], metavar="SPEC")
+    parser.add_argument("--tasks", nargs="+", default=list(NEEDLE_TASKS), choices=NEEDLE_TASKS, metavar="TASK")
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(NEEDLE_LENGTHS), metavar="TOKENS")
+    parser.add_argument("--prompts", type=int, default=NEEDLE_PROMPTS, help="prompts per cell")
+    parser.add_argument("--haystacks", nargs="+", default=list(NEEDLE_HAYSTACKS), choices=NEEDLE_HAYSTACKS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-progress", action="store_true")
+    add_out_argument(parser, "needles_cpu.json")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = run_record()
+    models = {_label(spec): measure(spec, args) for spec in args.models}
+    results = write_results(args.out, "needles", record, {"models": models, "notes": [NOTE]})
+    print(render_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
