@@ -423,7 +423,7 @@ def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path)
         RecallSizes(distances=())
     with pytest.raises(ValueError, match="long_blocks"):
         RecallSizes(long_blocks=0)
-    assert RecallSizes().distances == (100, 1000, 4000, 16000) and RecallSizes().long_lengths == (4096, 16384)
+    assert RecallSizes().distances == (100, 1000, 4000, 16000) and RecallSizes().long_lengths == (4096, 8192, 16384)
 
     student = {**report, "associative_recall": {**recall, "mean_accuracy": 0.25,
                                                 "accuracy": {"1024": {"1": 0.5, "4": 0.25, "16": 0.0}}}}
