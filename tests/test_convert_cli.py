@@ -14,6 +14,7 @@ import pytest
 import torch
 from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_teacher_folder, write_recipe
 from safetensors.torch import load_file
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
@@ -106,8 +107,10 @@ def test_convert_end_to_end_hybrid(
     assert "corpus" not in provenance and provenance["packages"]["transformers"] and provenance["machine"]["cpu"]
     card = (model_dir / "README.md").read_text()
     assert card.startswith("---") and "| window-only |" in card and recipe_name in card
-    # the tokenizer knows the model's positions (not transformers' "unbounded" 1e30)
-    assert json.loads((model_dir / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+    # the tokenizer knows the model's positions: the teacher's 2048 where the sinks need them, else transformers'
+    # "unbounded" (a window and a far part need none: tests/test_length_limit.py)
+    limit = 2048 if recipe == "hybrid_delta" else VERY_LARGE_INTEGER
+    assert json.loads((model_dir / "tokenizer_config.json").read_text())["model_max_length"] == limit
     # the folder is a plain checkpoint: it loads with the Auto classes and generates through its cache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

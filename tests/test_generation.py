@@ -351,8 +351,9 @@ def test_empty_transformers_cache_is_replaced() -> None:
 
 
 def test_length_limit() -> None:
-    """Beyond max_position_embeddings: a clear error before any token; up to it: generation works."""
-    model = tiny_model(_case({"mixer": "linear"}), max_positions=16)
+    """Beyond max_position_embeddings, for a model that needs positions (softmax): a clear error before any token;
+    up to it: generation works. Students that need none run past it: tests/test_length_limit.py."""
+    model = tiny_model(_case({"mixer": "softmax"}), max_positions=16)
     ids, mask = left_padded_batch((10, 12))
     out = _generate(model, ids, mask, max_new_tokens=4, do_sample=False)  # exactly 16 tokens
     assert out.shape[1] == 16

@@ -24,6 +24,7 @@ from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_teacher_fo
 from hub_server import LocalHub
 from huggingface_hub import ModelCard
 from isolated import HIDE_HF_RECATTN
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 import hf_recattn  # noqa: F401  (registers the model type for the local loads)
 from hf_recattn.cli import main
@@ -108,7 +109,8 @@ def test_convert_pushes_exactly_the_checkpoint(hub: LocalHub, published: dict[st
     local = published["model"]
     for name in set(files) - {"README.md"}:  # byte-identical to the saved checkpoint
         assert files[name] == (local / name).read_bytes(), name
-    assert json.loads(files["tokenizer_config.json"])["model_max_length"] == 2048
+    # a window + far hybrid needs no positions: its tokenizer says "unbounded" (tests/test_length_limit.py)
+    assert json.loads(files["tokenizer_config.json"])["model_max_length"] == VERY_LARGE_INTEGER
 
 
 def test_pushed_card_metadata(hub: LocalHub, published: dict[str, Path], tmp_path: Path) -> None:
@@ -143,7 +145,7 @@ def test_loads_without_the_package_as_the_card_says(hub: LocalHub, published: di
         assert done.returncode == 0, done.stderr[-3000:]
         assert "[y/N]" not in done.stdout + done.stderr  # no interactive prompt anywhere
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result["loaded"] == [] and result["max_length"] == 2048
+        assert result["loaded"] == [] and result["max_length"] == VERY_LARGE_INTEGER
         assert result["tokens"] == expected[0].tolist()
 
 

@@ -344,7 +344,8 @@ def test_cached_scoring_matches_a_plain_forward_on_real_models(spec: object) -> 
 
 def test_recall_probe_runs_a_real_model_end_to_end() -> None:
     tok = tiny_tokenizer()
-    model = _tiny_model({"mixer": "linear", "feature_map": "elu"}, max_positions=1024)
+    # a softmax layer needs positions, so 2048 is beyond the model (a linear one alone would run it)
+    model = _tiny_model([{"mixer": "linear", "feature_map": "elu"}, {"mixer": "softmax"}], max_positions=1024)
     model.train()
     blocks = token_blocks(tok, TEXTS * 4, 64)
     result = associative_recall_probe(model, tok, blocks, (512, 2048), pairs=(1, 4), trials=2, scoring="greedy")

@@ -22,7 +22,8 @@ import yaml
 from distill_fixtures import tiny_texts, tiny_tokenizer
 from isolated import HIDE_HF_RECATTN
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from hf_recattn.cli import main
 from hf_recattn.training import finetune, pretrain
@@ -122,7 +123,8 @@ def test_pretrain_from_yaml_learns_logs_perplexity_and_saves(pretrained: Any) ->
     mixers = [type(layer.self_attn.mixer).__name__ for layer in model.model.layers]
     assert mixers == ["SlidingWindowMixer", "LinearMixer"]
     tokenizer = AutoTokenizer.from_pretrained(pretrained.model_dir)
-    assert tokenizer.model_max_length == 128 and model.config.vocab_size == len(tokenizer)
+    # window + linear layers need no positions (tests/test_length_limit.py): the tokenizer says "unbounded"
+    assert tokenizer.model_max_length == VERY_LARGE_INTEGER and model.config.vocab_size == len(tokenizer)
     assert not any(p.name.startswith(".tmp-") for p in pretrained.model_dir.parent.iterdir())
 
 
@@ -320,8 +322,9 @@ def _bad_pretrain(files: dict[str, Path], out: Path, case: str) -> dict[str, Any
         config["data"]["source"] = str(files["root"] / "nope.jsonl")
     elif case == "no text column":
         config["data"]["source"] = str(files["chat"])
-    elif case == "block size":
+    elif case == "block size":  # a softmax layer needs positions: the blocks must fit max_position_embeddings
         config["block_size"] = 512
+        config["model"]["attention_overrides"] = {"0": {"mixer": "softmax"}}
     elif case == "data key":
         config["data"]["text_colum"] = "body"
     elif case == "chunk size":
@@ -335,7 +338,7 @@ BAD_PRETRAIN = {
     "section": "trainig: not a known section (did you mean training",
     "missing file": "data.source: {root}/nope.jsonl: no such file",
     "no text column": "data.text_column: {root}/chat.jsonl has no column 'text' (columns: ['messages'])",
-    "block size": "block_size 512 is above the model's max_position_embeddings 128",
+    "block size": "block_size 512 is above the model's max_position_embeddings 128 (layer 0 (softmax): its exact",
     "data key": "data: text_colum: not a data option (did you mean text_column",
     "chunk size": "loss_chunk_size must be a positive integer (tokens per chunk), got 0",
 }
@@ -371,10 +374,22 @@ def test_chat_data_without_the_roles_is_refused(
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("checkpoint-*"))
 
 
+def _softmax_checkpoint(pretrained: Any, folder: Path) -> str:
+    """The pretrained checkpoint's shape and tokenizer with softmax layers: a model that needs positions."""
+    config = AutoConfig.from_pretrained(pretrained.model_dir)
+    config.attention, config.attention_overrides = {"mixer": "softmax"}, None
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(pretrained.model_dir).save_pretrained(folder)
+    return str(folder)
+
+
 def test_bad_finetune_inputs(pretrained: Any, files: dict[str, Path], tmp_path: Path) -> None:
     ckpt, out = str(pretrained.model_dir), str(tmp_path / "out")
+    config = _finetune_yaml(tmp_path / "ft.yaml", block_size=512)
+    with pytest.raises(ValueError, match=r"ft.yaml: block_size 512 is above the model's max_position_embeddings 128 "
+                                         r"\(layer 0 \(softmax\)"):
+        finetune(_softmax_checkpoint(pretrained, tmp_path / "softmax"), str(files["docs"]), config, output_dir=out)
     cases = [
-        (dict(block_size=512), "block_size 512 is above the model's max_position_embeddings 128"),
         (dict(method="adapter"), "method: 'adapter' is not one of"),
         (dict(lora={"rank": 4}), "lora: rank: not a LoRA option"),
         (dict(lora={"r": 0}), "lora.r must be > 0"),  # the same LoRA checks as a recipe's stage2.lora

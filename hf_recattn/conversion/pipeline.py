@@ -39,6 +39,7 @@ from ..data.corpus import is_embedded, load_splits
 from ..model_card import write_model_card
 from ..provenance import provenance
 from ..training import parallel, sharding
+from ..training.run_config import tokenizer_max_length
 from .checkpoints import check_output_folder, claim_output_folder
 from .comparison import compare_models, report_sample
 from .from_teacher import student_from_teacher
@@ -227,7 +228,8 @@ def _stage2_and_save(label: str, job: Job, teacher: Teacher, first: Trained, tra
     if parallel.is_main():
         with atomic_folder(job.model_dir) as tmp:
             student.save_pretrained(tmp)
-            teacher.tokenizer.model_max_length = student.config.max_position_embeddings  # not "unbounded" 1e30
+            # the student's own limit: the teacher's context where a layer needs positions, else "unbounded"
+            teacher.tokenizer.model_max_length = tokenizer_max_length(student.config.length_limit())
             teacher.tokenizer.save_pretrained(tmp)
         shutil.rmtree(job.output / "stage2" / "trainer", ignore_errors=True)  # resume points are spent now
         job.log(f"saved the converted model to {job.model_dir}")

@@ -36,9 +36,9 @@ def decode_stats(
     the next step).
 
     Returns the median milliseconds per decoded token, the prefill time and the cache's size in bytes after
-    the prefill (the state a long generation carries). The context is shortened to fit the model's
-    ``max_position_embeddings`` (``requested_context_length`` keeps the asked-for value). ``progress``: the
-    label of a progress bar over the prefill and the steps (None: no bar)."""
+    the prefill (the state a long generation carries). The context is shortened to fit the model's length limit
+    (``max_positions``: none for a student that needs no positions; ``requested_context_length`` keeps the
+    asked-for value). ``progress``: the label of a progress bar over the prefill and the steps (None: no bar)."""
     if context_length < 1 or steps < 1:
         raise ValueError("decode_stats needs context_length >= 1 and steps >= 1")
     requested = context_length

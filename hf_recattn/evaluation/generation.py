@@ -35,8 +35,14 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 def max_positions(model: Any) -> int | None:
-    """The longest sequence the model supports (``max_position_embeddings``), or None when unbounded."""
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """The longest sequence the model supports, or None when unbounded: an hf_recattn model's
+    ``config.length_limit()`` (``max_position_embeddings`` only where a layer needs positions), any other model's
+    ``max_position_embeddings``. Every probe skips the lengths beyond it."""
+    config = getattr(model, "config", None)
+    length_limit = getattr(config, "length_limit", None)
+    if callable(length_limit):
+        return length_limit()
+    return getattr(config, "max_position_embeddings", None)
 
 
 def pad_id(tokenizer: Any) -> int | None:

@@ -12,11 +12,15 @@ from transformers import LlamaConfig
 
 from .architecture import check_architecture
 from .mixers import mixer_class, validate_spec
+from .registry import position_need
 from .serving import expose_architecture
 
 DEFAULT_SPEC: dict[str, Any] = {"mixer": "softmax"}
 #: the fields the per-layer specs follow from: setting one drops the resolved specs
 SPEC_INPUTS = frozenset({"attention", "attention_overrides", "num_hidden_layers"})
+#: rope types whose frequencies follow the sequence length past the original context (transformers' dynamic NTK):
+#: every rotation, the window's included, changes with the length, so such a model needs positions
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic"})
 
 # transformers serve looks the model class up under this name on the transformers module (serving.py)
 expose_architecture("RecAttnForCausalLM")
@@ -189,6 +193,36 @@ class RecAttnConfig(LlamaConfig):
                 f"layer_types {list(value)} disagree with the mixers' {self.layer_types}: layer_types follow from "
                 "attention / attention_overrides; change those instead"
             )
+
+    def position_need(self) -> str | None:
+        """Why this model supports sequences only up to ``max_position_embeddings``: the first layer that needs
+        positions, "layer 3 (softmax): its exact softmax compares ..." (``Mixer.position_need``; a composite asks
+        its parts), or a rotary whose frequencies follow the length (dynamic NTK); None when it runs at any
+        length."""
+        rope_types = self._rope_types()
+        for i, spec in enumerate(self._specs()):
+            need = position_need(spec, f"layer {i}")
+            if need is None and spec.get("rope", True) and rope_types[i] in LENGTH_DEPENDENT_ROPE:
+                need = f"its rope_type {rope_types[i]!r} rescales every rotation by the sequence length"
+            if need is not None:
+                return f"layer {i} ({spec['mixer']}): {need}"
+        return None
+
+    def length_limit(self) -> int | None:
+        """The longest sequence this model supports: ``max_position_embeddings`` when some layer needs positions
+        (``position_need``), else None (unbounded: no layer compares a query and a key through RoPE at a
+        distance that grows with the context)."""
+        if self.position_need() is None:
+            return None
+        return self.max_position_embeddings
+
+    def _rope_types(self) -> list[str | None]:
+        """The rope type each layer rotates with (its group's, under ``rope_layer_groups``)."""
+        params = self.rope_parameters or {}
+        groups = self.rope_layer_groups
+        if not groups:
+            return [params.get("rope_type")] * self.num_hidden_layers
+        return [(params.get(group) or {}).get("rope_type") for group in groups]
 
     def layer_spec(self, layer_idx: int) -> dict[str, Any]:
         """The validated spec of layer ``layer_idx``: a copy the caller may change."""

@@ -117,6 +117,11 @@ class Mixer(nn.Module):
     applies_softcap: ClassVar[bool] = False
     #: for a family whose ``causal`` option must stay True (no bidirectional form): the reason the error gives
     causal_only: ClassVar[str | None] = None
+    #: options that, when nonzero, keep exact softmax keys at any distance back beside a bounded reach (the
+    #: hybrid's attention sinks ``sink_tokens`` and exact cache ``cache_slots``; see ``position_need``). Declared
+    #: here for the options of those names wherever a family has them; a family whose options of these names
+    #: mean something else declares its own tuple
+    distant_key_options: ClassVar[tuple[str, ...]] = ("sink_tokens", "cache_slots")
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__()
@@ -196,6 +201,36 @@ class Mixer(nn.Module):
         """transformers' name for a layer with this (validated) spec, for ``config.layer_types``: a recurrent
         state by default ("linear_attention")."""
         return "linear_attention"
+
+    @classmethod
+    def softmax_reach(cls, spec: dict[str, Any]) -> str | None:
+        """How far back this layer's exact softmax logits (a query against each key, e^{q.k}) reach, for the
+        (validated) ``spec``: "context" (every earlier key: a KV cache), "window" (a span of fixed length) or None
+        (no exact logits: a recurrent state). By default from ``state_kind``: "kv", "window", "recurrent"."""
+        return {"kv": "context", "window": "window"}.get(cls.state_kind)
+
+    @classmethod
+    def position_need(cls, spec: dict[str, Any]) -> str | None:
+        """Why a layer with this (validated) spec needs positions, i.e. supports sequences only up to
+        ``max_position_embeddings``, or None when it runs at any length (see docs/conversion.md).
+
+        The rule: a layer needs positions where an exact softmax logit compares, through RoPE, a query with a key
+        at a distance back that grows with the context: there it meets rotation angles the teacher never saw past
+        its context (what makes a softmax model fail beyond it). So with ``rope`` on: a "context" reach
+        (``softmax_reach``), or a key kept at any distance back beside a window (``distant_key_options``: sinks,
+        an exact cache). A window (distance < its length), a recurrent state (no exact logits; what it makes of
+        rotated q and k is a learned function whose long-context quality the probes measure) and a layer without
+        RoPE (NoPE, ALiBi, FoX, PaTH) do not. A composite's parts (options whose value is a spec: a hybrid's
+        ``far``) are asked by ``registry.position_need``."""
+        if not spec.get("rope", True):
+            return None
+        if cls.softmax_reach(spec) == "context":
+            return "its exact softmax compares each query with every earlier key through RoPE"
+        for name in cls.distant_key_options:
+            if spec.get(name):
+                return (f"option '{name}'={spec[name]} keeps exact softmax keys at any distance back, compared "
+                        "through RoPE")
+        return None
 
     @classmethod
     def variants(cls, spec: dict[str, Any]) -> dict[str, tuple[dict[str, Any], KeyMap]]:

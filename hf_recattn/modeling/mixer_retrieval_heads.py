@@ -83,6 +83,18 @@ class RetrievalHeadsMixer(Mixer):
     has_chunked = True
 
     @classmethod
+    def softmax_reach(cls, spec: dict[str, Any]) -> str | None:
+        """The listed heads' softmax reaches every earlier key; the other heads' mixer answers for itself (as a
+        part: ``registry.position_need``)."""
+        return "context" if spec["heads"] else None
+
+    @classmethod
+    def position_need(cls, spec: dict[str, Any]) -> str | None:
+        if spec["heads"] and spec.get("rope", True):
+            return f"its KV heads {spec['heads']} keep exact softmax over every earlier key, compared through RoPE"
+        return None
+
+    @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         heads = spec["heads"]
         if any(not isinstance(h, int) or isinstance(h, bool) or h < 0 for h in heads):

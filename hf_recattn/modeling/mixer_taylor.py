@@ -106,6 +106,12 @@ class TaylorMixer(Mixer, FarPart):
     has_chunked = True
 
     @classmethod
+    def softmax_reach(cls, spec: dict[str, Any]) -> str | None:
+        """order 'exp' is exact softmax over a KV cache (every earlier key); a finite order has no softmax logits
+        (a polynomial state, or the same polynomial over a KV cache)."""
+        return "context" if spec["order"] == "exp" else None
+
+    @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         order = spec["order"]
         if spec["denominator"] == "exact" and order != "exp" and order % 2 == 1:

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin, GenerationMode
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -295,6 +296,16 @@ class RecAttnPreTrainedModel(PreTrainedModel):
                 )
         return None
 
+    def position_need(self) -> str | None:
+        """``config.position_need()`` of the layers this model was built with (found once, at construction): the
+        first layer that needs positions and why, or None when the model runs at any length."""
+        return self.base_model.built_position_need
+
+    def length_limit(self) -> int | None:
+        """The longest sequence this model supports: ``max_position_embeddings`` when a layer needs positions
+        (``position_need``), else None (unbounded: generate and cached forwards run past it)."""
+        return None if self.position_need() is None else self.config.max_position_embeddings
+
     def _resolve_parallel_plans(self, distributed_config: Any) -> Any:
         """transformers' plan resolution (``from_pretrained(..., tp_plan="auto")``), refused up front for mixers
         the plan cannot split (``tensor_parallel_refusal``)."""
@@ -415,6 +426,8 @@ class RecAttnModel(RecAttnPreTrainedModel):
         self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = rotary_embedding(config)
         self.gradient_checkpointing = False
+        #: why the layers built here bound the sequence length, or None (``position_need``)
+        self.built_position_need = config.position_need()
         self.post_init()
 
     def new_cache(self) -> RecAttnCache:
@@ -456,11 +469,11 @@ class RecAttnModel(RecAttnPreTrainedModel):
             )
 
     def _check_length(self, past: int, seq_len: int) -> None:
-        limit = self.config.max_position_embeddings
+        limit = self.length_limit()
         if limit is not None and past + seq_len > limit:
             raise ValueError(
                 f"{past} cached + {seq_len} new tokens exceed max_position_embeddings={limit}, the longest "
-                "sequence this model supports; shorten the prompt or the generation"
+                f"sequence this model supports ({self.position_need()}); shorten the prompt or the generation"
             )
 
     @merge_with_config_defaults
@@ -732,24 +745,48 @@ class RecAttnForCausalLM(RefuseContinuousBatching, RecAttnPreTrainedModel, Gener
             **model_kwargs,
         )
 
+    def _prepare_generated_length(  # noqa: ANN001
+        self, generation_config, has_default_max_length, has_default_min_length, model_input_name,
+        input_ids_length, inputs_tensor
+    ):
+        """transformers' lengths; the default max_length (20 new tokens) is cut at max_position_embeddings only
+        where the model needs positions (``length_limit``)."""
+        default_max_length = generation_config.max_length
+        prepared = super()._prepare_generated_length(
+            generation_config, has_default_max_length, has_default_min_length, model_input_name, input_ids_length,
+            inputs_tensor
+        )
+        if has_default_max_length and prepared.max_new_tokens is None and self.length_limit() is None:
+            prepared.max_length = default_max_length + input_ids_length
+        return prepared
+
+    def _get_stopping_criteria(self, *args: Any, **kwargs: Any) -> StoppingCriteriaList:
+        """transformers' criteria; its warning past max_position_embeddings only where the model needs positions."""
+        criteria = super()._get_stopping_criteria(*args, **kwargs)
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria):
+                criterion.max_position_embeddings = self.length_limit()
+        return criteria
+
     def _validate_generated_length(  # noqa: ANN001
         self, generation_config, input_ids_length, has_default_max_length
     ):
-        """Refuse, before any compute, a prompt or a max_length beyond max_position_embeddings."""
+        """Refuse, before any compute, a prompt or a max_length beyond max_position_embeddings where the model
+        needs positions (``length_limit``; the error names the layer)."""
         super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
-        limit = self.config.max_position_embeddings
+        limit = self.length_limit()
         if limit is None:
             return
         if input_ids_length > limit:
             raise ValueError(
                 f"the prompt has {input_ids_length} tokens (padding and cached tokens included) but this "
-                f"model supports at most max_position_embeddings={limit}"
+                f"model supports at most max_position_embeddings={limit} ({self.position_need()})"
             )
         if generation_config.max_length > limit:
             raise ValueError(
                 f"generation would reach {generation_config.max_length} tokens (prompt {input_ids_length} + "
                 f"new tokens) but this model supports at most max_position_embeddings={limit}; lower "
-                f"max_new_tokens to at most {limit - input_ids_length}"
+                f"max_new_tokens to at most {limit - input_ids_length} ({self.position_need()})"
             )
 
     @can_return_tuple

@@ -64,6 +64,23 @@ def validate_spec(spec: Any, where: str) -> dict[str, Any]:
     return mixer_class(spec["mixer"], where).validate(spec, where)
 
 
+def position_need(spec: dict[str, Any], where: str) -> str | None:
+    """Why a layer with this validated spec needs positions (``Mixer.position_need``), asking each part of a
+    composite too (an option whose value is a spec, run on the layer's own rotated q and k: a hybrid's ``far``,
+    ``retrieval_heads``' ``others``), or None when it runs at any length."""
+    family = mixer_class(spec["mixer"], where)
+    need = family.position_need(spec)
+    if need is not None:
+        return need
+    rope = spec.get("rope", True)
+    for name, part in spec.items():
+        if isinstance(part, dict) and "mixer" in part:
+            need = position_need({**part, "rope": rope}, f"{where}: option {name!r}")
+            if need is not None:
+                return f"its {name} part ({part['mixer']}): {need}"
+    return None
+
+
 def build_mixer(spec: dict[str, Any], shape: MixerShape, config: Any = None) -> Mixer:
     """The mixer of a validated ``spec`` for one layer of ``shape``."""
     return mixer_class(spec["mixer"], f"layer {shape.layer_idx}")(spec, shape, config)

@@ -18,11 +18,13 @@ from .data import chat_examples, load_documents, packed_blocks
 from .run_config import (
     FINETUNE_KEYS,
     block_size,
+    length_limit,
     lora_section,
     loss_chunk_size,
     loss_kernel,
     read_training_yaml,
     run_arguments,
+    tokenizer_max_length,
 )
 from .runner import (
     CausalLMTrainer,
@@ -83,9 +85,8 @@ def finetune(model: str | None = None, data: str | None = None, config_or_path: 
     streaming = run.data.streaming
     args = run_arguments(run, where, output_dir, label_names=["labels"])
     net, tokenizer = load_checkpoint(str(spec), where)
-    limit = net.config.max_position_embeddings
-    size = block_size(values.get("block_size"), where, limit, min(DEFAULT_BLOCK_SIZE, limit or DEFAULT_BLOCK_SIZE))
-    tokenizer.model_max_length = limit
+    size = block_size(values.get("block_size"), where, net.config, DEFAULT_BLOCK_SIZE)
+    tokenizer.model_max_length = tokenizer_max_length(length_limit(net.config)[0])
 
     columns = [run.data.messages_column, run.data.text_column]
     with args.main_process_first(desc="tokenize"):

@@ -9,7 +9,15 @@ from transformers import default_data_collator, set_seed
 
 from .data import load_documents, load_tokenizer, packed_blocks
 from .model_presets import model_values
-from .run_config import PRETRAIN_KEYS, block_size, loss_chunk_size, loss_kernel, read_training_yaml, run_arguments
+from .run_config import (
+    PRETRAIN_KEYS,
+    block_size,
+    loss_chunk_size,
+    loss_kernel,
+    read_training_yaml,
+    run_arguments,
+    tokenizer_max_length,
+)
 from .runner import CausalLMTrainer, RunResult, save_final, summarize, train_with_resume
 
 DEFAULT_BLOCK_SIZE = 512
@@ -42,9 +50,8 @@ def pretrain(config_or_path: str | Path | dict[str, Any], output_dir: str | None
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"{where}: model.vocab_size {config.vocab_size} is smaller than the tokenizer's "
                          f"{len(tokenizer)} tokens")
-    size = block_size(values.get("block_size"), where, config.max_position_embeddings,
-                      min(DEFAULT_BLOCK_SIZE, config.max_position_embeddings))
-    tokenizer.model_max_length = config.max_position_embeddings
+    size = block_size(values.get("block_size"), where, config, DEFAULT_BLOCK_SIZE)
+    tokenizer.model_max_length = tokenizer_max_length(config.length_limit())
 
     with args.main_process_first(desc="tokenize and pack"):
         train, held, column = load_documents(run.data, where, args.seed, [run.data.text_column])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from .arguments import build_training_arguments
 from .checks import as_mapping, build_settings, check_keys
@@ -117,13 +118,31 @@ def read_training_yaml(config_or_path: str | Path | dict[str, Any] | None, known
     return RunConfig(values, where, base, DataSettings.parse(values.get("data"), where, base))
 
 
-def block_size(value: Any, where: str, limit: int | None, default: int) -> int:
-    """The ``block_size``: a positive integer at most the model's ``max_position_embeddings``."""
-    size = default if value is None else value
+def length_limit(config: Any) -> tuple[int | None, str | None]:
+    """The longest sequence a model of ``config`` supports and why: an hf_recattn config's ``length_limit()`` and
+    ``position_need()`` (None, None for a student that needs no positions), any other's
+    ``max_position_embeddings``."""
+    if callable(getattr(config, "length_limit", None)):
+        return config.length_limit(), config.position_need()
+    return getattr(config, "max_position_embeddings", None), None
+
+
+def tokenizer_max_length(limit: int | None) -> int:
+    """The ``model_max_length`` a model's tokenizer is saved with: its length limit, or transformers' "unbounded"
+    (``VERY_LARGE_INTEGER``) for a model that needs no positions."""
+    return VERY_LARGE_INTEGER if limit is None else limit
+
+
+def block_size(value: Any, where: str, config: Any, default: int) -> int:
+    """The ``block_size`` (``default`` when unset, cut to the model's length limit): an integer >= 2, at most the
+    model's ``max_position_embeddings`` where the model needs positions (``length_limit``)."""
+    limit, need = length_limit(config)
+    size = (default if limit is None else min(default, limit)) if value is None else value
     if not isinstance(size, int) or isinstance(size, bool) or size < 2:
         raise ValueError(f"{where}: block_size must be an integer >= 2, got {size!r}")
     if limit is not None and size > limit:
-        raise ValueError(f"{where}: block_size {size} is above the model's max_position_embeddings {limit}")
+        why = f" ({need})" if need else ""
+        raise ValueError(f"{where}: block_size {size} is above the model's max_position_embeddings {limit}{why}")
     return size
 
 
