@@ -23,6 +23,7 @@ RESULTS = {
     "mesanet_solver_cpu.json": "mesanet_solver",
     "conversion_scale_cpu.json": "conversion_scale",
     "conversion_scale_cuda.json": "conversion_scale",
+    "needles_smollm2_cpu.json": "needles",
 }
 
 
