@@ -1,0 +1,140 @@
+"""Recall on natural text at constant memory: the needle probe (hf_recattn/evaluation/needles.py) on the teacher, the
+untrained window of 512 tokens + 4 sinks, training-free swaps and converted checkpoints, side by side with the bytes
+each keeps per sequence.
+
+Every row runs the same prompts (facts stated once in held-out corpus documents, ``heldout``, and in the corpus's
+license texts, ``ood``, worded by the held-out templates), greedy answers through the model's cache; each cell gives
+the share answered, its prompt count and a Wilson 95% interval. The cache columns count every state element at 4
+bytes (as benchmarks/pareto.py) at the ``--contexts`` given; a model whose cache is the same at every context keeps
+constant memory. Results go to ``--out`` (rewritten after every model; a rerun with the same settings skips the
+models already measured) and the table is printed.
+
+    nice python benchmarks/natural_recall.py --threads 2 --converted runs/hybrid-w64-sink4-gdn-learned64 \\
+        --out benchmarks/results/natural_recall_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+from pareto import cache_mib, converted_folder, parse_swap
+from results_file import add_out_argument, run_record, write_results
+
+from hf_recattn import from_teacher
+from hf_recattn.conversion.from_teacher import recattn_config_from
+from hf_recattn.conversion.teacher import load_teacher
+from hf_recattn.data.pinned import CORPUS_SHA256
+from hf_recattn.evaluation.needles import NEEDLE_HAYSTACKS, NEEDLE_TASKS, natural_haystacks, needle_probe
+from hf_recattn.modeling.configuration import RecAttnConfig
+from hf_recattn.modeling.modeling import RecAttnForCausalLM
+
+#: the untrained baseline every student is read against: the teacher's weights, softmax over 512 tokens + 4 sinks
+WINDOW_BASELINE = ("window 512 + 4 sinks", {"attention": {"mixer": "hybrid", "window": 512, "far": "none",
+                                                           "sink_tokens": 4}})
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", default="embedded")
+    parser.add_argument("--swap", nargs="*", default=[], metavar="NAME=SPEC",
+                        help="training-free variants: the teacher's weights with this attention (the window of 512 + "
+                        "4 sinks is always measured)")
+    parser.add_argument("--converted", nargs="*", default=[], metavar="DIR", help="converted checkpoints")
+    parser.add_argument("--tasks", nargs="+", default=["single_number", "multi_key", "multi_query"],
+                        choices=NEEDLE_TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--haystacks", nargs="+", default=list(NEEDLE_HAYSTACKS), choices=NEEDLE_HAYSTACKS)
+    parser.add_argument("--prompts", type=int, default=20, help="prompts per (task, haystack, length) cell")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 32768],
+                        help="contexts of the cache columns")
+    parser.add_argument("--threads", type=int, default=None)
+    add_out_argument(parser, "natural_recall.json")
+    return parser.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("teacher", "tasks", "lengths", "haystacks", "prompts", "contexts")
+    return {"corpus": CORPUS_SHA256} | {key: getattr(args, key) for key in keys}
+
+
+def measure(name: str, model: torch.nn.Module, config: RecAttnConfig, tokenizer: Any,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """One row: the cache at every context, whether it grows, and the probe's cells."""
+    start = time.perf_counter()
+    caches = {str(n): cache_mib(config, n) for n in args.contexts}
+    probe = needle_probe(model.eval(), tokenizer, natural_haystacks(args.haystacks), args.tasks, args.lengths,
+                         args.prompts, progress=name)
+    return {"cache_mib": caches, "constant_memory": len(set(caches.values())) == 1, "cells": probe["cells"],
+            "accuracy": probe["accuracy"], "skipped": probe["skipped"], "seconds": time.perf_counter() - start}
+
+
+def models(args: argparse.Namespace, teacher: torch.nn.Module):  # noqa: ANN201 (a generator of rows to measure)
+    """(name, model, config, facts) of every row, built one at a time."""
+    yield "teacher", teacher, recattn_config_from(teacher.config, {"mixer": "softmax"}), {"training_tokens": 0}
+    swaps = dict([WINDOW_BASELINE, *(parse_swap(s) for s in args.swap)])
+    for name, swap in swaps.items():
+        student = from_teacher(teacher, swap["attention"], swap.get("attention_overrides"))
+        yield name, student, student.config, {"training_tokens": 0, "attention": swap}
+    for name, model_dir, facts in (converted_folder(path) for path in args.converted):
+        student = RecAttnForCausalLM.from_pretrained(model_dir)
+        yield name, student, student.config, facts
+
+
+def _cell(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    low, high = cell["interval"]
+    return f"{100 * cell['accuracy']:.0f}% [{100 * low:.0f}-{100 * high:.0f}]"
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The table: cache MiB at each context and its share of the teacher's KV cache at the longest context under
+    32k, then every (task, haystack, length) cell, accuracy and 95% interval."""
+    rows, s = results["models"], results["settings"]
+    teacher = rows["teacher"]
+    contexts = [str(n) for n in s["contexts"]]
+    ratio_at = max((n for n in s["contexts"] if n <= 8192), default=s["contexts"][0])
+    columns = [(t, h, str(n)) for t in s["tasks"] for n in s["lengths"] for h in s["haystacks"]]
+    head = (["model", *(f"MiB @{int(n) // 1024}k" for n in contexts), f"x teacher KV @{ratio_at // 1024}k"]
+            + [f"{t} {h} {int(n) // 1024}k" for t, h, n in columns])
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name, row in rows.items():
+        cache = row["cache_mib"]
+        share = cache[str(ratio_at)] / teacher["cache_mib"][str(ratio_at)]
+        cells = [name, *(f"{cache[n]:.2f}" for n in contexts), f"{share:.3f}"]
+        cells += [_cell(row["cells"].get(t, {}).get(h, {}).get(n)) for t, h, n in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = run_record()
+    results: dict[str, Any] = {"settings": settings(args), "models": {}}
+    if args.out.is_file():
+        earlier = json.loads(args.out.read_text())
+        if earlier.get("settings") == results["settings"]:
+            results["models"] = earlier.get("models", {})
+    teacher, tokenizer = load_teacher(args.teacher)
+    teacher.requires_grad_(False)
+    for name, model, config, facts in models(args, teacher):
+        if name in results["models"]:
+            print(f"{name}: measured earlier", flush=True)
+            continue
+        results["models"][name] = {**facts, **measure(name, model, config, tokenizer, args)}
+        results = write_results(args.out, "natural_recall", record, {k: v for k, v in results.items()
+                                                                     if k not in ("benchmark", "provenance")})
+        print(f"{name}: {results['models'][name]['accuracy']} ({results['models'][name]['seconds']:.0f} s)",
+              flush=True)
+    print(render_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
