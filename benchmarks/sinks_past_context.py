@@ -73,14 +73,14 @@ def span_losses(losses: torch.Tensor, span: int) -> dict[str, float]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """The table: mean next-token loss per span of positions, one row per student."""
+    """The table: mean next-token loss per span of positions (in order), one row per student."""
     rows = results["rows"]
-    spans = list(next(iter(rows.values())))
+    spans = sorted(next(iter(rows.values())), key=lambda s: int(s.split("-")[0]))  # the JSON sorts them as text
     limit = results["max_position_embeddings"]
     head = [f"{s}{' *' if int(s.split('-')[1]) > limit else ''}" for s in spans]
     lines = ["| attention | " + " | ".join(head) + " |", "|---|" + "---:|" * len(spans)]
     for name, by_span in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in by_span.values()) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{by_span[s]:.2f}" for s in spans) + " |")
     lines.append("")
     lines.append(f"Mean next-token loss (nats) by token positions; * past the teacher's max_position_embeddings "
                  f"({limit}). {results['notes'][0]}")

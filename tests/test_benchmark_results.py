@@ -24,6 +24,7 @@ RESULTS = {
     "conversion_scale_cpu.json": "conversion_scale",
     "conversion_scale_cuda.json": "conversion_scale",
     "needles_smollm2_cpu.json": "needles",
+    "sinks_past_context_cpu.json": "sinks_past_context",
 }
 
 
