@@ -117,11 +117,9 @@ class Mixer(nn.Module):
     applies_softcap: ClassVar[bool] = False
     #: for a family whose ``causal`` option must stay True (no bidirectional form): the reason the error gives
     causal_only: ClassVar[str | None] = None
-    #: options that, when nonzero, keep exact softmax keys at any distance back beside a bounded reach (the
-    #: hybrid's attention sinks ``sink_tokens`` and exact cache ``cache_slots``; see ``position_need``). Declared
-    #: here for the options of those names wherever a family has them; a family whose options of these names
-    #: mean something else declares its own tuple
-    distant_key_options: ClassVar[tuple[str, ...]] = ("sink_tokens", "cache_slots")
+    #: options that, when nonzero, keep exact softmax keys at any distance back beside a bounded reach (e.g. the
+    #: hybrid's attention sinks and exact cache; see ``position_need``); none by default
+    distant_key_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
         super().__init__()

@@ -155,6 +155,8 @@ class HybridMixer(ExactCacheForms, Mixer):
         ),
     }
     state_kind = "window"
+    #: the sinks and the exact cache keep keys at any distance back (mixer_base.position_need)
+    distant_key_options = ("sink_tokens", "cache_slots")
 
     @classmethod
     def layer_type(cls, spec: dict[str, Any]) -> str:
