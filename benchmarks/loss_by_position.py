@@ -41,6 +41,7 @@ from hf_recattn.evaluation.heldout import bucket_losses, long_rows, position_buc
 
 KINDS = ("heldout", "ood")
 KIND_NAMES = {"heldout": "held-out", "ood": "license texts (ood)"}
+PLOT_FROM = 8  # the plot's loss axis spans the bins from this position on
 
 
 # ----- arguments ----------------------------------------------------------------------------------------------
@@ -104,7 +105,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----- measuring ----------------------------------------------------------------------------------------------
 def texts_blocks(tokenizer: Any, args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The blocks of each kind and how they were made (blocks, joined, documents)."""
+    """The blocks of each kind and how they were made (blocks, joined, documents, and in each joined block the
+    positions where a text starts after the EOS token: ``starts``)."""
     corpus = embedded_corpus()
     blocks, made = {}, {}
     for kind in args.kinds:
@@ -113,7 +115,9 @@ def texts_blocks(tokenizer: Any, args: argparse.Namespace) -> tuple[dict[str, to
         if rows.shape[0] == 0:
             raise SystemExit(f"the {kind} split holds fewer than {args.length} tokens, even joined")
         blocks[kind] = rows
-        made[kind] = {"blocks": int(rows.shape[0]), "joined": joined, "documents": len(files)}
+        starts = [[p + 1 for p in (row[:-1] == tokenizer.eos_token_id).nonzero()[:, 0].tolist()]
+                  for row in rows[rows.shape[0] - joined :]]
+        made[kind] = {"blocks": int(rows.shape[0]), "joined": joined, "documents": len(files), "starts": starts}
     return blocks, made
 
 
@@ -202,14 +206,25 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines + ["", *results["notes"]])
 
 
+def _made(kind: str, made: dict[str, Any]) -> str:
+    """How one kind's blocks were made, in words."""
+    single = made["blocks"] - made["joined"]
+    parts = [f"{single} of one file each"] if single else []
+    if made["joined"]:
+        parts.append(f"{made['joined']} cut from the files too short for a block, joined whole with the EOS token "
+                     "between two")
+    return f"{kind} ({made['documents']} files): " + " and ".join(parts)
+
+
 def notes(results: dict[str, Any]) -> list[str]:
     """What the table's blocks are and how its columns are read."""
     s, made = results["settings"], results["texts"]
-    texts = "; ".join(f"{KIND_NAMES[k]}: {m['blocks']} from its {m['documents']} files "
-                      + (f"({m['joined']} of them cut from the files too short for a block, joined whole with the "
-                         "EOS token between two)" if m["joined"] else "(one file per block)") for k, m in made.items())
+    texts = "; ".join(_made(KIND_NAMES[k], m) for k, m in made.items())
+    starts = [f" In the {KIND_NAMES[k]}, joined block {i + 1}: a text starts at position "
+              + ", ".join(f"{p:,}" for p in block) + "." for k, m in made.items()
+              for i, block in enumerate(m.get("starts", [])) if block]
     return [
-        f"Blocks of {s['length']:,} tokens, {texts}.",
+        f"Blocks of {s['length']:,} tokens: {texts}." + "".join(starts),
         "loss a-b: mean next-token loss (nats) of the tokens at positions a <= p < b of their block; ppl @ n: "
         "perplexity of the blocks' first n tokens.",
     ]
@@ -226,15 +241,28 @@ def plot(results: dict[str, Any], path: str) -> str:
         return "matplotlib is not installed (pip install matplotlib): no plot"
     kinds = results["settings"]["kinds"]
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.5), sharey=True, squeeze=False)
+    shown: list[float] = []
     for ax, kind in zip(axes[0], kinds, strict=True):
         for name, row in ordered(results):
             curve = row[kind]["curve"]
             ax.plot([math.sqrt(b["start"] * b["end"]) for b in curve], [b["loss"] for b in curve], marker="o",
                     markersize=3, label=name)
+            shown += [b["loss"] for b in curve if b["start"] >= PLOT_FROM]
+        for block in results["texts"][kind].get("starts", []):
+            for start in block:
+                ax.axvline(start, color="gray", linestyle=":", linewidth=1)
+        ticks = [4**k for k in range(1 + int(math.log(results["settings"]["length"], 4)))]
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [_short(t) for t in ticks])
         ax.set_xlabel("position in the block (log; bins of a power of two)")
-        ax.set_title(f"{KIND_NAMES[kind]}: {results['texts'][kind]['blocks']} blocks")
+        n = results["texts"][kind]["blocks"]
+        ax.set_title(f"{KIND_NAMES[kind]}: {n} block{'s' if n > 1 else ''}", fontsize=10)
         ax.grid(alpha=0.3)
+    if shown:  # the first positions' losses (one token per block each, no context) lie far above
+        ax.set_ylim(min(shown) - 0.3, max(shown) + 0.3)
+    note = f"positions below {PLOT_FROM} lie above the axis" + ("; dotted: a joined text starts" if any(
+        results["texts"][k].get("starts") for k in kinds) else "")
+    fig.suptitle(f"Next-token loss against position ({note})", fontsize=10)
     axes[0][0].set_ylabel("mean next-token loss (nats)")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()

@@ -118,7 +118,13 @@ def test_a_run_on_a_tiny_teacher(bench: ModuleType, tmp_path: Path, monkeypatch:
     for kind in ("heldout", "ood"):
         built, saved = results["models"]["window 8 + 1 sinks"][kind], results["models"]["saved"][kind]
         assert saved["perplexity"] == pytest.approx(built["perplexity"], rel=1e-6)
-    assert (tmp_path / "p.png").stat().st_size > 0 and "1 of them cut from the files" in results["notes"][0]
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "held-out (2 files): 2 of one file each; license texts (ood) (4 files): 1 of one file each and 1 cut " \
+           "from the files too short" in results["notes"][0]
+    first = len(tok(OOD[0], add_special_tokens=False)["input_ids"])
+    assert first + 1 < 40 < first + len(tok(OOD[1], add_special_tokens=False)["input_ids"]) + 2
+    assert results["texts"]["ood"]["starts"] == [[first + 1]] and results["texts"]["heldout"]["starts"] == []
+    assert f"joined block 1: a text starts at position {first + 1}." in results["notes"][0]
     results["models"]["saved"]["heldout"]["perplexity"]["40"] = -1.0  # a rerun skips the models measured
     out.write_text(json.dumps(results))
     assert bench.main(argv) == 0
