@@ -203,7 +203,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             cells = [name, KIND_NAMES[kind]] + [f"{b['loss']:.3f}" for b in row[kind]["buckets"]]
             cells += [f"{row[kind]['perplexity'][str(n)]:.2f}" for n in s["prefix_lengths"]]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", *results["notes"]])
+    for note in results["notes"]:
+        lines += ["", note]
+    return "\n".join(lines)
 
 
 def _made(kind: str, made: dict[str, Any]) -> str:
@@ -216,13 +218,17 @@ def _made(kind: str, made: dict[str, Any]) -> str:
     return f"{kind} ({made['documents']} files): " + " and ".join(parts)
 
 
+def _positions(positions: list[int]) -> str:
+    words = [f"{p:,}" for p in positions]
+    return ("positions " + ", ".join(words[:-1]) + " and " if len(words) > 1 else "position ") + words[-1]
+
+
 def notes(results: dict[str, Any]) -> list[str]:
     """What the table's blocks are and how its columns are read."""
     s, made = results["settings"], results["texts"]
     texts = "; ".join(_made(KIND_NAMES[k], m) for k, m in made.items())
-    starts = [f" In the {KIND_NAMES[k]}, joined block {i + 1}: a text starts at position "
-              + ", ".join(f"{p:,}" for p in block) + "." for k, m in made.items()
-              for i, block in enumerate(m.get("starts", [])) if block]
+    starts = [f" In the {KIND_NAMES[k]}, joined block {i + 1}: a text starts at {_positions(block)}."
+              for k, m in made.items() for i, block in enumerate(m.get("starts", [])) if block]
     return [
         f"Blocks of {s['length']:,} tokens: {texts}." + "".join(starts),
         "loss a-b: mean next-token loss (nats) of the tokens at positions a <= p < b of their block; ppl @ n: "
