@@ -6,7 +6,7 @@ a converted model's far state (or its retrieval heads) little reason to do it. `
 that do, in turn: a number hidden in training text and asked for at the end (the passkey probe's kind of task),
 one to four made-up names with 4-digit numbers, or one to four made-up names with words, planted and asked for in
 any order (the associative recall probe's kind of task). Each block takes its wording from a ``train`` template
-of its kind (``hf_recattn/templates/retrieval``, ``evaluation/templates.py``) and its text from the training
+of its kind (``hf_recattn/templates/retrieval``, ``prompting/templates.py``) and its text from the training
 texts given, so that the probes, which use the ``heldout`` templates and held-out text, ask in words and about
 text training never showed. With ``min_distance`` (stage 2 passes the recipe's longest attention window) every
 fact stays at least that many tokens of text before its question when the block has room. Each block comes with
@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..evaluation.facts import fact_ids
-from ..evaluation.prompts import fill_tokens, plant
-from ..evaluation.recall import Haystack, RecallPrompt, recall_prompt
-from ..evaluation.templates import Template, templates
 from ..modeling.mixers import validate_spec
+from ..prompting.facts import fact_ids
+from ..prompting.haystack import Haystack
+from ..prompting.pieces import fill_tokens, plant
+from ..prompting.recall import RecallPrompt, recall_prompt
+from ..prompting.templates import Template, templates
 from .recipe import Recipe
 
 #: the kinds of retrieval block, in turn

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..evaluation.recall import Haystack, RecallPrompt, recall_prompt
-from ..evaluation.templates import templates
 from ..modeling.mixer_base import Mixer, MixerInputs
 from ..modeling.mixer_retrieval_heads import FULL_SPEC, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
+from ..prompting.haystack import Haystack
+from ..prompting.recall import RecallPrompt, recall_prompt
+from ..prompting.templates import templates
 from .retrieval_data import needle_prompt
 
 HeadSet = dict[int, list[int]]

@@ -4,10 +4,11 @@
 * ``needles``: the recall probe in natural text (RULER's tasks on held-out and out-of-distribution documents, with
   Wilson intervals), the evidence of recall;
 * ``passkey``, ``recall`` and ``distance``: the other recall probes (passkey retrieval in synthetic filler,
-  multi-query associative recall, recall at fixed distances); all of them built from the prompt builders in
-  ``prompts`` and the facts of ``facts``, worded by the held-out templates of ``templates`` (the template files
-  and their train / held-out split), and run through ``generation`` (``greedy_continuation``: the one greedy
-  decoding through the cache);
+  multi-query associative recall, recall at fixed distances); each scores and runs prompts built by
+  ``hf_recattn.prompting`` (the prompt builders the training data shares: the template files with their train /
+  held-out split, the facts, the pieces and haystacks, one builder per probe), worded by the held-out templates,
+  and runs them through ``generation`` (``greedy_continuation``: the one greedy decoding through the cache);
+  ``templates``, ``facts`` and ``prompts`` keep the builders' older import paths;
 * ``decode``: decode cost and cache size;
 * ``suite``: all of them on one model (``evaluate``), and a sample through the cache (``cache_sample``);
 * ``progress``: the progress bars of the long passes;
@@ -19,6 +20,8 @@ conversion report are measured the same way on both. The names below are the pub
 
 from __future__ import annotations
 
+from ..prompting.pieces import fill_tokens, plant, sentence_pieces, token_pieces
+from ..prompting.templates import Template, TemplateError, probe_template
 from .decode import cache_nbytes, decode_stats
 from .distance import DISTANCES, distance_prompt, distance_recall_probe
 from .generation import (
@@ -45,11 +48,9 @@ from .needles import (
     wilson_interval,
 )
 from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
-from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
 from .recall import associative_recall_probe
 from .report import comparison_table, write_report
 from .suite import RecallSizes, cache_sample, describe_model, evaluate
-from .templates import Template, TemplateError, probe_template
 
 __all__ = [
     "DEFAULT_PROMPTS",

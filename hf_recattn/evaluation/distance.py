@@ -10,50 +10,21 @@ still comes through.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .facts import make_facts
+from ..prompting.distance import LEAD, distance_prompt, first_tokens
+from ..prompting.haystack import Haystack, texts_from_blocks
 from .generation import eval_mode, max_positions
 from .progress import progress_bar
-from .prompts import fill_tokens
-from .recall import Haystack, RecallPrompt, score_prompt, texts_from_blocks
-from .templates import Template, probe_template
+from .recall import score_prompt
+
+__all__ = ["DISTANCES", "LEAD", "distance_prompt", "distance_recall_probe", "first_tokens"]
 
 #: tokens of text between the fact and the question, by default
 DISTANCES = (100, 1000, 4000, 16000)
-LEAD = 64  # tokens of text before the fact
-
-
-def first_tokens(pieces: Iterable[Sequence[int]], n_tokens: int) -> list[int]:
-    """The first ``n_tokens`` ids of the pieces laid end to end (fewer only when they run out)."""
-    ids: list[int] = []
-    for piece in pieces:
-        if len(ids) >= n_tokens:
-            break
-        ids.extend(piece)
-    return ids[:n_tokens]
-
-
-def distance_prompt(tokenizer: Any, texts: Haystack | Sequence[str], distance: int, seed: int | str = 0,
-                    lead: int = LEAD, template: Template | None = None) -> RecallPrompt:
-    """One trial: the head, ``lead`` tokens of text, the fact, exactly ``distance`` tokens of text, the lead-in;
-    the query follows (``.ids()``). ``template``: a ``words`` or ``codes`` template (default: the probe's)."""
-    if distance < 0 or lead < 0:
-        raise ValueError(f"recall at distance: distance and lead must be >= 0, got {distance}, {lead}")
-    template = template or probe_template("words")
-    haystack = texts if isinstance(texts, Haystack) else Haystack(tokenizer, texts)
-    rng = random.Random(seed)
-    (fact,) = make_facts(tokenizer, 1, rng, template)
-    head = tokenizer(template.parts["head"])["input_ids"]  # the tokenizer's special tokens (a BOS) go first
-    intro = tokenizer(template.parts["intro"], add_special_tokens=False)["input_ids"]
-    before, _ = fill_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), lead)
-    after = first_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), distance)
-    context = head + before + list(fact.planted) + after + intro
-    return RecallPrompt(tuple(context), (fact,), (len(head) + len(before),), (0,))
 
 
 def distance_recall_probe(

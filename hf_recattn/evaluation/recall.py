@@ -4,7 +4,8 @@ N facts (by default the held-out ``codes`` template: ``The code of NAME is NNNN.
 4-digit codes) are planted at spread positions in held-out documents; at the end some of the names are asked
 again in a random order (``The code of NAME is``) and a query passes when the model reproduces the value. The
 passkey probe asks where in a context one fact is lost; this probe asks how many facts a model holds at once.
-The same prompt builder writes training prompts from the training templates (``conversion/retrieval_data.py``).
+The prompt builder (``recall_prompt``, ``RecallPrompt``, ``Haystack``) lives in ``hf_recattn.prompting``, where it also
+writes training prompts from the training templates (``conversion/retrieval_data.py``); this module scores and runs.
 
 A prompt depends only on the texts, the tokenizer, the template and the seed, so a teacher and its students see the
 same tokens. Both scorings run through the model's cache: the context is prefilled once, then the queries follow.
@@ -12,21 +13,18 @@ same tokens. Both scorings run through the model's cache: the context is prefill
 
 from __future__ import annotations
 
-import itertools
-import random
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..modeling.cache import CACHE_NAME, cache_of
-from .facts import Fact, fact_ids, make_facts
+from ..prompting.facts import Fact, fact_ids, make_facts
+from ..prompting.haystack import Haystack, texts_from_blocks
+from ..prompting.recall import RecallPrompt, recall_prompt
 from .generation import eval_mode, greedy_continuation, max_positions, model_device
 from .progress import progress_bar
-from .prompts import fill_tokens, plant, sentence_pieces, token_pieces
-from .templates import Template, probe_template
 
 __all__ = [
     "RECALL_LENGTHS",
@@ -49,128 +47,6 @@ __all__ = [
 RECALL_LENGTHS = (1024, 4096)
 RECALL_PAIRS = (1, 4, 16)
 SCORINGS = ("teacher_forced", "greedy")
-
-
-# ----- prompts ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RecallPrompt:
-    """One trial: ``context`` (the head, the text with the facts planted, the lead-in to the queries), the
-    ``facts`` in the order they appear, where each begins in ``context`` (``positions``) and the facts asked
-    (``queries``: indices into ``facts``, in the order asked). A query is its fact's asked sentence."""
-
-    context: tuple[int, ...]
-    facts: tuple[Fact, ...]
-    positions: tuple[int, ...]
-    queries: tuple[int, ...]
-
-    @property
-    def length(self) -> int:
-        """Tokens of the whole teacher-forced sequence (``ids()``)."""
-        return len(self.context) + sum(len(self.facts[q].ids) for q in self.queries)
-
-    def ids(self) -> torch.Tensor:
-        """[1, length]: the context, then every query followed by its answer."""
-        tail = [token for q in self.queries for token in self.facts[q].ids]
-        return torch.tensor([list(self.context) + tail], dtype=torch.long)
-
-    def answer_spans(self) -> list[range]:
-        """Where each query's answer lies in ``ids()``, in the order asked."""
-        spans, offset = [], len(self.context)
-        for q in self.queries:
-            fact = self.facts[q]
-            start = offset + len(fact.prefix)
-            spans.append(range(start, start + len(fact.answer)))
-            offset += len(fact.ids)
-        return spans
-
-    def depths(self) -> list[float]:
-        """Where each fact begins, relative to the context's length."""
-        return [p / len(self.context) for p in self.positions]
-
-
-class Haystack:
-    """Documents cut into sentence pieces, tokenized on first use, laid end to end from any document."""
-
-    def __init__(self, tokenizer: Any, texts: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.texts = [t for t in texts if t.strip()]
-        if not self.texts:
-            raise ValueError("associative recall needs at least one non-empty held-out text")
-        self._separator = token_pieces(tokenizer, ["\n\n"])
-        self._documents: dict[int, list[list[int]]] = {}
-
-    def _document(self, index: int) -> list[list[int]]:
-        if index not in self._documents:
-            self._documents[index] = token_pieces(self.tokenizer, sentence_pieces(self.texts[index]))
-        return self._documents[index]
-
-    def documents(self, start: int) -> Iterator[list[list[int]]]:
-        """The pieces of each document from ``start`` on, one list per document, the blank line between documents
-        at the start of every list but the first; the documents start over (repeat) when a context needs more text
-        than there is."""
-        for k in itertools.count():
-            if k == len(self.texts) and not any(self._documents.values()):
-                raise ValueError("associative recall: the held-out texts hold no tokens")
-            yield (self._separator if k else []) + self._document((start + k) % len(self.texts))
-
-    def pieces(self, start: int) -> Iterator[list[int]]:
-        """The pieces of every document from ``start`` on, a blank line between documents (``documents`` laid end to
-        end)."""
-        for document in self.documents(start):
-            yield from document
-
-
-def texts_from_blocks(tokenizer: Any, blocks: torch.Tensor) -> list[str]:
-    """The documents in ``[N, T]`` token blocks (packed end to end, EOS between documents) as texts."""
-    if blocks.dim() != 2:
-        raise ValueError(f"blocks must be [N, T] token ids, got shape {tuple(blocks.shape)}")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    documents: list[list[int]] = [[]]
-    for token in blocks.reshape(-1).tolist():
-        if token == eos:
-            documents.append([])
-        else:
-            documents[-1].append(token)
-    texts = [tokenizer.decode(doc, skip_special_tokens=True) for doc in documents if doc]
-    return [t for t in texts if t.strip()]
-
-
-def recall_prompt(
-    tokenizer: Any,
-    texts: Haystack | Sequence[str],
-    context_length: int,
-    pairs: int,
-    seed: int | str = 0,
-    max_queries: int = 8,
-    template: Template | None = None,
-    min_distance: int = 0,
-) -> RecallPrompt:
-    """One trial's prompt: ``pairs`` facts planted in the texts at spread depths (fact i near
-    ``(i + u) / pairs`` of the text, u uniform in [0.2, 0.8], at a sentence start), then ``min(pairs,
-    max_queries)`` of them asked in a random order. Teacher-forced (``.ids()``) it has exactly
-    ``context_length`` tokens. The same ``seed`` gives the same prompt.
-
-    ``template``: a ``codes`` or ``words`` template (default: the probe's, ``probe_template("codes")``).
-    ``min_distance``: the last that many tokens of text stay free of facts when the text is longer (0: none)."""
-    if pairs < 1 or max_queries < 1:
-        raise ValueError(f"associative recall needs pairs >= 1 and max_queries >= 1, got {pairs}, {max_queries}")
-    template = template or probe_template("codes")
-    haystack = texts if isinstance(texts, Haystack) else Haystack(tokenizer, texts)
-    rng = random.Random(seed)  # a str seed is hashed deterministically
-    facts = make_facts(tokenizer, pairs, rng, template)
-    queries = tuple(rng.sample(range(pairs), min(pairs, max_queries)))
-    head = tokenizer(template.parts["head"])["input_ids"]  # the tokenizer's special tokens (a BOS) go first
-    intro = tokenizer(template.parts["intro"], add_special_tokens=False)["input_ids"]
-    fixed = len(head) + len(intro) + sum(len(f.planted) for f in facts) + sum(len(facts[q].ids) for q in queries)
-    room = context_length - fixed
-    if room < pairs:
-        raise ValueError(f"associative recall: context length {context_length} is too short for {pairs} pairs "
-                         f"(the facts, the queries and the instructions take {fixed} tokens)")
-    depths = [(i + rng.uniform(0.2, 0.8)) / pairs for i in range(pairs)]
-    filler, starts = fill_tokens(haystack.pieces(rng.randrange(len(haystack.texts))), room)
-    body, offsets = plant(filler, starts, [f.planted for f in facts], depths, reserve=min_distance)
-    positions = tuple(len(head) + offset for offset in offsets)
-    return RecallPrompt(tuple(head + body + intro), tuple(facts), positions, queries)
 
 
 # ----- scoring ------------------------------------------------------------------------------------
