@@ -241,6 +241,25 @@ def test_decode_stats_cache_bytes() -> None:
 
 
 # ----- reports ------------------------------------------------------------------------------------
+def test_long_perplexity_of_both_kinds_of_text() -> None:
+    """With the needle probe's OOD haystack the report measures long blocks of it too (short texts joined), the same
+    figure long_perplexity gives on those texts; without it there is no OOD field."""
+    tok = tiny_tokenizer()
+    model = _tiny_model(tok, {"mixer": "linear", "feature_map": "elu"})
+    blocks = torch.randint(3, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
+    ood = ["the license grants every right. " * 3, "no warranty of any kind is given. " * 3]
+    sizes = ev.RecallSizes(passkey_lengths=(200,), passkey_trials=1, recall_lengths=(200,), recall_pairs=(1,),
+                           recall_trials=1, distances=(10,), distance_trials=1, long_lengths=(24, 40), long_blocks=1,
+                           needle_tasks=("single_number",), needle_lengths=(400,), needle_prompts=1,
+                           needle_haystacks=("heldout", "ood"))
+    report = evaluate(model, tok, blocks, quick=True, sizes=sizes, needle_texts={"ood": ood})
+    want = ev.long_perplexity(model, tok, ood, (24, 40), blocks=1, join=True)
+    assert report["long_perplexity_ood"]["perplexity"] == pytest.approx(want["perplexity"])
+    assert set(want["perplexity"]) == {"24", "40"}
+    plain = evaluate(model, tok, blocks, quick=True, sizes=dataclasses.replace(sizes, needle_haystacks=("heldout",)))
+    assert "long_perplexity_ood" not in plain
+
+
 def test_evaluate_quick_report_and_card(tmp_path: Path) -> None:
     tok = tiny_tokenizer()
     model = _tiny_model(tok, {"mixer": "linear", "feature_map": "elu"})
@@ -255,8 +274,9 @@ def test_evaluate_quick_report_and_card(tmp_path: Path) -> None:
     assert report["recall_by_distance"]["trials"] == 2
     needles = report["needles"]["cells"]  # in the blocks' 32 tokens of text, which had to repeat
     assert set(needles) == {"single_number", "multi_key"} and needles["multi_key"]["heldout"]["1024"]["repeated"] == 1
-    # a linear student needs no positions (tests/test_length_limit.py): 4096 is left out for want of a document
-    assert report["long_perplexity"]["skipped"] == {"4096": "no held-out document has 4096 tokens"}
+    # a linear student needs no positions (tests/test_length_limit.py): 4096 and 8192 are left out for want of text
+    assert report["long_perplexity"]["skipped"] == {
+        str(n): f"no held-out document has {n} tokens, nor all the shorter ones joined" for n in (4096, 8192)}
     path = write_report(tmp_path, report)
     assert json.loads(path.read_text())["perplexity"] == report["perplexity"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left
@@ -280,13 +300,14 @@ def test_comparison_table() -> None:
     rows["teacher"]["recall_by_distance"] = {"accuracy": {"100": 1.0, "1000": 0.5}}
     rows["hybrid"]["recall_by_distance"] = {"accuracy": {"100": 1.0}}
     rows["hybrid"]["long_perplexity"] = {"perplexity": {"16384": 30.0, "4096": 25.0}}
+    rows["hybrid"]["long_perplexity_ood"] = {"perplexity": {"4096": 12.5}}
     lines = comparison_table(rows).splitlines()
     assert lines[0] == ("| model | perplexity | × teacher | passkey (synthetic) | recall @ 100/1000 | ppl @ 4096 | "
-                        "decode ms/token | context | cache MiB |")
-    assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-    assert lines[2] == "| teacher | 20.00 | 1.000 | 100% | 100/50% | - | 37.0 | 2048 | 2.00 |"
-    assert lines[3] == "| window-only | 30.00 | 1.500 | - | - | - | - | - | - |"
-    assert lines[4] == "| hybrid | 22.00 | 1.100 | 50% | 100/-% | 25.00 | - | - | - |"
+                        "ppl @ 16384 | ppl @ 4096 OOD | decode ms/token | context | cache MiB |")
+    assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    assert lines[2] == "| teacher | 20.00 | 1.000 | 100% | 100/50% | - | - | - | 37.0 | 2048 | 2.00 |"
+    assert lines[3] == "| window-only | 30.00 | 1.500 | - | - | - | - | - | - | - | - |"
+    assert lines[4] == "| hybrid | 22.00 | 1.100 | 50% | 100/-% | 25.00 | 30.00 | 12.50 | - | - | - |"
 
 
 # ----- commands -----------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ from .needles import NEEDLE_HAYSTACKS
 NEEDLE_COLUMNS = {"heldout": "needles (held-out)", "ood": "needles (OOD)"}
 
 
+#: the report's long-block perplexity fields and the mark of their columns
+LONG_FIELDS = {"long_perplexity": "", "long_perplexity_ood": " OOD"}
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -26,17 +30,19 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
     passkey column is the synthetic probe (a key in repeated filler); the needle columns (natural-text recall,
     mean accuracy over the tasks and lengths of the held-out and of the out-of-distribution haystack) appear when
     some row has that probe's results, and so do the associative recall column, the recall-by-distance column
-    (accuracy at each distance) and the long-block perplexity column (the shortest long length)."""
+    (accuracy at each distance) and a long-block perplexity column for each length measured, of held-out text and
+    (marked OOD) of text of another kind."""
     if not rows:
         raise ValueError("comparison_table needs at least one row")
     ref_name = reference if reference in rows else next(iter(rows))
     ref_ppl = rows[ref_name].get("perplexity")
     recall = any("associative_recall" in report for report in rows.values())
     distances = _measured(rows, "recall_by_distance", "accuracy")
-    long = _measured(rows, "long_perplexity", "perplexity")[:1]
+    long = [(field, n) for field in LONG_FIELDS for n in _measured(rows, field, "perplexity")]
     haystacks = [h for h in NEEDLE_HAYSTACKS if any(h in _needle_means(report) for report in rows.values())]
-    extra_head = (f" recall @ {'/'.join(distances)} |" if distances else "") + (f" ppl @ {long[0]} |" if long else "")
-    extra_rule = "---:|" * (len(haystacks) + bool(recall) + bool(distances) + bool(long))
+    extra_head = ((f" recall @ {'/'.join(distances)} |" if distances else "")
+                  + "".join(f" ppl @ {n}{LONG_FIELDS[field]} |" for field, n in long))
+    extra_rule = "---:|" * (len(haystacks) + bool(recall) + bool(distances) + len(long))
     needle_head = "".join(f" {NEEDLE_COLUMNS[h]} |" for h in haystacks)
     lines = [
         f"| model | perplexity | × {ref_name} | passkey (synthetic) |{needle_head}{' recall |' if recall else ''}"
@@ -72,15 +78,16 @@ def _measured(rows: dict[str, dict[str, Any]], field: str, key: str) -> list[str
     return sorted(found, key=int)
 
 
-def _long_cells(report: dict[str, Any], distances: list[str], long: list[str]) -> str:
-    """The row's recall-by-distance cell (e.g. ``100/50/0%``) and long-block perplexity cell, when shown."""
+def _long_cells(report: dict[str, Any], distances: list[str], long: list[tuple[str, str]]) -> str:
+    """The row's recall-by-distance cell (e.g. ``100/50/0%``) and long-block perplexity cells (field, length), when
+    shown."""
     cells = ""
     if distances:
         accuracy = (report.get("recall_by_distance") or {}).get("accuracy") or {}
         shares = [_fmt(None if accuracy.get(d) is None else 100 * accuracy[d], ".0f") for d in distances]
         cells += ("-" if set(shares) == {"-"} else "/".join(shares) + "%") + " | "
-    if long:
-        cells += _fmt(((report.get("long_perplexity") or {}).get("perplexity") or {}).get(long[0]), ".2f") + " | "
+    for field, n in long:
+        cells += _fmt(((report.get(field) or {}).get("perplexity") or {}).get(n), ".2f") + " | "
     return cells
 
 

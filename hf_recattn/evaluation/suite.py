@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,12 +81,13 @@ class RecallSizes:
     @classmethod
     def for_mode(cls, quick: bool) -> RecallSizes:
         """The full probes, or the quick ones: 1k tokens only, one trial per depth and per pair count, recall at
-        100 and 1,000 tokens back (two trials each), one long block of 4,096 tokens, and the needle tasks
+        100 and 1,000 tokens back (two trials each), one long block of 4,096 and one of 8,192 tokens of each kind of
+        text, and the needle tasks
         single_number and multi_key at 1k on both haystacks (20 prompts each)."""
         if not quick:
             return cls()
         return cls(passkey_lengths=(1024,), passkey_trials=len(PASSKEY_DEPTHS), recall_lengths=(1024,),
-                   recall_trials=1, distances=(100, 1000), distance_trials=2, long_lengths=(4096,), long_blocks=1,
+                   recall_trials=1, distances=(100, 1000), distance_trials=2, long_lengths=(4096, 8192), long_blocks=1,
                    needle_tasks=("single_number", "multi_key"), needle_lengths=(1024,))
 
 
@@ -132,7 +133,7 @@ def evaluate(
         model, tokenizer, texts, context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs,
         trials=sizes.recall_trials, progress=_label(progress, "associative recall"),
     )
-    report.update(_long_context(model, tokenizer, texts, long_texts, sizes, progress))
+    report.update(_long_context(model, tokenizer, texts, long_texts, haystacks.get("ood"), sizes, progress))
     decoding = _label(progress, "decode timing")
     if quick:
         chosen, new_tokens = list(prompts)[:2], 24
@@ -147,16 +148,24 @@ def evaluate(
 
 
 def _long_context(model: Any, tokenizer: Any, texts: Sequence[str], long_texts: Sequence[str] | None,
-                  sizes: RecallSizes, progress: str | None) -> dict[str, Any]:
-    """The report's long-context fields: recall at fixed distances and perplexity on long blocks."""
-    return {
+                  ood: Sequence[str] | Callable[[], Sequence[str]] | None, sizes: RecallSizes,
+                  progress: str | None) -> dict[str, Any]:
+    """The report's long-context fields: recall at fixed distances and perplexity on long blocks of held-out text
+    and (``ood``: the needle probe's out-of-distribution haystack, when it runs) of text of another kind; documents
+    too short for a block are joined (``long_blocks(join=True)``)."""
+    fields = {
         "recall_by_distance": distance_recall_probe(model, tokenizer, texts, sizes.distances,
                                                     trials=sizes.distance_trials,
                                                     progress=_label(progress, "recall by distance")),
         "long_perplexity": long_perplexity(model, tokenizer, texts if long_texts is None else long_texts,
-                                           sizes.long_lengths, blocks=sizes.long_blocks,
+                                           sizes.long_lengths, blocks=sizes.long_blocks, join=True,
                                            progress=_label(progress, "long perplexity")),
     }
+    if ood is not None:
+        fields["long_perplexity_ood"] = long_perplexity(model, tokenizer, ood() if callable(ood) else ood,
+                                                        sizes.long_lengths, blocks=sizes.long_blocks, join=True,
+                                                        progress=_label(progress, "long perplexity (OOD)"))
+    return fields
 
 
 def _label(progress: str | None, probe: str) -> str | None:
