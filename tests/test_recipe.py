@@ -23,7 +23,7 @@ from hf_recattn.training.checks import build_settings
 from hf_recattn.training.distill_settings import DistillSettings
 
 #: the stage-2 settings only conversion has: where its blocks start, the blocks that hide facts
-CONVERSION_ONLY = ["skip_tokens", "retrieval_share", "answer_weight"]
+CONVERSION_ONLY = ["skip_tokens", "retrieval_share", "answer_weight", "retrieval_kinds"]
 REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
             "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn",
             "hybrid-w64-sink4-hedgehog-cache64", "hybrid-w64-sink4-gdn-cache64", "gemma3-270m-full-hybrid-gdn-cache64",
@@ -218,6 +218,29 @@ def test_retrieval_data_settings(tmp_path: Path) -> None:
     assert stage1.stage1.retrieval_share == 0.25 and stage1.fingerprint() != base.fingerprint()
     message = _error(tmp_path, tiny_recipe_dict(stage1={"retrieval_share": 1.0}))
     assert "stage1.retrieval_share must be in [0, 1)" in message, message
+
+
+@pytest.mark.parametrize("section", ["stage1", "stage2"])
+def test_retrieval_kinds_setting(tmp_path: Path, section: str) -> None:
+    """{section}.retrieval_kinds: the kinds of retrieval block in turn; out of the fingerprint while unset or the
+    default spelled out (the same blocks); a bad kind refused, naming the option and listing the kinds."""
+    base = recipe_from_dict(tiny_recipe_dict(**{section: {"retrieval_share": 0.25}}))
+    assert getattr(base, section).retrieval_kinds is None
+    needles = recipe_from_dict(tiny_recipe_dict(**{section: {"retrieval_share": 0.25, "retrieval_kinds": ["needles"]}}))
+    assert getattr(needles, section).retrieval_kinds == ("needles",) and needles.fingerprint() != base.fingerprint()
+    one = recipe_from_dict(tiny_recipe_dict(**{section: {"retrieval_share": 0.25, "retrieval_kinds": "needles"}}))
+    assert getattr(one, section).retrieval_kinds == ("needles",) and one.fingerprint() == needles.fingerprint()
+    spelled = recipe_from_dict(tiny_recipe_dict(**{section: {"retrieval_share": 0.25,
+                                                             "retrieval_kinds": ["passkey", "codes", "words"]}}))
+    assert spelled.fingerprint() == base.fingerprint()
+    listed = "['passkey', 'codes', 'words', 'needles']"
+    for kinds, says in ((["needle"], f"{section}.retrieval_kinds: unknown kind(s) ['needle']; name some of {listed}"),
+                        ([], f"{section}.retrieval_kinds: an empty list; name some of {listed}"),
+                        ([3], f"{section}.retrieval_kinds must be a list of strings")):
+        message = _error(tmp_path, tiny_recipe_dict(**{section: {"retrieval_share": 0.25, "retrieval_kinds": kinds}}))
+        assert says in message, message
+    message = _error(tmp_path, tiny_recipe_dict(**{section: {"retrieval_kinds": ["needles"]}}))
+    assert f"{section}.retrieval_kinds needs {section}.retrieval_share > 0" in message, message
 
 
 def test_continuation_settings(tmp_path: Path) -> None:

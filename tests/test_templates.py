@@ -230,13 +230,17 @@ def test_bad_word_lists_are_named(tmp_path: Path) -> None:
 
 # ----- the streams --------------------------------------------------------------------------------
 def _training_stream(tokenizer: PreTrainedTokenizerFast, train: list[str]) -> str:
-    """Stage 2's retrieval blocks for several seeds (with the retrieval recipe's window and without), and the head
-    search's prompts, decoded."""
+    """Stage 2's retrieval blocks for several seeds (with the retrieval recipe's window and without; the default
+    kinds and the needles), and the head search's prompts, decoded."""
     window = recipe_window(load_recipe("hybrid-w64-sink4-hedgehog-retrieval"))
     rows = []
     for seed in range(4):
         ids, _ = retrieval_blocks(tokenizer, train, 12, 1024, answer_weight=100.0, seed=seed,
                                   min_distance=window if seed % 2 else 0)
+        rows += ids.tolist()
+    for seed in range(2):
+        ids, _ = retrieval_blocks(tokenizer, train, 14, 1024, seed=seed, min_distance=window if seed else 0,
+                                  kinds=("needles",))
         rows += ids.tolist()
     rows += [p.ids()[0].tolist() for p in recall_objective(tokenizer, train, 1024, prompts=3, seed=0)]
     return "\x00".join(tokenizer.decode(row) for row in rows)
@@ -255,10 +259,8 @@ def test_training_prompts_never_show_heldout_wording_or_text(corpus: tuple) -> N
     assert filler and not [s for s in filler if s in stream]
     assert not [s for s in _sentences(heldout) if s in stream]
     assert not [w for w in word_list("heldout") if re.search(rf"\b{w}\b", stream)]
-    # the converse, so that the checks above can fail: every training template and training text shows up (the
-    # needles' training templates wait for training data of that shape; tests/test_needles.py checks their split)
-    unused = [(t.kind, t.name) for t in _all("train")
-              if t.kind != "needles" and not any(p in stream for p in _pieces(t))]
+    # the converse, so that the checks above can fail: every training template and training text shows up
+    unused = [(t.kind, t.name) for t in _all("train") if not any(p in stream for p in _pieces(t))]
     assert unused == []
     assert sum(s in stream for s in _sentences(train)) > 100
     assert sum(bool(re.search(rf"\b{w}\b", stream)) for w in word_list("train")) > 10

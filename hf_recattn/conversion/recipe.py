@@ -31,7 +31,7 @@ from ..modeling.mixers import validate_spec
 from ..training.checks import build_settings, typed
 from ..training.fused_loss import config_misfit, refusal
 from .layer_selection import check_layers
-from .settings import EvalSettings, RetrievalHeadSettings, Stage1Settings, Stage2Settings
+from .settings import DEFAULT_RETRIEVAL_KINDS, EvalSettings, RetrievalHeadSettings, Stage1Settings, Stage2Settings
 
 #: teacher config fields a recipe may pin in ``expects``
 EXPECTABLE = (
@@ -87,6 +87,9 @@ class Recipe:
             values["stage2"]["method"] = None
         if values["stage2"]["loss_kernel"] == "auto":  # the default spelled out, as above
             values["stage2"]["loss_kernel"] = None
+        for section in ("stage1", "stage2"):  # the default kinds spelled out: the same blocks as leaving it unset
+            if values[section]["retrieval_kinds"] == list(DEFAULT_RETRIEVAL_KINDS):
+                values[section]["retrieval_kinds"] = None
         for section, keys in _LATER_SETTINGS.items():
             for key in keys:
                 if values[section][key] is None:
@@ -117,9 +120,9 @@ SECTIONS: dict[str, type] = {
 
 #: settings added after recipes were in use, default None: not in the fingerprint while they are None
 _LATER_SETTINGS = {
-    "stage1": ("attention_kl", "retrieval_share"),
-    "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "skip_tokens", "method", "loss_chunk_size",
-               "gradient_checkpointing", "loss_kernel"),
+    "stage1": ("attention_kl", "retrieval_share", "retrieval_kinds"),
+    "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "retrieval_kinds", "skip_tokens", "method",
+               "loss_chunk_size", "gradient_checkpointing", "loss_kernel"),
     "eval": ("probes",),
 }
 

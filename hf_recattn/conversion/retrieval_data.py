@@ -3,15 +3,18 @@ templates' words.
 
 Plain text rarely asks a model to fetch one token from a thousand tokens back, so stage 2 on plain blocks gives
 a converted model's far state (or its retrieval heads) little reason to do it. ``retrieval_blocks`` builds blocks
-that do, in turn: a number hidden in training text and asked for at the end (the passkey probe's kind of task),
-one to four made-up names with 4-digit numbers, or one to four made-up names with words, planted and asked for in
-any order (the associative recall probe's kind of task). Each block takes its wording from a ``train`` template
-of its kind (``hf_recattn/templates/retrieval``, ``prompting/templates.py``) and its text from the training
-texts given, so that the probes, which use the ``heldout`` templates and held-out text, ask in words and about
-text training never showed. With ``min_distance`` (stage 2 passes the recipe's longest attention window) every
-fact stays at least that many tokens of text before its question when the block has room. Each block comes with
-per-token loss weights: ``answer_weight`` on the tokens that answer a question, 1 elsewhere, so that a handful
-of answer tokens can count as much as the rest of the block.
+that do, of the kinds given in turn (by default ``passkey``, ``codes``, ``words``): a number hidden in training text
+and asked for at the end (``passkey``: the passkey probe's kind of task), one to four made-up names with 4-digit
+numbers (``codes``) or with words (``words``), planted and asked for in any order (the associative recall probe's
+kind of task), and, opted into by name, ``needles``: the needle probe's tasks (one fact of a number, a word or a
+phrase; the asked fact among distractors; one key with several values; several keys asked in turn; a fact in
+prose asked in other words) at distances up to the block's length. Each block takes its wording (and its word
+values) from a ``train`` template of its kind (``hf_recattn/templates/retrieval``, ``prompting/templates.py``) and
+its text from the training texts given, so that the probes, which use the ``heldout`` templates and held-out text,
+ask in words and about text training never showed. With ``min_distance`` (both stages pass the recipe's longest
+attention window) every fact stays at least that many tokens of text before its question when the block has room.
+Each block comes with per-token loss weights: ``answer_weight`` on the tokens that answer a question, 1 elsewhere,
+so that a handful of answer tokens can count as much as the rest of the block.
 
 ``mix_blocks`` interleaves them evenly with the plain blocks (Trainer then shuffles them). The seeds differ from
 those of the head search and of the probes.
@@ -28,13 +31,15 @@ import torch
 from ..modeling.mixers import validate_spec
 from ..prompting.facts import fact_ids
 from ..prompting.haystack import Haystack
+from ..prompting.needles import NEEDLE_TASKS, needle_templates, needle_training_prompt
 from ..prompting.pieces import fill_tokens, plant
 from ..prompting.recall import RecallPrompt, recall_prompt
 from ..prompting.templates import Template, templates
 from .recipe import Recipe
+from .settings import DEFAULT_RETRIEVAL_KINDS, RETRIEVAL_KINDS
 
-#: the kinds of retrieval block, in turn
-KINDS = ("passkey", "codes", "words")
+#: the kinds of retrieval block taken in turn by default (``RETRIEVAL_KINDS``: every kind there is)
+KINDS = DEFAULT_RETRIEVAL_KINDS
 _FACT_COUNTS = (1, 2, 4)
 
 
@@ -62,10 +67,15 @@ def needle_prompt(tokenizer: Any, haystack: Haystack, context_length: int, depth
 
 
 def retrieval_prompt(tokenizer: Any, haystack: Haystack, block_size: int, index: int, seed: int,
-                     min_distance: int = 0) -> RecallPrompt:
-    """Block ``index`` of the set: of kind ``KINDS[index % 3]``, in the words of a training template of it."""
+                     min_distance: int = 0, kinds: Sequence[str] = KINDS) -> RecallPrompt:
+    """Block ``index`` of the set: of kind ``kinds[index % len(kinds)]``, in the words of a training template of it
+    (``needles``: a needle task drawn, then a training template of its form)."""
     rng = random.Random(f"stage2-retrieval-{seed}-{index}")
-    kind = KINDS[index % len(KINDS)]
+    kind = kinds[index % len(kinds)]
+    if kind == "needles":
+        task = rng.choice(NEEDLE_TASKS)
+        return needle_training_prompt(tokenizer, haystack, task, block_size, f"stage2-needles-{seed}-{index}",
+                                      rng.choice(needle_templates(task, "train")), min_distance)
     template = rng.choice(templates(kind, "train"))
     if kind == "passkey":
         return needle_prompt(tokenizer, haystack, block_size, rng.random(), f"stage2-needle-{seed}-{index}", template,
@@ -76,22 +86,26 @@ def retrieval_prompt(tokenizer: Any, haystack: Haystack, block_size: int, index:
 
 def retrieval_blocks(
     tokenizer: Any, texts: Sequence[str], count: int, block_size: int, answer_weight: float = 1.0, seed: int = 0,
-    min_distance: int = 0,
+    min_distance: int = 0, kinds: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` retrieval prompts of exactly ``block_size`` tokens as ``[count, block_size]`` ids, and their
     loss weights ``[count, block_size]``: weight i belongs to the prediction of token i (``answer_weight`` where
     token i answers a question, 1 elsewhere; the first token is never predicted). The text comes from ``texts``
-    (training documents only); ``min_distance`` as in ``retrieval_prompt``."""
+    (training documents only); ``min_distance`` as in ``retrieval_prompt``; ``kinds``: of ``RETRIEVAL_KINDS``,
+    taken in turn (None: ``KINDS``)."""
     if count < 1:
         raise ValueError(f"stage 2 retrieval data: count must be >= 1, got {count}")
     if answer_weight <= 0:
         raise ValueError(f"stage 2 retrieval data: answer_weight must be > 0, got {answer_weight}")
+    kinds = KINDS if kinds is None else tuple(kinds)
+    if not kinds or any(kind not in RETRIEVAL_KINDS for kind in kinds):
+        raise ValueError(f"stage 2 retrieval data: kinds must be some of {list(RETRIEVAL_KINDS)}, got {list(kinds)}")
     haystack = Haystack(tokenizer, texts)
     ids = torch.empty(count, block_size, dtype=torch.long)
     weights = torch.ones(count, block_size)
     for i in range(count):
         try:
-            prompt = retrieval_prompt(tokenizer, haystack, block_size, i, seed, min_distance)
+            prompt = retrieval_prompt(tokenizer, haystack, block_size, i, seed, min_distance, kinds)
         except ValueError as err:
             raise ValueError(f"stage 2 retrieval data: block_size {block_size}: {err}") from None
         row = prompt.ids()[0]
@@ -142,20 +156,22 @@ def mix_blocks(
 
 def with_retrieval_blocks(blocks: torch.Tensor, recipe: Recipe, section: str, tokenizer: Any, texts: list[str],
                           log: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A stage's ``blocks`` with ``{section}.retrieval_share`` of them replaced by retrieval prompts built from the
-    training ``texts`` (same count and length, facts beyond the recipe's longest window), and the loss weights
-    (``{section}.answer_weight`` on the answers, where the section has it); the blocks unchanged without the share."""
+    """A stage's ``blocks`` with ``{section}.retrieval_share`` of them replaced by retrieval prompts of the kinds
+    ``{section}.retrieval_kinds`` (default ``KINDS``) built from the training ``texts`` (same count and length,
+    facts beyond the recipe's longest window), and the loss weights (``{section}.answer_weight`` on the answers,
+    where the section has it); the blocks unchanged without the share."""
     settings = getattr(recipe, section)
     count = round((settings.retrieval_share or 0.0) * blocks.shape[0])
     if count == 0:
         return blocks, None
     weighted = hasattr(settings, "answer_weight")  # stage 1 matches attention: no token weights
     answer_weight = (settings.answer_weight if weighted else None) or 1.0
-    log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them"
+    kinds = settings.retrieval_kinds or KINDS
+    log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them ({', '.join(kinds)})"
         + (f" (answer weight {answer_weight:g})" if weighted else ""))
     try:
         extra, weights = retrieval_blocks(tokenizer, texts, count, settings.block_size, answer_weight, seed=recipe.seed,
-                                          min_distance=recipe_window(recipe))
+                                          min_distance=recipe_window(recipe), kinds=kinds)
     except ValueError as err:
         raise ValueError(f"{recipe.source}: {section}.retrieval_share: {err}") from None
     return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)

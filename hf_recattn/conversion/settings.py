@@ -15,6 +15,24 @@ from ..training.distill_settings import DistillSettings
 from ..training.fused_loss import check_weighted_kl
 from ..training.trainable import ATTENTION_PROJECTIONS
 
+#: the kinds of retrieval block (``retrieval_data.py``), each in the words of the training templates of its name
+RETRIEVAL_KINDS = ("passkey", "codes", "words", "needles")
+#: the kinds a recipe takes in turn when it names none (``retrieval_kinds`` None)
+DEFAULT_RETRIEVAL_KINDS = ("passkey", "codes", "words")
+
+
+def check_retrieval_kinds(kinds: tuple[str, ...] | None, share: float | None, at: str, section: str) -> None:
+    """``{section}.retrieval_kinds``: None, or a non-empty list of ``RETRIEVAL_KINDS`` (taken in turn) with a
+    ``retrieval_share`` > 0 to build; ValueError naming the option and listing the kinds."""
+    if kinds is None:
+        return
+    unknown = [kind for kind in kinds if kind not in RETRIEVAL_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"{at}.retrieval_kinds: {f'unknown kind(s) {unknown}' if unknown else 'an empty list'}; "
+                         f"name some of {list(RETRIEVAL_KINDS)} (taken in turn)")
+    if not share:
+        raise ValueError(f"{at}.retrieval_kinds needs {section}.retrieval_share > 0 (it chooses those blocks)")
+
 
 @dataclass(frozen=True)
 class Stage1Settings:
@@ -41,6 +59,8 @@ class Stage1Settings:
     #: share of the blocks that hide facts in training text and ask for them (``retrieval_data.py``): the teacher's
     #: attention from the questions to the facts is what a learned cache score (``cache_score: learned``) learns from
     retrieval_share: float | None = None
+    #: the kinds of those blocks, taken in turn (``RETRIEVAL_KINDS``); None: passkey, codes, words
+    retrieval_kinds: tuple[str, ...] | None = None
 
     def check(self, source: str, section: str = "stage1") -> None:
         """Raise ValueError naming ``source: section.key`` for the first value out of range."""
@@ -52,6 +72,7 @@ class Stage1Settings:
             positive(self.attention_kl, f"{at}.attention_kl", allow_zero=True)
         if self.retrieval_share is not None and not 0.0 <= self.retrieval_share < 1.0:
             raise ValueError(f"{at}.retrieval_share must be in [0, 1), got {self.retrieval_share!r}")
+        check_retrieval_kinds(self.retrieval_kinds, self.retrieval_share, at, section)
         bad = sorted(set(self.projections) - set(ATTENTION_PROJECTIONS))
         if bad:
             raise ValueError(f"{at}.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}")
@@ -75,6 +96,8 @@ class Stage2Settings(DistillSettings):
     # share of the stage-2 blocks that hide facts in training text and ask for them (``retrieval_data.py``)
     retrieval_share: float | None = None
     answer_weight: float | None = None  # loss weight of those blocks' answer tokens (default 1)
+    #: the kinds of those blocks, taken in turn (``RETRIEVAL_KINDS``); None: passkey, codes, words
+    retrieval_kinds: tuple[str, ...] | None = None
 
     def check(self, source: str, section: str = "stage2") -> None:
         """Raise ValueError naming ``source: section.key`` for the first value out of range."""
@@ -94,6 +117,7 @@ class Stage2Settings(DistillSettings):
         share, weight = self.retrieval_share, self.answer_weight
         if share is not None and not 0 <= share < 1:
             raise ValueError(f"{at}.retrieval_share must be in [0, 1), got {share!r}")
+        check_retrieval_kinds(self.retrieval_kinds, share, at, section)
         if weight is None:
             return
         if not share:

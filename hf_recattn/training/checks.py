@@ -70,20 +70,27 @@ def build_settings(cls: type, values: Any, where: str) -> Any:
         if dataclasses.is_dataclass(hint):
             kwargs[name] = build_settings(hint, value, key)
         elif typing.get_origin(hint) is tuple:
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"{key} must be a list of strings, got {value!r}")
-            kwargs[name] = tuple(value)
+            kwargs[name] = _strings(value, key)
         elif isinstance(hint, types.UnionType):
             kinds = [k for k in typing.get_args(hint) if k is not type(None)]
             if value is None or len(kinds) != 1:
                 kwargs[name] = value
+            elif typing.get_origin(kinds[0]) is tuple:  # an optional list of strings
+                kwargs[name] = _strings(value, key)
             else:  # an optional scalar: checked like the plain type
                 kwargs[name] = typed(value, kinds[0], key)
         else:
             kwargs[name] = typed(value, hint, key)
     return cls(**kwargs)
+
+
+def _strings(value: Any, key: str) -> tuple[str, ...]:
+    """A list of strings (one string: a list of one) as a tuple, else ValueError naming ``key``."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} must be a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def check_schedule(settings: Any, at: str) -> None:
