@@ -595,7 +595,11 @@ MODEL_SPECS = {
 def test_cached_generation_equals_uncached(name: str) -> None:
     """Greedy tokens with the cache equal the full forward's at every step; logits within 1e-4; left-padded rows
     of 6, 8 and 9 tokens and 8 new ones (decisions every 2 tokens, so several fall in prefill and in decoding)."""
-    model = tiny_model(Case(name, MODEL_SPECS[name]))
+    assert_cached_generation_equals_uncached(tiny_model(Case(name, MODEL_SPECS[name])))
+
+
+def assert_cached_generation_equals_uncached(model: RecAttnForCausalLM) -> None:
+    """``test_cached_generation_equals_uncached``'s check on ``model``."""
     ids, mask = left_padded_batch()
     kwargs = dict(attention_mask=mask, pad_token_id=PAD_ID, max_new_tokens=8, do_sample=False)
     plain = model.generate(ids, use_cache=False, **kwargs)

@@ -11,13 +11,20 @@ import mixer_checks as checks
 import pytest
 import torch
 from distill_fixtures import tiny_teacher, tiny_texts, tiny_tokenizer
-from generation_cases import PAD as PAD_ID
-from generation_cases import Case, left_padded_batch, tiny_model
+from generation_cases import Case, tiny_model
 from mixer_checks import PAD, SHAPE
 from mixer_steps import left_padded
 from reference import real_rows, rel_err
 from reference_retention import importance_reference, retention_score
-from test_hybrid_cache import FP32, FP64, GRAD, make, reference_of, toys  # noqa: F401 (the toy far parts)
+from test_hybrid_cache import (  # noqa: F401 (toys: the toy far parts)
+    FP32,
+    FP64,
+    GRAD,
+    assert_cached_generation_equals_uncached,
+    make,
+    reference_of,
+    toys,
+)
 
 from hf_recattn import from_teacher
 from hf_recattn.conversion.attention_transfer import attention_transfer, softmax_twins
@@ -169,16 +176,7 @@ def learned_model(name: str) -> torch.nn.Module:
 def test_learned_cached_generation_equals_uncached(name: str) -> None:
     """Greedy tokens with the cache equal the full forward's; logits within 1e-4 (left-padded rows, decisions every
     2 tokens in prefill and in decoding)."""
-    model = learned_model(name)
-    ids, mask = left_padded_batch()
-    kwargs = dict(attention_mask=mask, pad_token_id=PAD_ID, max_new_tokens=8, do_sample=False)
-    plain = model.generate(ids, use_cache=False, **kwargs)
-    cached = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
-    assert torch.equal(cached.sequences, plain)
-    full_mask = torch.cat([mask, torch.ones(3, 8, dtype=mask.dtype)], dim=1)
-    with torch.no_grad():
-        full = model(cached.sequences, attention_mask=full_mask, use_cache=False).logits
-    torch.testing.assert_close(torch.stack(cached.logits, 1), full[:, ids.shape[1] - 1 : -1], rtol=0, atol=1e-4)
+    assert_cached_generation_equals_uncached(learned_model(name))
 
 
 def test_the_window_variant_leaves_the_head_out() -> None:
