@@ -37,6 +37,11 @@ WINDOW_BASELINE = ("window 512 + 4 sinks", {"attention": {"mixer": "hybrid", "wi
                                                            "sink_tokens": 4}})
 
 
+NOTES = ["MiB: every state element at 4 bytes, per sequence; a row with the same MiB at every context keeps constant "
+         "memory. A cell: the share of the queries answered, with its Wilson 95% interval, over the prompts of one "
+         "task, haystack (heldout: held-out corpus documents; ood: the corpus's license texts) and length."]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default="embedded")
@@ -92,8 +97,9 @@ def _cell(cell: dict[str, Any] | None) -> str:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """The table: cache MiB at each context and its share of the teacher's KV cache at the longest context under
-    32k, then every (task, haystack, length) cell, accuracy and 95% interval."""
+    """The table, the teacher first, then the others by their bytes, the most first: cache MiB at each context and
+    its share of the teacher's KV cache at the longest context up to 8k, then every (task, haystack, length) cell,
+    accuracy and 95% interval."""
     rows, s = results["models"], results["settings"]
     teacher = rows["teacher"]
     contexts = [str(n) for n in s["contexts"]]
@@ -102,13 +108,16 @@ def render_markdown(results: dict[str, Any]) -> str:
     head = (["model", *(f"MiB @{int(n) // 1024}k" for n in contexts), f"x teacher KV @{ratio_at // 1024}k"]
             + [f"{t} {h} {int(n) // 1024}k" for t, h, n in columns])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for name, row in rows.items():
+    def order(item: tuple[str, dict[str, Any]]) -> tuple[bool, float, str]:  # the teacher, then by bytes, larger first
+        return item[0] != "teacher", -item[1]["cache_mib"][contexts[0]], item[0]
+
+    for name, row in sorted(rows.items(), key=order):
         cache = row["cache_mib"]
         share = cache[str(ratio_at)] / teacher["cache_mib"][str(ratio_at)]
         cells = [name, *(f"{cache[n]:.2f}" for n in contexts), f"{share:.3f}"]
         cells += [_cell(row["cells"].get(t, {}).get(h, {}).get(n)) for t, h, n in columns]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + "\n".join(results.get("notes", NOTES))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
-    results: dict[str, Any] = {"settings": settings(args), "models": {}}
+    results: dict[str, Any] = {"settings": settings(args), "models": {}, "notes": NOTES}
     if args.out.is_file():
         earlier = json.loads(args.out.read_text())
         if earlier.get("settings") == results["settings"]:

@@ -25,6 +25,7 @@ RESULTS = {
     "conversion_scale_cuda.json": "conversion_scale",
     "needles_smollm2_cpu.json": "needles",
     "sinks_past_context_cpu.json": "sinks_past_context",
+    "natural_recall_single_cpu.json": "natural_recall",
     "loss_by_position_cpu.json": "loss_by_position",
 }
 
