@@ -118,7 +118,12 @@ def test_a_run_on_a_tiny_teacher(bench: ModuleType, tmp_path: Path, monkeypatch:
     for kind in ("heldout", "ood"):
         built, saved = results["models"]["window 8 + 1 sinks"][kind], results["models"]["saved"][kind]
         assert saved["perplexity"] == pytest.approx(built["perplexity"], rel=1e-6)
-    assert (tmp_path / "p.png").stat().st_size > 0
+    try:  # the plot needs matplotlib (the "bench" extra); without it the run says so and goes on
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp_path / "p.png").exists()
+    else:
+        assert (tmp_path / "p.png").stat().st_size > 0
     assert "held-out (2 files): 2 of one file each; license texts (ood) (4 files): 1 of one file each and 1 cut " \
            "from the files too short" in results["notes"][0]
     first = len(tok(OOD[0], add_special_tokens=False)["input_ids"])
