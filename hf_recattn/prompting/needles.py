@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .facts import Fact, fact_ids, made_up_name
 from .haystack import Haystack
-from .pieces import plant
+from .pieces import fill_tokens, plant
 from .recall import RecallPrompt
 from .templates import Template, templates, word_list
 
@@ -180,20 +180,23 @@ def lay_documents(haystack: Haystack, start: int, n_tokens: int) -> tuple[list[i
     """The last ``n_tokens`` ids of whole documents laid end to end from document ``start`` (the first may lose its
     beginning, so that the text ends where a document's piece ends), the offsets where pieces begin, and how many
     documents were laid (more than the haystack holds: one repeats)."""
-    ids: list[int] = []
-    starts: list[int] = []
     laid = 0
-    for document in haystack.documents(start):
-        if len(ids) >= n_tokens:
-            break
-        laid += 1
-        for piece in document:
-            if len(ids) >= n_tokens:
-                break
-            starts.append(len(ids))
-            ids.extend(piece)
-    surplus = max(len(ids) - n_tokens, 0)
-    return ids[surplus:], [0] + [s - surplus for s in starts if s > surplus], laid
+
+    def pieces() -> Iterator[list[int]]:  # the documents' pieces until n_tokens are laid, counting the documents
+        nonlocal laid
+        total = 0
+        for document in haystack.documents(start):
+            if total >= n_tokens:
+                return
+            laid += 1
+            for piece in document:
+                if total >= n_tokens:
+                    return
+                total += len(piece)
+                yield piece
+
+    ids, starts = fill_tokens(pieces(), n_tokens)
+    return ids, starts, laid
 
 
 def needle_prompt(tokenizer: Any, texts: Haystack | Sequence[str], task: str, length: int, seed: int | str = 0,
