@@ -62,11 +62,7 @@ class RetentionHead(nn.Module):
         self.b_in = nn.Parameter(torch.zeros(heads, hidden))
         self.w_out = nn.Parameter(torch.zeros(heads, hidden))
         self.b_out = nn.Parameter(torch.zeros(heads))
-        self._init_in()
-
-    def _init_in(self) -> None:
-        with torch.no_grad():
-            self.w_in.normal_(0.0, self.w_in.shape[1] ** -0.5)
+        self.init_parameters(nn.init)
 
     def init_parameters(self, init: Any) -> None:
         """Input layer random (std 1/sqrt(features)), the rest zero: every pair scores 0 at the start."""
