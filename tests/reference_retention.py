@@ -49,3 +49,29 @@ def importance_reference(weights: torch.Tensor, window: int, sinks: int, groups:
                     counted[b, hk, j] = True
                     target[b, hk, j] = math.log(max(max(later), floor))
     return target, counted
+
+
+def answer_importance_reference(weights: torch.Tensor, answers: torch.Tensor, window: int, sinks: int, groups: int,
+                                floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key of attention ``weights`` [B, H, T, T] and answer tokens ``answers`` [B, T]: the log of the largest
+    weight a query whose next token answers (query i, token i + 1) puts on it within its KV head's group, less the
+    log of the group's mean weight on it over queries at least ``window`` tokens later (both floored at ``floor``);
+    a key counts when it is not one of the first ``sinks`` and lies ``window`` tokens or more before the first
+    answering query."""
+    bsz, heads, seq, _ = weights.shape
+    kv = heads // groups
+    target = torch.zeros(bsz, kv, seq, dtype=torch.float64)
+    counted = torch.zeros(bsz, kv, seq, dtype=torch.bool)
+    for b in range(bsz):
+        asking = [i for i in range(seq - 1) if bool(answers[b, i + 1])]
+        for hk in range(kv):
+            group = range(hk * groups, (hk + 1) * groups)
+            for j in range(seq):
+                late = [float(weights[b, h, i, j]) for h in group for i in range(j + window, seq)]
+                if not asking or not late:
+                    continue
+                best = max(float(weights[b, h, i, j]) for h in group for i in asking)
+                mean = sum(late) / len(late)
+                target[b, hk, j] = math.log(max(best, floor)) - math.log(max(mean, floor))
+                counted[b, hk, j] = j >= sinks and j + window <= asking[0]
+    return target, counted

@@ -15,7 +15,7 @@ from generation_cases import Case, tiny_model
 from mixer_checks import PAD, SHAPE
 from mixer_steps import left_padded
 from reference import real_rows, rel_err
-from reference_retention import importance_reference, retention_score
+from reference_retention import answer_importance_reference, importance_reference, retention_score
 from test_hybrid_cache import (  # noqa: F401 (toys: the toy far parts)
     FP32,
     FP64,
@@ -35,8 +35,13 @@ from hf_recattn.modeling.mixer_base import MixerInputs
 from hf_recattn.modeling.modeling import rotate_queries_and_keys
 from hf_recattn.modeling.retention_head import RetentionHead
 from hf_recattn.modeling.variants import variant_models
-from hf_recattn.training.attention_objective import teacher_attention_io
-from hf_recattn.training.retention_objective import ranking_agreement, retention_loss, retention_targets
+from hf_recattn.training.attention_objective import TransferObjective, teacher_attention_io
+from hf_recattn.training.retention_objective import (
+    answer_retention_targets,
+    ranking_agreement,
+    retention_loss,
+    retention_targets,
+)
 
 HEAD_PARAMS = ("retention.b_in", "retention.b_out", "retention.w_in", "retention.w_out")
 
@@ -196,6 +201,25 @@ def test_targets_match_the_reference() -> None:
     assert counted[..., 0].logical_not().all() and counted[..., -3:].logical_not().all()
 
 
+def test_answer_targets_match_the_reference() -> None:
+    """The ``answers`` target: answering queries' largest weight over later queries' mean weight, keys counted only
+    before the first answering query less a window, none in a block without answers."""
+    gen = torch.Generator().manual_seed(4)
+    t = 12
+    logits = torch.randn(3, 4, t, t, generator=gen).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+    log_weights = logits.log_softmax(-1)
+    answers = torch.zeros(3, t, dtype=torch.bool)
+    answers[0, 10:12] = True
+    answers[1, [8, 11]] = True  # two questions: the first answer bounds the counted keys
+    target, counted = answer_retention_targets(log_weights, answers, window=3, sink_tokens=1, groups=2)
+    want, want_counted = answer_importance_reference(log_weights.exp(), answers, 3, 1, 2, 1e-6)
+    assert torch.equal(counted, want_counted)
+    assert counted[0].sum() == 2 * 6 and counted[1].sum() == 2 * 4 and not counted[2].any()
+    torch.testing.assert_close(target[counted].double(), want[counted], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="answers"):
+        answer_retention_targets(log_weights, answers[:, :5], window=3, sink_tokens=1, groups=2)
+
+
 def test_the_loss_teaches_a_head_which_pairs_matter() -> None:
     """Keys whose values lie along one direction draw the teacher's later attention: a few hundred steps of the loss
     teach a fresh head to rank them first (a cache of their number filled as the teacher would), where it started
@@ -256,3 +280,56 @@ def test_stage1_trains_the_head_on_the_teachers_attention() -> None:
     after = _agreement(teacher, student, blocks[-4:], 4)
     assert set(result.retention_last) == set(range(student.config.num_hidden_layers))
     assert after > before + 0.1, (before, after)
+
+
+def test_the_answer_target_is_what_stage1_trains_on() -> None:
+    """With ``retention_target: answers`` each layer's retention loss is the head's error against the answering
+    queries' target of the batch's own answer tokens (another answer mask gives another loss); a batch without
+    answer tokens is refused; attention transfer hands every block's answer tokens to the objective."""
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    teacher = tiny_teacher(len(tokenizer))
+    blocks = token_blocks(tokenizer, tiny_texts(), 32)
+    answers = torch.zeros(blocks.shape, dtype=torch.bool)
+    answers[:, -4:] = True
+    spec = {"mixer": "hybrid", "window": 4, "sink_tokens": 1, "cache_slots": 4, "cache_score": "learned",
+            "far": "none"}
+    student = from_teacher(teacher, spec)
+    for head in student.modules():
+        if isinstance(head, RetentionHead):
+            torch.nn.init.normal_(head.w_out, std=1.0)  # a head that tells keys apart
+    layers = list(range(student.config.num_hidden_layers))
+    twins = softmax_twins(teacher, student.config, layers)
+    objective = TransferObjective(teacher, student, layers, teacher_attention=twins, retention_target="answers")
+    with torch.no_grad():
+        objective(blocks[:2], answers[:2])
+    io = teacher_attention_io(teacher, blocks[:2])
+    pe = student.model.rotary_emb(io[0][0], position_ids=torch.arange(blocks.shape[1])[None])
+    for i in layers:
+        hidden = io[i][0]
+        attention = student.model.layers[i].self_attn
+        with torch.no_grad():
+            _, keys, values = attention.project(hidden, pe)
+            target, counted = answer_retention_targets(twins[i].log_attention_weights(hidden, pe), answers[:2], 4, 1,
+                                                       attention.mixer.shape.groups)
+            want = retention_loss(attention.mixer.retention, keys, values, target, counted)
+        assert math.isclose(objective.values.retention[i], float(want), rel_tol=1e-5)
+    moved = answers.roll(-6, dims=1)
+    with torch.no_grad():
+        objective(blocks[:2], moved[:2])
+    assert all(not math.isclose(objective.values.retention[i], float(want), rel_tol=1e-3) for i in layers[-1:])
+    with pytest.raises(ValueError, match="answer tokens"):
+        objective(blocks[:2])
+    settings = Stage1Settings(tokens=2 * 4 * 32, lr=2e-2, block_size=32, batch_size=4, save_every=10,
+                              retrieval_share=0.5, retention_target="answers")
+    result = attention_transfer(teacher, student, blocks, settings, progress=False, answers=answers)
+    assert set(result.retention_last) == set(layers)
+    with pytest.raises(ValueError, match="do not match"):
+        attention_transfer(teacher, student, blocks, settings, progress=False, answers=answers[:, :5])
+
+
+def test_the_answer_target_needs_retrieval_blocks() -> None:
+    with pytest.raises(ValueError, match=r"stage1\.retention_target: answers needs stage1\.retrieval_share"):
+        Stage1Settings(tokens=64, retention_target="answers").check("recipe.yaml")
+    with pytest.raises(ValueError, match=r"stage1\.retention_target: 'max'"):
+        Stage1Settings(tokens=64, retention_target="max").check("recipe.yaml")

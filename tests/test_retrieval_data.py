@@ -237,7 +237,7 @@ def test_default_kinds_keep_their_blocks_and_mix_with_needles(texts_and_tokenize
     assert not any(torch.equal(mixed[3], row) for row in default)
     recipe = recipe_from_dict(tiny_recipe_dict(stage2={"retrieval_share": 0.5, "block_size": 512, "tokens": 2048}))
     plain = torch.zeros(12, 512, dtype=torch.long)
-    blocks, block_weights = with_retrieval_blocks(plain, recipe, "stage2", tokenizer, texts, lambda _: None)
+    blocks, block_weights, _ = with_retrieval_blocks(plain, recipe, "stage2", tokenizer, texts, lambda _: None)
     extra = blocks[(blocks != 0).any(1)]
     assert torch.equal(extra, retrieval_blocks(tokenizer, texts, 6, 512, seed=recipe.seed)[0])
     assert block_weights is not None
@@ -256,7 +256,8 @@ def test_both_stages_take_the_kinds_of_their_recipe(prose: tuple, section: str) 
     settings = {"retrieval_share": 0.25, "retrieval_kinds": ["needles"], "block_size": 1024, "tokens": 8192}
     recipe = recipe_from_dict(tiny_recipe_dict(**{section: settings}))
     said: list[str] = []
-    blocks, _ = with_retrieval_blocks(torch.zeros(8, 1024, dtype=torch.long), recipe, section, tok, texts, said.append)
+    plain = torch.zeros(8, 1024, dtype=torch.long)
+    blocks, _, _ = with_retrieval_blocks(plain, recipe, section, tok, texts, said.append)
     extra = blocks[(blocks != 0).any(1)]
     want, _ = retrieval_blocks(tok, texts, 2, 1024, seed=recipe.seed, min_distance=recipe_window(recipe),
                                kinds=NEEDLES)

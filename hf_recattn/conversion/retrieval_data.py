@@ -100,9 +100,17 @@ def retrieval_blocks(
     kinds = KINDS if kinds is None else tuple(kinds)
     if not kinds or any(kind not in RETRIEVAL_KINDS for kind in kinds):
         raise ValueError(f"stage 2 retrieval data: kinds must be some of {list(RETRIEVAL_KINDS)}, got {list(kinds)}")
+    ids, answers = retrieval_rows(tokenizer, texts, count, block_size, seed, min_distance, kinds)
+    return ids, torch.where(answers, float(answer_weight), 1.0)
+
+
+def retrieval_rows(tokenizer: Any, texts: Sequence[str], count: int, block_size: int, seed: int = 0,
+                   min_distance: int = 0, kinds: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``retrieval_blocks``'s ``[count, block_size]`` ids and where their answer tokens are (bool, same shape)."""
+    kinds = KINDS if kinds is None else tuple(kinds)
     haystack = Haystack(tokenizer, texts)
     ids = torch.empty(count, block_size, dtype=torch.long)
-    weights = torch.ones(count, block_size)
+    answers = torch.zeros(count, block_size, dtype=torch.bool)
     for i in range(count):
         try:
             prompt = retrieval_prompt(tokenizer, haystack, block_size, i, seed, min_distance, kinds)
@@ -113,8 +121,8 @@ def retrieval_blocks(
             raise RuntimeError(f"retrieval prompt {i} has {row.numel()} tokens, not {block_size}")
         ids[i] = row
         for span in prompt.answer_spans():
-            weights[i, list(span)] = answer_weight
-    return ids, weights
+            answers[i, list(span)] = True
+    return ids, answers
 
 
 def recipe_window(recipe: Recipe) -> int:
@@ -135,10 +143,10 @@ def _windows(spec: Any) -> int:
 
 
 def mix_blocks(
-    text_blocks: torch.Tensor, extra: torch.Tensor, extra_weights: torch.Tensor
+    text_blocks: torch.Tensor, extra: torch.Tensor, extra_weights: torch.Tensor, text_weight: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The text blocks with the ``extra`` blocks spread evenly among them (same total order every time), and the
-    loss weights of the whole set (1 for text blocks)."""
+    loss weights of the whole set (``text_weight`` for text blocks)."""
     if text_blocks.shape[1:] != extra.shape[1:] or extra.shape != extra_weights.shape:
         raise ValueError(f"stage 2: blocks {tuple(text_blocks.shape)} and retrieval blocks {tuple(extra.shape)} "
                          "differ in length")
@@ -149,30 +157,33 @@ def mix_blocks(
     is_extra[slots] = True
     rows = text_blocks.new_empty((total, *text_blocks.shape[1:]))
     rows[is_extra], rows[~is_extra] = extra.to(rows.dtype), text_blocks
-    weights = torch.ones(rows.shape, dtype=extra_weights.dtype)
+    weights = torch.full(rows.shape, text_weight, dtype=extra_weights.dtype)
     weights[is_extra] = extra_weights
     return rows, weights
 
 
 def with_retrieval_blocks(blocks: torch.Tensor, recipe: Recipe, section: str, tokenizer: Any, texts: list[str],
-                          log: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          log: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A stage's ``blocks`` with ``{section}.retrieval_share`` of them replaced by retrieval prompts of the kinds
     ``{section}.retrieval_kinds`` (default ``KINDS``) built from the training ``texts`` (same count and length,
-    facts beyond the recipe's longest window), and the loss weights (``{section}.answer_weight`` on the answers,
-    where the section has it); the blocks unchanged without the share."""
+    facts beyond the recipe's longest window), the loss weights (``{section}.answer_weight`` on the answers, where
+    the section has it) and where the answer tokens are (bool); the blocks unchanged and two Nones without the
+    share."""
     settings = getattr(recipe, section)
     count = round((settings.retrieval_share or 0.0) * blocks.shape[0])
     if count == 0:
-        return blocks, None
+        return blocks, None, None
     weighted = hasattr(settings, "answer_weight")  # stage 1 matches attention: no token weights
     answer_weight = (settings.answer_weight if weighted else None) or 1.0
     kinds = settings.retrieval_kinds or KINDS
     log(f"      {count} of {blocks.shape[0]} blocks hide facts in training text and ask for them ({', '.join(kinds)})"
         + (f" (answer weight {answer_weight:g})" if weighted else ""))
     try:
-        extra, weights = retrieval_blocks(tokenizer, texts, count, settings.block_size, answer_weight, seed=recipe.seed,
-                                          min_distance=recipe_window(recipe), kinds=kinds)
+        extra, answers = retrieval_rows(tokenizer, texts, count, settings.block_size, seed=recipe.seed,
+                                        min_distance=recipe_window(recipe), kinds=kinds)
     except ValueError as err:
         raise ValueError(f"{recipe.source}: {section}.retrieval_share: {err}") from None
-    return mix_blocks(blocks[: blocks.shape[0] - count], extra, weights)
+    text = blocks[: blocks.shape[0] - count]
+    mixed, weights = mix_blocks(text, extra, torch.where(answers, float(answer_weight), 1.0))
+    return mixed, weights, mix_blocks(text, extra, answers.float(), text_weight=0.0)[1].bool()
 

@@ -61,6 +61,10 @@ class Stage1Settings:
     retrieval_share: float | None = None
     #: the kinds of those blocks, taken in turn (``RETRIEVAL_KINDS``); None: passkey, codes, words
     retrieval_kinds: tuple[str, ...] | None = None
+    #: what learned cache scores (``cache_score: learned``) learn to predict: ``later`` (None; the largest weight
+    #: the teacher's queries beyond the window put on a key) or ``answers`` (how much more weight the queries that
+    #: answer the retrieval blocks' questions put on it than later queries on average; needs retrieval_share)
+    retention_target: str | None = None
 
     def check(self, source: str, section: str = "stage1") -> None:
         """Raise ValueError naming ``source: section.key`` for the first value out of range."""
@@ -73,6 +77,11 @@ class Stage1Settings:
         if self.retrieval_share is not None and not 0.0 <= self.retrieval_share < 1.0:
             raise ValueError(f"{at}.retrieval_share must be in [0, 1), got {self.retrieval_share!r}")
         check_retrieval_kinds(self.retrieval_kinds, self.retrieval_share, at, section)
+        if self.retention_target not in (None, "later", "answers"):
+            raise ValueError(f"{at}.retention_target: {self.retention_target!r}; choose later or answers")
+        if self.retention_target == "answers" and not self.retrieval_share:
+            raise ValueError(f"{at}.retention_target: answers needs {section}.retrieval_share > 0 (the blocks whose "
+                             "questions it learns from)")
         bad = sorted(set(self.projections) - set(ATTENTION_PROJECTIONS))
         if bad:
             raise ValueError(f"{at}.projections: unknown {bad}; choose from {list(ATTENTION_PROJECTIONS)}")

@@ -56,7 +56,7 @@ def stage1(label: str, job: Job, teacher: Teacher, student: nn.Module, train_tex
         return {}
     job.log(f"{label} stage 1: attention transfer, {s1.tokens} tokens (batch {s1.batch_size} x {s1.block_size})")
     blocks = token_blocks(teacher.tokenizer, train_texts, s1.block_size, max_tokens=s1.tokens, seed=recipe.seed)
-    blocks, _ = with_retrieval_blocks(blocks, recipe, "stage1", teacher.tokenizer, train_texts, job.log)
+    blocks, _, answers = with_retrieval_blocks(blocks, recipe, "stage1", teacher.tokenizer, train_texts, job.log)
     result = attention_transfer(
         teacher.model,
         student,
@@ -67,6 +67,7 @@ def stage1(label: str, job: Job, teacher: Teacher, student: nn.Module, train_tex
         progress=job.progress,
         layers=converted_layers(recipe, teacher.model.config),
         fsdp=job.fsdp,
+        answers=answers if s1.retention_target == "answers" else None,
     )
     summary = result.as_dict()
     summary["tokens_per_second"] = tokens_per_second(result)

@@ -33,7 +33,7 @@ def stage2(label: str, job: Job, teacher: Teacher, student: nn.Module,
     )[skip // s2.block_size :]
     if skip:
         job.log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
-    blocks, weights = with_retrieval_blocks(blocks, recipe, "stage2", teacher.tokenizer, train_texts, job.log)
+    blocks, weights, _ = with_retrieval_blocks(blocks, recipe, "stage2", teacher.tokenizer, train_texts, job.log)
     student, result = finetune(
         teacher.model,
         student,

@@ -30,8 +30,11 @@ from torch.utils.checkpoint import checkpoint
 
 from . import parallel
 from .forms import decoder_layers
-from .retention_objective import retention_loss, retention_targets
+from .retention_objective import answer_retention_targets, retention_loss, retention_targets
 from .sharding import copy_full
+
+#: what the retention heads learn to predict (``stage1.retention_target``; see retention_objective.py)
+RETENTION_TARGETS = ("later", "answers")
 
 
 # ----- which parameters attention transfer trains -------------------------------------------------------------
@@ -173,8 +176,12 @@ class TransferObjective(nn.Module):
         layers: list[int],
         attention_kl: float | None = None,
         teacher_attention: Mapping[int, nn.Module] | None = None,
+        retention_target: str = "later",
     ) -> None:
         super().__init__()
+        if retention_target not in RETENTION_TARGETS:
+            raise ValueError(f"stage1.retention_target: {retention_target!r} is not one of {list(RETENTION_TARGETS)}")
+        self.retention_target = retention_target
         self.student = student
         object.__setattr__(self, "teacher", teacher)  # not registered: Trainer must not move, wrap or save it
         self.teacher_attention = dict(teacher_attention or {})  # a plain dict: not registered either
@@ -190,7 +197,13 @@ class TransferObjective(nn.Module):
         self.rotary = getattr(student, "model", student).rotary_emb
         self.values = LayerValues()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, answers: torch.Tensor | None = None) -> torch.Tensor:
+        """``answers`` [B, T] (bool): the tokens that answer a question, which the ``answers`` retention target
+        reads."""
+        if self.retention_target == "answers" and answers is None:
+            raise ValueError("stage1.retention_target: answers needs the blocks' answer tokens "
+                             "(stage1.retrieval_share)")
+        self.answers = answers
         io = teacher_attention_io(self.teacher, input_ids, max(self.layers))
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         position_embeddings = self.rotary(io[0][0].to(self.dtype), position_ids=positions)
@@ -241,7 +254,11 @@ class TransferObjective(nn.Module):
         mixer = attention.mixer
         with torch.no_grad():
             _, keys, values = attention.project(hidden.to(self.dtype), position_embeddings)
-        target, counted = retention_targets(log_p, mixer.window, mixer.sink_tokens, mixer.shape.groups)
+        if self.retention_target == "answers":
+            target, counted = answer_retention_targets(log_p, self.answers, mixer.window, mixer.sink_tokens,
+                                                       mixer.shape.groups)
+        else:
+            target, counted = retention_targets(log_p, mixer.window, mixer.sink_tokens, mixer.shape.groups)
         return retention_loss(head, keys, values, target, counted)
 
     def _layer_terms(

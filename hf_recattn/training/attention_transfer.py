@@ -123,15 +123,20 @@ def batch_schedule(num_blocks: int, batch_size: int, steps: int, seed: int) -> l
 class ScheduledBlocks(torch.utils.data.Dataset):
     """The blocks in the order of ``batch_schedule``: items ``s * B .. s * B + B - 1`` are step ``s``'s batch."""
 
-    def __init__(self, blocks: torch.Tensor, schedule: list[torch.Tensor]) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: torch.Tensor, schedule: list[torch.Tensor], answers: torch.Tensor | None = None
+                 ) -> None:
+        self.blocks, self.answers = blocks, answers
         self.order = torch.cat(schedule).tolist() if schedule else []
 
     def __len__(self) -> int:
         return len(self.order)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[self.order[index]]}
+        row = self.order[index]
+        item = {"input_ids": self.blocks[row]}
+        if self.answers is not None:
+            item["answers"] = self.answers[row]
+        return item
 
 
 class TransferSchedule(torch.optim.lr_scheduler.LRScheduler):
@@ -209,7 +214,7 @@ class TransferTrainer(sharding.FsdpTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        loss = model(input_ids=inputs["input_ids"])
+        loss = model(input_ids=inputs["input_ids"], answers=inputs.get("answers"))
         values: LayerValues = self.model.values
         for layer, value in values.loss.items():
             if not math.isfinite(value):
@@ -337,6 +342,7 @@ def run_attention_transfer(
     layers: Collection[int] | None = None,
     teacher_attention: Mapping[int, nn.Module] | None = None,
     fsdp: bool = False,
+    answers: torch.Tensor | None = None,
 ) -> TransferResult:
     """Train every layer's mixer parameters to match the teacher's attention output; resumable.
 
@@ -346,7 +352,8 @@ def run_attention_transfer(
     (the benchmark measures perplexity there). ``layers``: train only these layers (the ones a recipe converts).
     ``teacher_attention``: per trained layer, a module whose ``log_attention_weights(hidden, position_embeddings)``
     gives the teacher's (needed with ``settings.attention_kl``). ``fsdp`` (or accelerate launch's FSDP config):
-    shard the trained layers' attentions over the processes (``transfer_sharding.py``).
+    shard the trained layers' attentions over the processes (``transfer_sharding.py``). ``answers``: ``[N,
+    block_size]`` bool, the tokens that answer a question (for ``settings.retention_target`` ``answers``).
     """
     sharding.check_flag(fsdp, "fsdp")
     if blocks.dim() != 2 or blocks.shape[0] == 0:
@@ -361,8 +368,11 @@ def run_attention_transfer(
     tokens_per_step = settings.batch_size * blocks.shape[1]
     total = max(1, settings.tokens // tokens_per_step)
     _freeze(teacher, student, groups)
-    objective = TransferObjective(teacher, student, list(groups), settings.attention_kl, teacher_attention)
-    data = ScheduledBlocks(blocks, batch_schedule(blocks.shape[0], settings.batch_size, total, seed))
+    if answers is not None and answers.shape != blocks.shape:
+        raise ValueError(f"stage 1: answers {tuple(answers.shape)} do not match blocks {tuple(blocks.shape)}")
+    objective = TransferObjective(teacher, student, list(groups), settings.attention_kl, teacher_attention,
+                                  getattr(settings, "retention_target", None) or "later")
+    data = ScheduledBlocks(blocks, batch_schedule(blocks.shape[0], settings.batch_size, total, seed), answers)
     shards = ShardedAttention(student, list(groups)) if fsdp or sharding.from_environment() else None
     began = time.perf_counter()
     student.train()

@@ -8,6 +8,12 @@ serve). The target is its log, floored at ``IMPORTANCE_FLOOR``; the loss is the 
 prediction over the keys that count: not one of the first ``sink_tokens`` (always kept as sinks) and with some query
 that late in the block. The head reads the student's keys and values as given (no gradient flows into them), so the
 loss trains the head alone and the other terms of attention transfer are unchanged.
+
+``answer_retention_targets`` is the other target (``stage1.retention_target: answers``), for blocks that hide facts
+and ask for them: how much more weight the queries that produce the answers put on a key than later queries put on
+it on average. The largest weight of any later query ranks first the delimiters and common words that every query
+rests on; the answering queries single out the facts, and dividing by the average weight demotes the resting
+places.
 """
 
 from __future__ import annotations
@@ -65,3 +71,33 @@ def ranking_agreement(predicted: torch.Tensor, target: torch.Tensor, counted: to
         chosen = set(torch.topk(pred_row[mask_row], n).indices.tolist())
         shares.append(len(best & chosen) / n)
     return math.fsum(shares) / len(shares) if shares else float("nan")
+
+
+def answer_retention_targets(
+    log_weights: torch.Tensor, answers: torch.Tensor, window: int, sink_tokens: int, groups: int,
+    floor: float = IMPORTANCE_FLOOR,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the teacher's log attention weights [B, H, T, T] and the answer tokens ``answers`` [B, T] (bool, True
+    where token i answers a question): per key [B, Hkv, T] the log of the largest weight a query predicting an answer
+    token puts on it (the KV head's group of query heads), less the log of the mean weight over the group's queries
+    at least ``window`` tokens later (each floored at ``floor``), and which keys count: not one of the first
+    ``sink_tokens``, at least ``window`` tokens before the block's first answering query; none in a block without
+    answers."""
+    if log_weights.dim() != 4 or log_weights.shape[1] % groups:
+        raise ValueError(f"retention targets need [B, H, T, T] weights with H a multiple of {groups} query heads "
+                         f"per KV head, got {tuple(log_weights.shape)}")
+    b, h, t, _ = log_weights.shape
+    if answers.shape != (b, t):
+        raise ValueError(f"answer retention targets: answers {tuple(answers.shape)} do not match blocks {(b, t)}")
+    device = log_weights.device
+    asking = torch.zeros(b, t, dtype=torch.bool, device=device)
+    asking[:, :-1] = answers[:, 1:].to(device=device, dtype=torch.bool)  # query i predicts token i + 1
+    weights = log_weights.float().exp().view(b, h // groups, groups, t, t)
+    answer_weight = weights.masked_fill(~asking[:, None, None, :, None], 0.0).amax(dim=(2, 3))  # [B, Hkv, T]
+    position = torch.arange(t, device=device)
+    late = (position[:, None] - position[None, :]) >= window  # [T(query), T(key)]
+    mean_late = (weights * late).sum(dim=(2, 3)) / (groups * late.sum(0)).clamp_min(1)
+    target = answer_weight.clamp_min(floor).log() - mean_late.clamp_min(floor).log()
+    first = torch.where(asking.any(1), asking.float().argmax(1), torch.zeros(b, dtype=torch.long, device=device))
+    counted = (position[None] >= sink_tokens) & (position[None] + window <= first[:, None]) & asking.any(1)[:, None]
+    return target, counted[:, None].expand_as(target)
