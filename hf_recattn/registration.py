@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .modeling import backends
 from .modeling import modeling as _modeling
 from .modeling.configuration import RecAttnConfig
 from .modeling.modeling import RecAttnForCausalLM, RecAttnModel, runtime_auto_map
@@ -27,17 +24,6 @@ def register_auto_classes() -> None:
     RecAttnForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     # model.push_to_hub writes the project's model card instead of transformers' generic one
     _modeling.MODEL_CARD_WRITER = _write_card
-    # the Triton kernels, imported the first time a call could use one
-    backends.set_loader(_load_kernels)
-
-
-def _load_kernels() -> None:
-    """Register the Triton kernels when triton imports; without it every op keeps its torch form."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    importlib.import_module("hf_recattn.kernels")
 
 
 def _write_card(folder: str, repo_id: str, tags: list[str] | None) -> None:

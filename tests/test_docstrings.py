@@ -35,7 +35,7 @@ MD_CITATION = re.compile(r"\*([^*]+)\*,\s+(arXiv:\d{4}\.\d{4,5})")
 #: fewer public ops than this means the search below lost a module (moved where it does not look)
 MIN_OPS = 50
 #: modeling modules that are no op family but hold functions the ops share (documented like the ops)
-OP_HELPERS = ("kernel_adapters", "triangular")
+OP_HELPERS = ("fla_adapters", "triangular")
 
 
 def _family_doc(cls: type) -> str:

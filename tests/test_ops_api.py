@@ -11,6 +11,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,10 +246,11 @@ def test_agrees_with_transformers_qwen3_next(l2: bool, form: str) -> None:
     kw = {"initial_state": x["initial_state"], "output_final_state": True, "use_qk_l2norm_in_kernel": l2}
     if form == "chunk":
         ours = ops.chunk_gated_delta_rule(*args, **kw)
-        theirs = qwen3_next.torch_chunk_gated_delta_rule(*args, chunk_size=64, **kw)
+        # unwrapped: transformers swaps in fla's kernel where fla imports (it does not run on the CPU)
+        theirs = inspect.unwrap(qwen3_next.torch_chunk_gated_delta_rule)(*args, chunk_size=64, **kw)
     else:
         ours = ops.fused_recurrent_gated_delta_rule(*args, **kw)
-        theirs = qwen3_next.torch_recurrent_gated_delta_rule(*args, **kw)
+        theirs = inspect.unwrap(qwen3_next.torch_recurrent_gated_delta_rule)(*args, **kw)
     assert ours[0].shape == theirs[0].shape and ours[1].shape == theirs[1].shape
     assert (ours[0] - theirs[0]).abs().max() < HF_ABS_TOL
     assert (ours[1] - theirs[1]).abs().max() < HF_ABS_TOL

@@ -1,18 +1,18 @@
-"""Which implementation runs an op: the torch forms of this folder, or a Triton kernel registered for it.
+"""Which implementation runs an op: the torch forms of this folder, or fla's kernel for it (``fla_adapters.py``).
 
-The kernels live in the installed package (``hf_recattn.kernels``) and register themselves here when triton
-imports. A checkpoint loaded with ``trust_remote_code`` where the package is not installed has no kernels and runs
-the torch forms, which compute the same function.
+fla (flash-linear-attention, ``pip install "hf-recattn[fla]"``) is imported the first time a call could use it;
+without it every op runs its torch form, which computes the same function. This folder ships beside checkpoints,
+so a checkpoint loaded with ``trust_remote_code`` uses fla wherever fla is installed.
 
 The choice, set with the ``HF_RECATTN_KERNELS`` environment variable or ``use_kernels(...)``:
 
-* ``auto`` (default): the kernel for CUDA tensors of a dtype it supports, the torch forms otherwise. A CUDA call
-  the kernel cannot take (say float64) runs on torch after one warning. A kernel registered with an unverified
-  backward (one that has not passed its check on GPU hardware) runs only where no gradient is asked for: a call
-  that records gradients runs the torch form, whose backward is the torch one.
-* ``triton``: the kernel for every call, CPU tensors included (Triton runs those only under ``TRITON_INTERPRET=1``,
-  for tests), unverified backwards included; a call it cannot take, or a kernel that is not there, is an error.
-  ``check_mode`` refuses it up front where it cannot run at all (no triton, no CUDA device nor interpreter).
+* ``auto`` (default): fla's kernel for CUDA tensors of a dtype it takes, the torch forms otherwise. A CUDA call
+  fla cannot take (a float64 tensor, a recurrence fla does not compute) runs on torch after one warning. Until a
+  GPU run has verified fla's backward through these adapters (``scripts/gpu_checks.sh``), every op is registered
+  with an unverified backward: a call that records gradients runs the torch form, whose backward is the torch one.
+* ``fla``: fla's kernel for every call it covers, gradients included; a computation fla does not cover warns once
+  and runs the torch form, and a call on tensors fla's kernels cannot run on (the CPU) is an error.
+  ``check_mode`` refuses it up front where it cannot run at all (fla not importable, no CUDA device).
 * ``torch``: never a kernel.
 """
 
@@ -26,26 +26,26 @@ from contextlib import contextmanager
 
 import torch
 
-MODES = ("auto", "triton", "torch")
+MODES = ("auto", "fla", "torch")
 ENV = "HF_RECATTN_KERNELS"
 #: dtypes every kernel takes (they accumulate in float32)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: the device types on which ``auto`` picks a kernel
+#: the device types on which fla's kernels run
 KERNEL_DEVICES = ("cuda",)
 
 _kernels: dict[str, Callable] = {}
 #: ops whose kernel's backward has not passed its GPU check: ``auto`` runs their torch form when gradients are on
 _unverified_backward: set[str] = set()
-_loader: Callable[[], None] | None = None
+_loaded = False
 _override = threading.local()
 _warned: set[tuple[str, str]] = set()
 
 
 def register(name: str, fn: Callable, backward_verified: bool = True) -> None:
-    """Make ``fn`` the kernel for the op ``name`` (called by ``hf_recattn.kernels`` at import).
+    """Make ``fn`` the kernel for the op ``name``.
 
-    ``backward_verified=False``: its backward has not passed its GPU check, so ``auto`` does not run it.
+    ``backward_verified=False``: its backward has not passed its GPU check, so ``auto`` does not train with it.
     """
     _kernels[name] = fn
     if backward_verified:
@@ -54,18 +54,17 @@ def register(name: str, fn: Callable, backward_verified: bool = True) -> None:
         _unverified_backward.add(name)
 
 
-def set_loader(load: Callable[[], None]) -> None:
-    """``load()`` imports and registers the kernels; it runs once, the first time a call may use one (so that
-    ``import hf_recattn`` does not import triton)."""
-    global _loader
-    _loader = load
-
-
 def _load() -> None:
-    global _loader
-    load, _loader = _loader, None
-    if load is not None:
-        load()
+    """Register fla's functions, once (the first time a call may use one: ``import hf_recattn`` imports no fla)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from .fla_adapters import load_fla
+
+    for name, fn in load_fla().items():
+        if name not in _kernels:  # a kernel registered by hand (tests) stays
+            register(name, fn, backward_verified=False)
 
 
 def registered() -> list[str]:
@@ -82,16 +81,14 @@ def mode() -> str:
 
 
 def _refuse_unrunnable(chosen: str, setting: str) -> None:
-    """ValueError naming ``setting`` if ``chosen`` is ``triton`` where kernels cannot run at all: triton not
-    installed (no kernel registered), or neither a CUDA device nor Triton's interpreter."""
-    if chosen != "triton":
+    """ValueError naming ``setting`` if ``chosen`` is ``fla`` where fla cannot run at all: fla not importable (no
+    kernel registered), or no CUDA device."""
+    if chosen != "fla":
         return
     if not registered():
-        raise ValueError(f"{setting} but no Triton kernel is registered (is triton installed? "
-                         'pip install "hf-recattn[kernels]")')
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{setting} needs a CUDA device, or TRITON_INTERPRET=1 set before triton is imported "
-                         "(Triton's interpreter, for tests on the CPU)")
+        raise ValueError(f'{setting} but fla does not import (pip install "hf-recattn[fla]")')
+    if not torch.cuda.is_available():
+        raise ValueError(f"{setting} needs a CUDA device (fla's kernels do not run on the CPU)")
 
 
 def check_mode() -> str:
@@ -104,7 +101,7 @@ def check_mode() -> str:
 
 @contextmanager
 def use_kernels(choice: str) -> Iterator[None]:
-    """Run the block with kernels chosen as ``choice`` (``auto``, ``triton`` or ``torch``) in this thread; a choice
+    """Run the block with kernels chosen as ``choice`` (``auto``, ``fla`` or ``torch``) in this thread; a choice
     this machine cannot run is refused on entry."""
     if choice not in MODES:
         raise ValueError(f"use_kernels({choice!r}): choose one of {', '.join(MODES)}")
@@ -136,10 +133,16 @@ def _records_gradients(tensors: tuple[torch.Tensor, ...]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def pick(name: str, *tensors: torch.Tensor | None, unsupported: str | None = None) -> Callable | None:
-    """The kernel to run op ``name`` on these tensors, or None for the torch form.
+def _warn_once(name: str, reason: str) -> None:
+    if (name, reason) not in _warned:
+        _warned.add((name, reason))
+        warnings.warn(f"fla's {name!r} cannot take {reason}; running the torch form", stacklevel=4)
 
-    ``unsupported`` is the caller's reason the kernel cannot take this call (an option it lacks), if any.
+
+def pick(name: str, *tensors: torch.Tensor | None, unsupported: str | None = None) -> Callable | None:
+    """fla's kernel to run op ``name`` on these tensors, or None for the torch form.
+
+    ``unsupported`` is the caller's reason fla cannot take this call (a recurrence or an option it lacks), if any.
     """
     chosen = mode()
     if chosen == "torch":
@@ -148,27 +151,19 @@ def pick(name: str, *tensors: torch.Tensor | None, unsupported: str | None = Non
     on_kernel_device = bool(present) and all(t.device.type in KERNEL_DEVICES for t in present)
     if chosen == "auto" and not on_kernel_device:
         return None
+    if chosen == "fla" and not on_kernel_device:
+        raise ValueError(f"{ENV}=fla: fla's {name!r} runs on CUDA tensors, not on "
+                         f"{sorted({t.device.type for t in present})}")
     _load()
     kernel = _kernels.get(name)
-    reason = _unsupported(present, unsupported)
-    if chosen == "triton":
-        on_cpu = any(t.device.type == "cpu" for t in present)
-        if reason is None and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-            reason = "CPU tensors outside Triton's interpreter (set TRITON_INTERPRET=1 before triton is imported)"
-        if kernel is None:
-            raise ValueError(
-                f"{ENV}=triton but no Triton kernel is registered for {name!r} (is triton installed, and "
-                "hf_recattn.kernels importable?)"
-            )
-        if reason is not None:
-            raise ValueError(f"{ENV}=triton: the {name!r} kernel cannot take {reason}")
-        return kernel
-    if kernel is None or (name in _unverified_backward and _records_gradients(present)):
+    if kernel is None:
+        if chosen == "fla":
+            raise ValueError(f'{ENV}=fla but fla has no {name!r} here (pip install "hf-recattn[fla]")')
         return None
+    reason = _unsupported(present, unsupported)
     if reason is not None:
-        if (name, reason) not in _warned:
-            _warned.add((name, reason))
-            warnings.warn(f"the Triton kernel for {name!r} cannot take {reason}; running the torch form",
-                          stacklevel=3)
+        _warn_once(name, reason)
+        return None
+    if chosen == "auto" and name in _unverified_backward and _records_gradients(present):
         return None
     return kernel

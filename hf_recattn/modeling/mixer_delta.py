@@ -218,7 +218,8 @@ class DeltaMixer(GatedMixer, FarPart):
         self.require_causal("chunked")
         qg, kd, vd, new_state = self._prepare(q, k, v, inputs, state)
         coefficients = self._coefficients(inputs)
-        o, new_state["S"] = delta_chunked(qg, kd, vd, *coefficients, state["S"], self.chunk_size, self.steps)
+        o, new_state["S"] = delta_chunked(qg, kd, vd, *coefficients, state["S"], self.chunk_size, self.steps,
+                                          rule=self.gates.rule)
         return self.finish_output(o, inputs), new_state
 
     def step(
@@ -227,7 +228,8 @@ class DeltaMixer(GatedMixer, FarPart):
         self.require_causal("step")
         qg, kd, vd, new_state = self._prepare_step(q, k, v, inputs, state)
         start = state["S"]
-        o, new_state["S"] = delta_step(qg, kd, vd, *self._coefficients(inputs), start, in_place=writable(start))
+        o, new_state["S"] = delta_step(qg, kd, vd, *self._coefficients(inputs), start, in_place=writable(start),
+                                       rule=self.gates.rule)
         return self.finish_output(o, inputs), new_state
 
     # ----- beside the hybrid's exact cache (cache_slots) ----------------------------------------------------------

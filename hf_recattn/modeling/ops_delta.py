@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backends import pick
-from .kernel_adapters import run_chunked, run_delta_step, too_wide
+from .fla_adapters import delta_gates, delta_op, run_fla, too_wide
 from .triangular import unit_lower_solve
 
-#: why the kernels cannot run DeltaProduct
+#: why fla's kernels do not run DeltaProduct
 SEVERAL_UPDATES = "several updates per token (DeltaProduct)"
 
 
@@ -267,13 +267,14 @@ def _chunk_group(
 
 
 def _operands(
-    name: str, operands: tuple[torch.Tensor, ...], state: torch.Tensor, several_updates: bool
+    chunked: bool, operands: tuple[torch.Tensor, ...], state: torch.Tensor, several_updates: bool, rule: str
 ) -> tuple[tuple[torch.Tensor, ...], Callable | None]:
     """(q, k, v, log_alpha, beta, erase) in the state's dtype (the float32 state of a half-precision model), and
-    the kernel ``pick`` chooses for op ``name`` on them (None: the torch form runs)."""
+    fla's function ``pick`` chooses for ``rule``'s chunk (``chunked``) or decode op on them (None: the torch form
+    runs)."""
     operands = tuple(x.to(state.dtype) for x in operands)
-    k, v = operands[1], operands[2]
-    unsupported = SEVERAL_UPDATES if several_updates else too_wide(name, k, v)
+    name, uncovered = delta_op(rule, chunked)
+    unsupported = SEVERAL_UPDATES if several_updates else uncovered or too_wide(operands[1])
     return operands, pick(name, *operands, state, unsupported=unsupported)
 
 
@@ -287,6 +288,7 @@ def delta_chunked(
     state: torch.Tensor,
     chunk_size: int = 64,
     steps: int = 1,
+    rule: str = "general",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of ``chunk_size`` tokens: the in-chunk terms of a group of chunks at once, then state passing.
 
@@ -308,6 +310,8 @@ def delta_chunked(
         state: ``[B, Hk, D, E]`` start state; the inputs are cast to its dtype.
         chunk_size: tokens per chunk (any T works: the last chunk is padded).
         steps: updates per token (DeltaProduct's n).
+        rule: which rule the coefficients follow (``delta``: alpha = 1, erase = beta; ``gated``: erase = alpha
+            beta; ``comba``; ``general``): where fla computes it, ``backends.pick`` may run fla's chunk kernel.
 
     Returns:
         ``(o, state)``: o ``[B, Hk, G, T, E]`` and the final state ``[B, Hk, D, E]``.
@@ -321,10 +325,10 @@ def delta_chunked(
         (True, True)
     """
     (q, k, v, log_alpha, beta, erase), kernel = _operands(
-        "chunk_delta", (q, k, v, log_alpha, beta, erase), state, several_updates=steps > 1
+        True, (q, k, v, log_alpha, beta, erase), state, several_updates=steps > 1, rule=rule
     )
     if kernel is not None:
-        return run_chunked(kernel, q, k, v, state, log_alpha=log_alpha, beta=beta, erase=erase)
+        return run_fla(kernel, q, k, v, state, **delta_gates(rule, log_alpha, beta))
     b, hk, g, t, d = q.shape
     e = v.shape[-1]
     x, c = b * hk, chunk_size * steps
@@ -361,6 +365,7 @@ def delta_step(
     erase: torch.Tensor,
     state: torch.Tensor,
     in_place: bool = False,
+    rule: str = "general",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (T == 1, its ``steps`` updates in a row): returns (o [B, Hk, G, 1, E], new state).
 
@@ -373,6 +378,8 @@ def delta_step(
         erase: ``[B, Hk, n]`` strength of the removal of what the state recalls for the key.
         state: ``[B, Hk, D, E]`` the state before the token.
         in_place: write the new state into ``state``'s buffer.
+        rule: which rule the coefficients follow (see ``delta_chunked``): where fla computes it,
+            ``backends.pick`` may run fla's fused-recurrent kernel.
 
     Returns:
         ``(o, state)``: o ``[B, Hk, G, 1, E]`` and the new state ``[B, Hk, D, E]``.
@@ -385,10 +392,10 @@ def delta_step(
         (torch.Size([1, 2, 3, 1, 5]), torch.Size([1, 2, 4, 5]))
     """
     (q, k, v, log_alpha, beta, erase), kernel = _operands(
-        "delta_step", (q, k, v, log_alpha, beta, erase), state, several_updates=k.shape[2] > 1
+        False, (q, k, v, log_alpha, beta, erase), state, several_updates=k.shape[2] > 1, rule=rule
     )
     if kernel is not None:
-        return run_delta_step(kernel, q, k, v, log_alpha, beta, erase, state, in_place)
+        return run_fla(kernel, q, k, v, state, in_place, **delta_gates(rule, log_alpha, beta))
     for j in range(k.shape[2]):
         kj = k[:, :, j : j + 1]  # [B, Hk, 1, D]
         read = kj @ state  # k^T S: [B, Hk, 1, E]

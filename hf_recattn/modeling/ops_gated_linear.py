@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import pick
-from .kernel_adapters import run_chunked, run_gated_step, too_wide
+from .fla_adapters import run_fla, too_wide
 
 #: tokens per secondary chunk inside a chunk of the chunked form
 SUB_CHUNK = 16
@@ -110,9 +110,9 @@ def gla_chunked(
         (True, torch.Size([1, 1, 4, 3]))
     """
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
-    kernel = pick("chunk_linear", q, k, v, log_a, S, unsupported=too_wide("chunk_linear", k, v))
+    kernel = pick("chunk_gla", q, k, v, log_a, S, unsupported=too_wide(k))
     if kernel is not None:
-        return run_chunked(kernel, q, k, v, S, gk=log_a)
+        return run_fla(kernel, q, k, v, S, g=log_a)
     outs = []
     qs, ks, vs = q.split(chunk_size, dim=3), k.split(chunk_size, dim=2), v.split(chunk_size, dim=2)
     for qc, kc, vc, lc in zip(qs, ks, vs, log_a.split(chunk_size, dim=2), strict=True):
@@ -160,9 +160,9 @@ def gla_step(
         True
     """
     q, k, v, log_a = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype), log_a.to(S.dtype)
-    kernel = pick("linear_step", q, k, v, log_a, S, unsupported=too_wide("linear_step", k, v))
+    kernel = pick("fused_recurrent_gla", q, k, v, log_a, S, unsupported=too_wide(k))
     if kernel is not None:
-        return run_gated_step(kernel, q, k, v, S, in_place, gk=log_a[:, :, 0])
+        return run_fla(kernel, q, k, v, S, in_place, gk=log_a)
     decay = log_a[:, :, 0, :, None].exp()
     if in_place:
         S = S.mul_(decay).addcmul_(k.transpose(-1, -2), v)

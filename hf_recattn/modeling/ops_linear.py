@@ -18,10 +18,7 @@ import math
 import torch
 
 from .backends import pick
-from .kernel_adapters import run_linear_chunked, run_linear_step, too_wide
-
-#: the kernels carry the denominator z as one more value column
-DENOMINATOR_COLUMNS = 1
+from .fla_adapters import run_fla_linear, too_wide
 
 
 def _causal(scores: torch.Tensor) -> torch.Tensor:
@@ -139,10 +136,14 @@ def linear_chunked(
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     log_g = None if log_g is None else log_g.to(S.dtype)
-    kernel = pick("chunk_linear", q, k, v, S, z, log_g,
-                  unsupported=too_wide("chunk_linear", k, v, DENOMINATOR_COLUMNS))
-    if kernel is not None:
-        return run_linear_chunked(kernel, q, k, v, S, z, g=log_g)
+    if log_g is None:
+        kernel = pick("chunk_linear_attn", q, k, v, S, z, unsupported=too_wide(k))
+        if kernel is not None:
+            return run_fla_linear(kernel, q, k, v, S, z, normalize=False)
+    else:
+        kernel = pick("chunk_simple_gla", q, k, v, S, z, log_g, unsupported=too_wide(k))
+        if kernel is not None:
+            return run_fla_linear(kernel, q, k, v, S, z, g=log_g)
     # the denominator rides along as one more value column (of ones): one product reads both, one updates both;
     # the G query heads of a key head are stacked into one [G * C, F] block, batched over B * Hkv
     b, hk, g, t, f = q.shape
@@ -211,11 +212,14 @@ def linear_step(
         True
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
-    kernel = pick("linear_step", q, k, v, S, z, log_g,
-                  unsupported=too_wide("linear_step", k, v, DENOMINATOR_COLUMNS))
-    if kernel is not None:
-        g = None if log_g is None else log_g[:, :, 0].to(S.dtype)
-        return run_linear_step(kernel, q, k, v, S, z, in_place, g=g)
+    if log_g is None:
+        kernel = pick("fused_recurrent_linear_attn", q, k, v, S, z, unsupported=too_wide(k))
+        if kernel is not None:
+            return run_fla_linear(kernel, q, k, v, S, z, in_place, normalize=False)
+    else:
+        kernel = pick("fused_recurrent_simple_gla", q, k, v, S, z, log_g, unsupported=too_wide(k))
+        if kernel is not None:
+            return run_fla_linear(kernel, q, k, v, S, z, in_place, g=log_g.to(S.dtype))
     if log_g is not None:
         g = log_g[:, :, 0].exp().to(S.dtype)
         if in_place:

@@ -212,7 +212,8 @@ def _delta_coefficients(
 def _delta_chunk_core(gated: bool, chunk_size: int) -> _Core:
     def core(q, k, v, g, beta, state):
         log_alpha, beta, erase = _delta_coefficients(g, beta, gated)
-        return delta_chunked(q, k, v, log_alpha, beta, erase, state, chunk_size=chunk_size)
+        return delta_chunked(q, k, v, log_alpha, beta, erase, state, chunk_size=chunk_size,
+                             rule="gated" if gated else "delta")
 
     return core
 
@@ -226,7 +227,7 @@ def _delta_recurrent_core(gated: bool) -> _Core:
         )
         outs = []
         for args in tokens:
-            o, state = delta_step(*args, state)
+            o, state = delta_step(*args, state, rule="gated" if gated else "delta")
             outs.append(o)
         return torch.cat(outs, dim=3), state
 
