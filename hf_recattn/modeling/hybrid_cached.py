@@ -29,6 +29,7 @@ from .hybrid_cache import (
     pending_pairs,
     undecided_visible,
 )
+from .key_distance import KeyDistance, query_positions
 from .mixer_base import MixerInputs, State, group_queries, ungroup_output
 
 FAR_PREFIX = "far."
@@ -68,7 +69,8 @@ def where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torc
 class CacheBlock(NamedTuple):
     """A block of new tokens with the cache on: the queries, keys and values and their inputs, U's keys, values
     and real tokens (pending, window, new: see hybrid_cache.py), the decisions' timing and the sinks (their keys,
-    values and visibility [B, 1, 1, T, N + T] and which new tokens are sinks), or None without sinks."""
+    values and visibility [B, 1, 1, T, N + T] and which new tokens are sinks), or None without sinks; with
+    ``distant_positions: clamp`` the positions [B, 2W + T] of U's tokens (key_distance.py), else None."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -79,6 +81,7 @@ class CacheBlock(NamedTuple):
     real: torch.Tensor
     timing: Timing
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    positions: torch.Tensor | None = None
 
 
 class ExactCacheForms:
@@ -91,6 +94,7 @@ class ExactCacheForms:
     cache_score: Callable[[ScoreParts, Decision], torch.Tensor]
     far: Any
     retention: Any
+    distance: KeyDistance | None
     shape: Any
     scale: float
     _sinks: Callable[..., Any]
@@ -113,9 +117,13 @@ class ExactCacheForms:
             sinks = (sink_keys, sink_values, sink_visible, new_sink)
         real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # U: pending, window, new
         timing = block_timing(state["pmask"], state["wmask"], new_real, w)
+        positions = None
+        if self.distance is not None:
+            new_pos = query_positions(inputs, q.shape[2], q.device).expand(q.shape[0], -1)
+            positions = torch.cat([state["ppos"], state["wpos"], new_pos], dim=1)
         blk = CacheBlock(q, k, v, inputs, torch.cat([state["pk"], state["wk"], k], dim=2),
-                         torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks)
-        cache, far = (state["ck"], state["cv"], state["cmask"]), far_state(state)
+                         torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks, positions)
+        cache, far = (state["ck"], state["cv"], state["cmask"], state.get("cpos")), far_state(state)
         outs = []
         for start, stop, decides in decision_spans(timing.decide):
             out, far = self._cached_span(blk, start, stop, cache, far, far_form)
@@ -130,6 +138,9 @@ class ExactCacheForms:
             "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
             "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2],
         })
+        if positions is not None:
+            new_state.update({"ppos": torch.where(pmask, positions.gather(1, slots), 0), "wpos": positions[:, -w:],
+                              "cpos": cache[3]})
         new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
         return torch.cat(outs, dim=1), new_state
 
@@ -140,7 +151,7 @@ class ExactCacheForms:
         state, and the far state after them (one reading arriving tokens has read theirs)."""
         q = blk.q[:, :, start:stop]
         inputs = slice_inputs(blk.inputs, start, stop)
-        ck, cv, cmask = cache
+        ck, cv, cmask, cpos = cache
         columns = 2 * self.window + stop
         keys, values = [ck, blk.keys[:, :, :columns]], [cv, blk.values[:, :, :columns]]
         new_sink = None if blk.sinks is None else blk.sinks[3]
@@ -153,7 +164,13 @@ class ExactCacheForms:
             values.insert(0, blk.sinks[1])
             visible.insert(0, blk.sinks[2][..., start:stop, :])
         qg = group_queries(q, self.shape.num_kv_heads)
-        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, torch.cat(keys, dim=2)) * self.scale
+        keys = torch.cat(keys, dim=2)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
+        if self.distance is not None:
+            new_pos = blk.positions[:, 2 * self.window :]
+            sink_pos = None if blk.sinks is None else KeyDistance.sink_positions(self.sink_tokens, new_pos)
+            key_pos = KeyDistance.exact_positions(sink_pos, cpos)
+            scores = self.distance.clamp(scores, qg, keys, key_pos, new_pos[:, start:stop], self.scale)
         scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
         k, v = blk.k[:, :, start:stop], blk.v[:, :, start:stop]
         return self._mix_cached(q, k, v, inputs, far, scores, torch.cat(values, dim=2), far_form)
@@ -179,21 +196,22 @@ class ExactCacheForms:
         """The decision after query j in the rows whose pending buffer is then full (see ``_evict``)."""
         w = self.window
         pending = pending_pairs(blk.timing, j, w)
-        pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending))
+        pending_pos = None if blk.positions is None else blk.positions.gather(1, pending)
+        pending_pair = (gather_tokens(blk.keys, pending), gather_tokens(blk.values, pending), pending_pos)
         after = slice(j + w + 1, j + 2 * w + 1)  # U indices of the window once query j is through
         window = (blk.values[:, :, after], blk.real[:, after])
         return self._evict(blk.timing.decide[:, j], pending_pair, window, cache, far)
 
     def _evict(
-        self, rows: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], window: tuple[torch.Tensor, torch.Tensor],
+        self, rows: torch.Tensor, pending: tuple[torch.Tensor, ...], window: tuple[torch.Tensor, torch.Tensor],
         cache: tuple[torch.Tensor, ...], far: State,
     ) -> tuple[tuple[torch.Tensor, ...], State]:
         """The decision in the ``rows`` [B] marked: the cache's pairs and the W ``pending`` ones (keys and values
-        [B, Hkv, W, D], in token order; meaningful in those rows) scored by ``cache_score`` (against the far state
-        or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after the deciding query), the G highest
-        kept, the others added to the far state in token order (a far part reading leaving keys) or dropped. The
-        other rows keep their cache and far state."""
-        ck, cv, cmask = cache
+        [B, Hkv, W, D], in token order, and their positions [B, W] or None; meaningful in those rows) scored by
+        ``cache_score`` (against the far state or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after
+        the deciding query), the G highest kept (with their positions), the others added to the far state in token
+        order (a far part reading leaving keys) or dropped. The other rows keep their cache and far state."""
+        ck, cv, cmask, cpos = cache
         keys = torch.cat([ck, pending[0]], dim=2)
         values = torch.cat([cv, pending[1]], dim=2)
         filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
@@ -204,6 +222,7 @@ class ExactCacheForms:
             where_rows(rows, gather_heads(keys, keep), ck),
             where_rows(rows, gather_heads(values, keep), cv),
             where_rows(rows, new_mask, cmask),
+            None if cpos is None else where_rows(rows, KeyDistance.kept_positions(cpos, pending[2], keep), cpos),
         )
         if self.far is not None and self.far.far_reads != ARRIVING:
             added = self.far.far_add(keys, values, evicted.to(values.dtype), far)
@@ -218,7 +237,8 @@ class ExactCacheForms:
         candidate, never visible once they are settled; the cache; the pending buffer, the window and the new
         token), so that the softmax and the far part run the same ops on the same tensors; the timing is whether
         the oldest window token leaves and fills the pending buffer, and the next window and pending buffer are
-        slices of that one buffer (``_pending_after_step``)."""
+        slices of that one buffer (``_pending_after_step``; with the clamp, the positions of pending, window and new
+        token laid out as ``real``)."""
         n, w = self.sink_tokens, self.window
         mask = inputs.token_mask
         itself = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
@@ -229,17 +249,22 @@ class ExactCacheForms:
         real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # [B, 2W + 1]: pending, window, new
         sinks = [state["smask"], ~itself] if n else []  # settled: every sink visible, the new token not a sink
         visible = torch.cat([*sinks, state["cmask"], real[:, :-1], itself], dim=1)  # a padded query sees itself
-        scores = torch.einsum("bhgtd,bhsd->bhgts", group_queries(q, self.shape.num_kv_heads), keys) * self.scale
+        qg = group_queries(q, self.shape.num_kv_heads)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
+        positions = None
+        if self.distance is not None:
+            scores, positions = self.distance.cached_step(scores, qg, keys, inputs, state, n, self.scale)
         scores = scores.masked_fill(~visible[:, None, None, None, :], float("-inf"))
         out, far = self._mix_cached(q, k, v, inputs, far_state(state), scores, values, self._far_step)
         new_state: State = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
         if n:
             new_state.update({"sk": state["sk"], "sv": state["sv"], "smask": state["smask"]})
-        new_state.update(self._pending_after_step(keys, values, real, state, far))
+        new_state.update(self._pending_after_step(keys, values, real, state, far, positions))
         return out, new_state
 
     def _pending_after_step(
-        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, far: State
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, far: State,
+        positions: torch.Tensor | None = None,
     ) -> State:
         """The pending buffer, cache and far state after a one-token step (``keys`` / ``values``: its buffer, ending
         in pending, window, new token; ``real``: their mask): a real leaving token joins the pending buffer, which
@@ -252,14 +277,17 @@ class ExactCacheForms:
             pmask = torch.where(leaves, pmask, real[:, :w])
             pk = torch.where(leaves[:, :, None, None], pk, state["pk"])
             pv = torch.where(leaves[:, :, None, None], pv, state["pv"])
+        ppos = None if positions is None else torch.where(leaves, positions[:, 1 : w + 1], state["ppos"])
         full = pmask.all(1)  # [B]: fewer than W wait between steps, so only a leaving token fills it
-        cache = (state["ck"], state["cv"], state["cmask"])
+        cache = (state["ck"], state["cv"], state["cmask"], state.get("cpos"))
         ((_, _, decides),) = decision_spans(full[:, None])
         if decides:
-            cache, far = self._evict(full, (pk, pv), (values[:, :, s - w :], real[:, -w:]), cache, far)
+            cache, far = self._evict(full, (pk, pv, ppos), (values[:, :, s - w :], real[:, -w:]), cache, far)
             empty = full[:, None, None, None]
             pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
         new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2]}
+        if positions is not None:
+            new_state.update({"ppos": torch.where(pmask, ppos, 0), "wpos": positions[:, -w:], "cpos": cache[3]})
         new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
         return new_state
 

@@ -42,6 +42,10 @@ rule and its timing. The state then also holds the pending buffer (W slots) and 
 ``cache_score: learned`` adds a retention head (retention_head.py), trained during conversion on the teacher's
 attention (training/retention_objective.py).
 
+``distant_positions: clamp`` scores a sink or cache slot more than ``clamp_distance`` D tokens back (default: the
+model's max_position_embeddings - 1) as if it sat exactly D back, so that no exact logit meets a RoPE angle the
+teacher never saw and the layer runs past its context (key_distance.py); within D it is the ``absolute`` layer.
+
 The recurrent state holds the last W keys / values (with a mask of which are real tokens), the N sink keys /
 values (with a mask of the filled slots) and the far mixer's state (keys prefixed "far."). Both parts read
 the same rotary-embedded q and k (the hybrid spec's ``rope`` decides; the nested far spec's ``rope`` is
@@ -60,6 +64,7 @@ from .cache_scores import CACHE_SCORES
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
 from .gated_parts import logit
 from .hybrid_cached import FAR_PREFIX, ExactCacheForms, FarForm, far_state, real_tokens, slice_inputs
+from .key_distance import ABSOLUTE, CLAMP, DISTANT_POSITIONS, KeyDistance, check_distance_spec, key_distance
 from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option, check_open_unit
 from .registry import MIXERS, build_mixer, mixer_class, validate_spec
@@ -153,10 +158,25 @@ class HybridMixer(ExactCacheForms, Mixer):
             "least like any in the window ('novelty') or what a retention head trained on the teacher's attention "
             "predicts later queries need ('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
         ),
+        "distant_positions": Option(
+            (str,), ABSOLUTE, "sinks and cache slots farther back than 'clamp_distance': scored at their own RoPE "
+            "distance ('absolute') or as if at that distance ('clamp': the layer then runs past the teacher's "
+            "context; modeling/key_distance.py)", choices=DISTANT_POSITIONS,
+        ),
+        "clamp_distance": Option(
+            (int,), None, "D of distant_positions='clamp' (None: max_position_embeddings - 1)", minimum=1,
+            nullable=True,
+        ),
     }
     state_kind = "window"
     #: the sinks and the exact cache keep keys at any distance back (mixer_base.position_need)
     distant_key_options = ("sink_tokens", "cache_slots")
+
+    @classmethod
+    def position_need(cls, spec: dict[str, Any]) -> str | None:
+        """None with ``distant_positions: clamp`` (no exact key is compared farther back than D): the window's
+        reach is bounded."""
+        return None if spec.get("distant_positions") == CLAMP else super().position_need(spec)
 
     @classmethod
     def layer_type(cls, spec: dict[str, Any]) -> str:
@@ -167,6 +187,7 @@ class HybridMixer(ExactCacheForms, Mixer):
     @classmethod
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         check_open_unit(spec, where, "mix_init")
+        check_distance_spec(spec, where)
         if spec["cache_score"] != cls.options["cache_score"].default and not spec["cache_slots"]:
             raise ValueError(f"{where}: option 'cache_score'={spec['cache_score']!r} scores the exact cache, which "
                              "is off (cache_slots: 0)")
@@ -197,6 +218,8 @@ class HybridMixer(ExactCacheForms, Mixer):
         if spec["sink_tokens"]:
             window = {"mixer": cls.name, "window": int(spec["window"]), "far": NO_FAR,
                       "sink_tokens": int(spec["sink_tokens"])}
+            if spec["distant_positions"] != ABSOLUTE:
+                window.update({k: spec[k] for k in ("distant_positions", "clamp_distance")})
         return {"window-only": (window, _window_key), "far-only": (dict(spec["far"]), _far_key)}
 
     def __init__(self, spec: dict[str, Any], shape: MixerShape, config: Any = None) -> None:
@@ -213,11 +236,13 @@ class HybridMixer(ExactCacheForms, Mixer):
         # the learned score's parameters (retention_head.py); only with the cache on, which is what they score
         self.retention = RetentionHead(shape) if chosen.learned and self.cache_slots else None
         limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and self.cache_slots > limit:
+        if limit is not None and self.cache_slots > limit and spec["distant_positions"] != CLAMP:
             raise ValueError(
                 f"layer {shape.layer_idx}: option 'cache_slots'={self.cache_slots} exceeds max_position_embeddings="
                 f"{limit}, the most tokens a sequence can hold"
             )
+        #: the clamp of distant sinks and cache slots (key_distance.py), None for distant_positions='absolute'
+        self.distance: KeyDistance | None = key_distance(spec, shape, config)
         self.far: Mixer | None = None
         if spec["far"] != NO_FAR:
             family = mixer_class(spec["far"]["mixer"], f"layer {shape.layer_idx}: option 'far'")
@@ -318,6 +343,8 @@ class HybridMixer(ExactCacheForms, Mixer):
         soft_values = values
         if self.sink_tokens:
             sink_scores = torch.einsum("bhgtd,bhsd->bhgts", qg, sink_keys) * self.scale
+            if self.distance is not None:
+                sink_scores = self.distance.sinks(sink_scores, qg, sink_keys, inputs, self.sink_tokens, self.scale)
             scores = torch.cat([sink_scores, scores], dim=-1)
             visible = torch.cat([sink_visible, visible], dim=-1)
             soft_values = torch.cat([sink_values, values], dim=2)
@@ -357,6 +384,9 @@ class HybridMixer(ExactCacheForms, Mixer):
             hidden[:, -1] = False  # a padded query sees itself, so that no row is empty
         q1 = q.view(b, hk, g, q.shape[-1])  # one token: [B, Hkv, G, D] against [B, Hkv, N + W, D]
         scores = (q1 @ keys.transpose(-1, -2)).mul_(self.scale)  # [B, Hkv, G, N + W]
+        if self.distance is not None and n:  # settled sinks only: the new token is no candidate
+            one = self.distance.sinks(scores[..., None, :], q1[..., None, :], keys, inputs, n, self.scale, False)
+            scores = one[..., 0, :]
         scores[..., n:].masked_fill_(hidden[:, None, None, :], float("-inf"))
         new_state: State = {"wk": keys[:, :, n:], "wv": values[:, :, n:], "wmask": real}
         if n:
@@ -462,6 +492,9 @@ class HybridMixer(ExactCacheForms, Mixer):
             state["smask"] = torch.zeros(batch_size, self.sink_tokens, dtype=torch.bool, device=device)
         if self.cache_slots:
             state.update(self._init_cache(batch_size, device, dtype))
+            if self.distance is not None:
+                state.update(KeyDistance.init_positions(batch_size, self.window, self.shape.num_kv_heads,
+                                                        self.cache_slots, device))
         if self.far is not None:
             state.update(
                 {FAR_PREFIX + name: x for name, x in self.far.init_state(batch_size, device, dtype).items()}
