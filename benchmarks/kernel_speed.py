@@ -4,14 +4,16 @@ One SmolLM2-135M-shaped attention layer's worth of heads (batch 1, 9 heads of di
 several sequence lengths, forward (under ``torch.no_grad``, as in prefill) and forward+backward (gradients of every
 input, as in training). Implementations:
 
-* ``ours gdr``: ``hf_recattn.ops.chunk_gated_delta_rule`` (chunk 64; on a GPU its Triton kernels, forced);
+* ``ours gdr``: ``hf_recattn.ops.chunk_gated_delta_rule`` (chunk 64; on a GPU through fla's kernel by way of
+  ``modeling/fla_adapters.py``, forced with ``HF_RECATTN_KERNELS=fla``, backward included);
 * ``hf gdr``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's torch path, chunk 64; unwrapped, since
   transformers replaces it with fla's kernel where fla imports);
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)``, causal softmax attention;
-* ``ours linear``: ``hf_recattn.ops.chunk_linear_attn`` (chunk 64), plain causal linear attention;
+* ``ours linear``: ``hf_recattn.ops.chunk_linear_attn`` (chunk 64), plain causal linear attention (on a GPU
+  through fla's ``chunk_linear_attn``, forced, its denominator as one more value column);
 * ``ours gdr torch``: ``ours gdr`` with the torch forms forced (differs from ``ours gdr`` only on a GPU);
-* ``fla gdr``: flash-linear-attention's Triton ``chunk_gated_delta_rule`` (its own chunk, 64; CUDA only, when
-  ``flash-linear-attention`` imports).
+* ``fla gdr``: flash-linear-attention's Triton ``chunk_gated_delta_rule`` called directly (its own chunk, 64;
+  CUDA only, when fla imports): what the adapter costs over it.
 
 Inputs: q, k, v ~ N(0, 1); for the delta rules the kernels l2-normalize q and k (``use_qk_l2norm_in_kernel``, as
 Qwen3-Next calls them), g = logsigmoid(N(0, 1)) and beta = sigmoid(N(0, 1)). Every implementation gets the same
@@ -109,7 +111,8 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
         tensors = [q, k, v]
 
         def run(x: list[torch.Tensor]) -> torch.Tensor:
-            return chunk_linear_attn(*x, chunk_size=args.chunk_size)[0]
+            with use_kernels("fla" if dev.type == "cuda" else "auto"):
+                return chunk_linear_attn(*x, chunk_size=args.chunk_size)[0]
     elif impl == "ours gdr torch":
         tensors = [q, k, v, g, beta]
 
@@ -121,8 +124,8 @@ def make_cell(impl: str, length: int, mode: str, args: argparse.Namespace) -> Ca
         builders = {"ours gdr": lambda: chunk_gated_delta_rule, "hf gdr": _hf_chunk_gated_delta_rule,
                     "fla gdr": _fla_chunk_gated_delta_rule}
         fn = builders[impl]()
-        # on a GPU, "ours gdr" times the kernels, backward included (which auto leaves out while unverified)
-        choice = "triton" if dev.type == "cuda" and impl == "ours gdr" else "auto"
+        # on a GPU, "ours gdr" times fla's kernels, backward included (which auto leaves out while unverified)
+        choice = "fla" if dev.type == "cuda" and impl == "ours gdr" else "auto"
 
         def run(x: list[torch.Tensor]) -> torch.Tensor:
             with use_kernels(choice):
@@ -240,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lengths", type=int, nargs="+", default=list(LENGTHS), help="sequence lengths")
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS))
-    add("--device", default="cpu", help="cpu or cuda (on cuda: Triton kernels where they apply; no memory column)")
+    add("--device", default="cpu", help="cpu or cuda (on cuda: fla's kernels where they apply)")
     add("--repeats", type=int, default=5, help="timed rounds (median)")
     add("--warmup", type=int, default=1, help="untimed calls per cell first")
     add("--threads", type=int, default=2, help="torch threads")
@@ -252,9 +255,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--leave-out", nargs="+", action="extend", default=[], metavar="IMPL/MODE",
         help="cells not run (e.g. 'ours gdr/fwd+bwd'); say why with --note")
     add("--note", action="append", default=[], help="a line added to the results' notes")
-    add("--delta-grad", nargs=3, metavar=("PRECISION", "BLOCK", "WARPS"),
-        help="a variant of the Triton delta rule's per-chunk gradient kernels (scripts/check_delta_kernels.py's "
-             "--grad-precision, --grad-block, --grad-warps), e.g. 'split 16 8'")
     add("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     add("--quick", action="store_true", help="smoke run: lengths 1024 4096, 3 repeats")
     add("--memory-cell", nargs=3, metavar=("IMPL", "T", "MODE"), help=argparse.SUPPRESS)
@@ -270,11 +270,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.delta_grad:
-        from hf_recattn.kernels.delta import set_gradient_variant
-
-        precision, block, warps = args.delta_grad
-        set_gradient_variant(precision, int(block), int(warps))
     if args.memory_cell:
         impl, length, mode = args.memory_cell
         print(json.dumps({"mib": memory_cell(impl, int(length), mode, args)}))
@@ -305,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "impls": args.impls, "lengths": args.lengths, "modes": args.modes,
         "cells": [{"impl": i, "length": t, "mode": m, "seconds": seconds, **({"mib": mem[i, t, m]} if mem else {})}
                   for (i, t, m), seconds in secs.items()],
-        "notes": [note, *args.note, *([f"Triton delta gradient kernels: float32 products {args.delta_grad[0]}, "
-                                       f"{args.delta_grad[1]} value columns, {args.delta_grad[2]} warps"]
-                                     if args.delta_grad else [])],
+        "notes": [note, *args.note],
     })
     print(render_markdown(results))
     return 0
