@@ -104,10 +104,12 @@ def test_nothing_predicted_is_a_zero_in_the_graph() -> None:
     assert (float(total.detach()), count) == (0.0, 0) and torch.equal(hidden.grad, torch.zeros_like(hidden))
 
 
-def test_a_non_positive_chunk_size_is_refused_before_any_work(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"recipe.yaml: stage2.loss_chunk_size must be > 0, got 0"):
-        Stage2Settings(loss_chunk_size=0).check("recipe.yaml")
-    with pytest.raises(ValueError, match=r"s: stage2.loss_chunk_size must be > 0, got -4"):
+def test_a_negative_chunk_size_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A recipe's 0 is an explicit off (the whole block's logits); a trainer takes positive sizes or None."""
+    Stage2Settings(loss_chunk_size=0).check("recipe.yaml")
+    with pytest.raises(ValueError, match=r"recipe.yaml: stage2.loss_chunk_size must be >= 0, got -1"):
+        Stage2Settings(loss_chunk_size=-1).check("recipe.yaml")
+    with pytest.raises(ValueError, match=r"s: stage2.loss_chunk_size must be >= 0, got -4"):
         DistillSettings(loss_chunk_size=-4).check("s", "stage2")
     args = training_arguments(DistillSettings(tokens=64, block_size=8, batch_size=1), tmp_path, 0, 1, False)
     for trainer in (CausalLMTrainer, DistillTrainer):

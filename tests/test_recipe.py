@@ -260,15 +260,16 @@ def test_continuation_settings(tmp_path: Path) -> None:
 
 
 def test_memory_settings(tmp_path: Path) -> None:
-    """stage2.loss_chunk_size and gradient_checkpointing: off by default and out of the fingerprint until set."""
+    """stage2.loss_chunk_size and gradient_checkpointing: unset by default (stage 2 chooses them) and out of the
+    fingerprint until set; 0 and false set them off."""
     base = recipe_from_dict(tiny_recipe_dict())
     assert (base.stage2.loss_chunk_size, base.stage2.gradient_checkpointing) == (None, None)
-    for settings in ({"loss_chunk_size": 1024}, {"gradient_checkpointing": True}):
+    for settings in ({"loss_chunk_size": 1024}, {"gradient_checkpointing": True}, {"loss_chunk_size": 0},
+                     {"gradient_checkpointing": False}):
         set_ = recipe_from_dict(tiny_recipe_dict(stage2=settings))
         assert getattr(set_.stage2, next(iter(settings))) == next(iter(settings.values()))
         assert set_.fingerprint() != base.fingerprint()
-    for settings, says in (({"loss_chunk_size": 0}, "stage2.loss_chunk_size must be > 0, got 0"),
-                           ({"loss_chunk_size": -8}, "stage2.loss_chunk_size must be > 0, got -8"),
+    for settings, says in (({"loss_chunk_size": -8}, "stage2.loss_chunk_size must be >= 0, got -8"),
                            ({"loss_chunk_size": 2.5}, "stage2.loss_chunk_size must be int"),
                            ({"gradient_checkpointing": "yes"}, "stage2.gradient_checkpointing must be bool")):
         message = _error(tmp_path, tiny_recipe_dict(stage2=settings))

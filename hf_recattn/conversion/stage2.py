@@ -13,6 +13,7 @@ from ..data.corpus import token_blocks
 from ..training import parallel
 from ..training.distill import finetune
 from .job import Job, Teacher
+from .memory import stage2_memory
 from .retrieval_data import with_retrieval_blocks
 from .stage1 import tokens_per_second
 
@@ -34,11 +35,12 @@ def stage2(label: str, job: Job, teacher: Teacher, student: nn.Module,
     if skip:
         job.log(f"stage 2: {skip} tokens of the corpus order skipped (stage2.skip_tokens)")
     blocks, weights, _ = with_retrieval_blocks(blocks, recipe, "stage2", teacher.tokenizer, train_texts, job.log)
+    settings, memory = stage2_memory(teacher.model, student, s2, weights is not None, job.output / "stage2", job.log)
     student, result = finetune(
         teacher.model,
         student,
         blocks,
-        s2,
+        settings,
         job.output / "stage2" / "trainer",
         seed=recipe.seed,
         progress=job.progress,
@@ -47,6 +49,7 @@ def stage2(label: str, job: Job, teacher: Teacher, student: nn.Module,
     )
     summary = result.as_dict()
     summary["tokens_per_second"] = tokens_per_second(result)
+    summary["memory"] = memory
     if parallel.is_main():
         write_json(job.output / "stage2" / "summary.json", summary)
     return student, summary

@@ -342,7 +342,7 @@ def _finetune(
         kl_weight=settings.kl_weight,
         mixer_lr=settings.mixer_lr if settings.trains_mixer else None,
         mixer_eps=settings.mixer_eps if settings.trains_mixer else None,
-        loss_chunk_size=settings.loss_chunk_size,
+        loss_chunk_size=settings.loss_chunk_size or None,  # 0: the whole block's logits
         loss_kernel=settings.loss_kernel or "auto",
         callbacks=[*(callbacks or []), *([_StopAfter(stop_after_step)] if stop_after_step else [])] or None,
     )

@@ -43,10 +43,12 @@ class DistillSettings:
     #: own parameters included; ``lora`` is then refused)
     method: str | None = None
     #: tokens per chunk of the loss, taken from the final hidden states with one chunk's logits (the student's and
-    #: the teacher's) alive at a time and recomputed in the backward; None: the whole block's logits at once (the
-    #: chunks' sums add in another order: equal up to floating-point rounding)
+    #: the teacher's) alive at a time and recomputed in the backward; 0: the whole block's logits at once (the
+    #: chunks' sums add in another order: equal up to floating-point rounding); None: unset, which is 0 here and
+    #: which conversion's stage 2 chooses from its memory (``conversion/memory.py``)
     loss_chunk_size: int | None = None
-    #: recompute each student decoder layer's activations in the backward instead of keeping them
+    #: recompute each student decoder layer's activations in the backward instead of keeping them; None: unset,
+    #: which is false here and which conversion's stage 2 chooses from its memory
     gradient_checkpointing: bool | None = None
     #: what computes the loss (``fused_loss.py``): ``liger`` (Liger Kernel's fused linear + loss ops, no logits kept,
     #: CUDA), ``torch`` (the forms above) or ``auto`` (None: liger where it runs and takes the loss, else torch)
@@ -82,7 +84,7 @@ class DistillSettings:
                 raise ValueError(f"{at}.{key} must be finite, got {value!r}")
             positive(value, f"{at}.{key}")
         if self.loss_chunk_size is not None:
-            positive(self.loss_chunk_size, f"{at}.loss_chunk_size")
+            positive(self.loss_chunk_size, f"{at}.loss_chunk_size", allow_zero=True)
         if self.loss_kernel is not None:
             check_loss_kernel(self.loss_kernel, f"{at}.loss_kernel")
         if self.method is not None and self.method not in DISTILL_METHODS:

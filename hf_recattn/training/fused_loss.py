@@ -111,6 +111,11 @@ def _softcapped(who: str, cap: float) -> str:
     return f"{_KL_OP} takes no final_logit_softcapping (the {who}'s is {cap:g})"
 
 
+def liger_unavailable(choice: str, device: torch.device) -> str | None:
+    """Why the Liger ops cannot run on ``device`` for ``choice`` (``auto`` or ``liger``), or None."""
+    return _unavailable(choice, device)
+
+
 def _unavailable(choice: str, device: torch.device) -> str | None:
     """Why the Liger ops cannot run on ``device`` for ``choice``, or None."""
     if device.type != "cuda" and not (choice == "liger" and device.type == "cpu" and _interpreted()):
