@@ -53,6 +53,10 @@ SPECS: list[dict[str, Any]] = [
     {"mixer": "softmax_householder", "rope": False},
     {"mixer": "gated_linear"},
     {"mixer": "gated_linear", "init": "convert", "output_gate": False, "output_norm": False, "rope": False},
+    {"mixer": "kda"},
+    {"mixer": "kda", "init": "convert", "feature_map": "hedgehog", "activation": "none", "conv_size": 2,
+     "output_gate": False, "output_norm": False},
+    {"mixer": "hybrid", "window": 3, "combine": "sum", "far": {"mixer": "kda", "init": "convert"}},
     {"mixer": "linear", "decay": "retnet"},
     {"mixer": "linear", "feature_map": "identity", "normalize": "layernorm", "decay": "retnet", "gamma_min": 0.5,
      "gamma_max": 0.9},  # the retnet preset with strong decays

@@ -12,6 +12,7 @@ from .mixer_gated_linear import GatedLinearMixer
 from .mixer_generalized_delta import GeneralizedDeltaMixer
 from .mixer_heinsen import HeinsenMixer
 from .mixer_hybrid import HybridMixer
+from .mixer_kda import KdaMixer
 from .mixer_linear import LinearMixer
 from .mixer_mesa import MesaMixer
 from .mixer_retrieval_heads import RetrievalHeadsMixer
@@ -38,6 +39,7 @@ BUILTIN_MIXERS: tuple[type[Mixer], ...] = (
     GatedLinearMixer,  # gated linear attention, a gate per key dimension (preset "gla")
     MesaMixer,  # MesaNet (preset "mesanet")
     GeneralizedDeltaMixer,  # RWKV-7's generalized delta rule (preset "rwkv7")
+    KdaMixer,  # Kimi Delta Attention, a gated delta rule with a decay per key channel (preset "kimi_linear")
     RetrievalHeadsMixer,  # exact softmax on a few KV heads, another mixer on the rest
 )
 

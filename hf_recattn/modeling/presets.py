@@ -52,6 +52,9 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
             "output_gate": True, "scale": None, "causal": True, "rope": False, "init": "scratch"},
     "rwkv7": {"mixer": "generalized_delta", "decay_rank": 64, "iclr_rank": 64, "output_norm": True,
               "output_gate": True, "scale": 1.0, "causal": True, "rope": False, "init": "scratch"},
+    "kimi_linear": {"mixer": "kda", "decay_rank": None, "conv_size": 4, "activation": "silu", "feature_map": "identity",
+                    "qk_norm": "l2", "output_norm": True, "output_gate": True, "scale": None, "causal": True,
+                    "rope": False, "init": "scratch"},
 }
 
 #: preset name -> one line on where its defaults come from
@@ -87,4 +90,9 @@ BUILTIN_PRESET_DOCS: dict[str, str] = {
     "learning rate from rank-64 maps of the layer input, L2-normalized removal key, per-head output LayerNorm times "
     "a sigmoid gate (full rank here, low rank in RWKV-7), unscaled receptance, no RoPE, RWKV-7's init (see "
     "mixer_generalized_delta.py for what is not reproduced).",
+    "kimi_linear": "Kimi Delta Attention, the linear layer of Kimi Linear (Kimi Team 2025, arXiv:2510.26692), as fla's "
+    "KDA layer: decay per key channel from a rank-head_dim map of the layer input (A ~ U(1, 16), dt log-uniform in "
+    "[1e-3, 0.1]), short convolution of 4 taps + SiLU on q/k/v, L2-normalized q and k, output RMSNorm times a "
+    "sigmoid gate (full rank here, low rank in Kimi Linear), no RoPE. The KDA layer alone: Kimi Linear's hybrid "
+    "interleaves it with MLA layers (attention_overrides).",
 }
