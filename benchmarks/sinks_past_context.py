@@ -6,13 +6,17 @@ Runs the teacher's weights (no training) as ``from_teacher`` students whose ever
 * ``window``: softmax over the last ``W`` tokens (``sliding_window``): logits at distances below W only;
 * ``window+sinks``: the same plus the first ``N`` tokens as exact keys (``hybrid`` with ``far: none`` and
   ``sink_tokens: N``): the sinks' logits reach the query's full distance back, through RoPE;
+* ``window+sinks, clamped``: the same with ``distant_positions: clamp`` (modeling/key_distance.py): a sink more
+  than ``max_position_embeddings`` - 1 tokens back is scored as if it sat exactly that far back;
 * ``softmax``: the teacher's attention as it is (every earlier key),
 
 on the first ``--length`` tokens of the embedded corpus's longest file, through the cache in pieces of 1,024, and
 prints the mean next-token loss of each span of ``--span`` tokens. Beyond the teacher's ``max_position_embeddings``
 (8,192 for SmolLM2) only the window sees no rotation it was not trained on. The models that need positions
 (``RecAttnConfig.length_limit``) refuse to run past it; here their ``max_position_embeddings`` is raised to the
-length, which changes nothing else for a teacher with the default rotary (SmolLM2's).
+length, which changes nothing else for a teacher with the default rotary (SmolLM2's). ``--rows`` runs only the rows
+named and keeps the others from ``--out`` when it holds the same length and span (their provenance goes with them,
+under ``earlier``).
 
     nice python benchmarks/sinks_past_context.py --length 24576 --threads 1
 """
@@ -20,6 +24,7 @@ length, which changes nothing else for a teacher with the default rotary (SmolLM
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -40,6 +45,8 @@ def specs(window: int, sinks: int) -> dict[str, dict[str, Any]]:
     return {
         f"window {window}": {"mixer": "sliding_window", "window": window},
         f"window {window} + {sinks} sinks": {"mixer": "hybrid", "window": window, "far": "none", "sink_tokens": sinks},
+        f"window {window} + {sinks} sinks, clamped": {"mixer": "hybrid", "window": window, "far": "none",
+                                                      "sink_tokens": sinks, "distant_positions": "clamp"},
         "softmax (the teacher)": {"mixer": "softmax"},
     }
 
@@ -72,6 +79,20 @@ def span_losses(losses: torch.Tensor, span: int) -> dict[str, float]:
             for a in range(0, losses.shape[0], span)}
 
 
+def earlier_rows(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rows not in ``names`` from ``--out`` when it was measured with the same length and span (its first span,
+    "0-S", gives S), and their provenance (by row name); empty otherwise."""
+    if not args.out.is_file():
+        return {}, {}
+    old = json.loads(args.out.read_text())
+    first = f"0-{min(args.span, args.length - 1)}"
+    if old.get("length") != args.length or any(first not in row for row in old["rows"].values()):
+        return {}, {}
+    kept = {name: row for name, row in old["rows"].items() if name not in names}
+    earlier = old.get("earlier", {})
+    return kept, {name: earlier.get(name, old["provenance"]) for name in kept}
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """The table: mean next-token loss per span of positions (in order), one row per student."""
     rows = results["rows"]
@@ -84,6 +105,11 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"Mean next-token loss (nats) by token positions; * past the teacher's max_position_embeddings "
                  f"({limit}). {results['notes'][0]}")
+    earlier = results.get("earlier", {})
+    for commit in dict.fromkeys(record["commit"] for record in earlier.values()):
+        names = [name for name, record in earlier.items() if record["commit"] == commit]
+        date = next(record["date"] for record in earlier.values() if record["commit"] == commit)
+        lines.append(f"Rows {', '.join(names)}: measured in an earlier run (commit {commit[:10]}, {date}).")
     return "\n".join(lines)
 
 
@@ -95,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--teacher", default="embedded")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rows", nargs="+", default=None, metavar="NAME",
+                        help="run only these rows (names as printed); keep the others from --out")
     add_out_argument(parser, "sinks_past_context_cpu.json")
     args = parser.parse_args(argv)
     if args.threads:
@@ -102,8 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     record = run_record()
     teacher, tokenizer = load_teacher(args.teacher)
     ids = longest_document(tokenizer, args.length)
-    rows = {}
-    for name, spec in specs(args.window, args.sinks).items():
+    chosen = specs(args.window, args.sinks)
+    unknown = sorted(set(args.rows or ()) - set(chosen))
+    if unknown:
+        raise ValueError(f"--rows {unknown}: unknown; the rows are {sorted(chosen)}")
+    rows, earlier = earlier_rows(args, args.rows) if args.rows else ({}, {})
+    for name, spec in chosen.items():
+        if name in rows:
+            continue
         student = from_teacher(teacher, spec).eval()
         student.config.max_position_embeddings = max(student.config.max_position_embeddings, args.length)
         began = time.perf_counter()
@@ -113,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             f"of {PIECE}; the teacher's weights, untrained.")
     results = write_results(args.out, "sinks_past_context", record, {
         "max_position_embeddings": teacher.config.max_position_embeddings, "length": args.length,
-        "rows": rows, "notes": [note]})
+        "rows": {name: rows[name] for name in chosen if name in rows}, "notes": [note],
+        **({"earlier": earlier} if earlier else {})})
     print(render_markdown(results))
     return 0
 
