@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-# Triton kernels run on the CPU through Triton's interpreter when no GPU is present. Triton reads this when a
-# kernel is defined, so it is set before any test module imports hf_recattn.kernels.
+# Triton kernels (Liger Kernel's fused loss) run on the CPU through Triton's interpreter when no GPU is present. Triton
+# reads this when a kernel is defined, so it is set before any test module imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
