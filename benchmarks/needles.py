@@ -8,6 +8,15 @@ haystacks are the embedded corpus's held-out split (``heldout``) and its license
     python benchmarks/needles.py --models embedded --tasks single_number multi_key --lengths 1024 --prompts 20 \\
         --threads 1 --out benchmarks/results/needles_smollm2_cpu.json
 
+Past the teacher's context (docs/recall.md): ``--hybrid-options '{"distant_positions": "clamp"}'`` sets options on
+every hybrid layer of an hf_recattn checkpoint (``modeling.hybrid_options``; the label names them), and
+``--max-positions N`` raises a model's ``max_position_embeddings`` to N where it is lower, so that a teacher runs
+past its context with its own rotary (changing nothing else for a rotary that does not read it, SmolLM2's).
+
+    python benchmarks/needles.py --models runs/hybrid-w64-sink4-gdn-learned64-long/model --tasks single_number \
+        --lengths 16384 32768 --prompts 2 --hybrid-options '{"distant_positions": "clamp"}' --threads 2 \
+        --out benchmarks/results/needles_past_context_cpu.json
+
 The results and their provenance go to ``--out`` (default ``benchmarks/results/needles_cpu.json``);
 ``scripts/render_docs.py`` renders the docs' table from that file with ``render_markdown``.
 """
@@ -15,6 +24,7 @@ The results and their provenance go to ``--out`` (default ``benchmarks/results/n
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +45,12 @@ NOTE = ("n counts the queries of a cell (multi_query asks 4 per prompt, multi_va
         "the interval is Wilson's at 95%")
 
 
-def _label(spec: str) -> str:
+def _label(spec: str, options: dict[str, Any] | None = None) -> str:
     path = Path(spec)
-    return path.resolve().name if path.exists() else spec
+    name = path.resolve().name if path.exists() else spec
+    if name == "model" and path.exists():  # a conversion's output folder holds its model under model/
+        name = path.resolve().parent.name
+    return name + "".join(f", {key}={value}" for key, value in (options or {}).items())
 
 
 def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -45,10 +58,16 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     from hf_recattn.conversion.teacher import load_causal_lm
 
     model, tokenizer = load_causal_lm(spec)
+    if args.hybrid_options:
+        from hf_recattn.modeling.hybrid_options import with_hybrid_options
+
+        model = with_hybrid_options(model, args.hybrid_options)
+    if args.max_positions and model.config.max_position_embeddings < args.max_positions:
+        model.config.max_position_embeddings = args.max_positions
     start = time.perf_counter()
     result = needle_probe(model, tokenizer, natural_haystacks(args.haystacks), tasks=args.tasks,
                           lengths=args.lengths, prompts=args.prompts, seed=args.seed,
-                          progress=None if args.no_progress else _label(spec))
+                          progress=None if args.no_progress else _label(spec, args.hybrid_options))
     return {**result, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -78,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--hybrid-options", type=json.loads, default=None, metavar="JSON",
+                        help="options set on every hybrid layer of an hf_recattn model, e.g. '{\"distant_positions\": "
+                        "\"clamp\"}'")
+    parser.add_argument("--max-positions", type=int, default=None, metavar="N",
+                        help="raise each model's max_position_embeddings to N where it is lower")
     add_out_argument(parser, "needles_cpu.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
-    models = {_label(spec): measure(spec, args) for spec in args.models}
+    models = {_label(spec, args.hybrid_options): measure(spec, args) for spec in args.models}
     results = write_results(args.out, "needles", record, {"models": models, "notes": [NOTE]})
     print(render_markdown(results))
     return 0
