@@ -23,12 +23,14 @@ from generation_cases import PAD, all_cases, left_padded_batch, one_thread, tiny
 from hf_recattn.modeling import backends
 from hf_recattn.modeling.ops_delta import delta_chunked, delta_step
 from hf_recattn.modeling.ops_gated_linear import gla_chunked, gla_step
+from hf_recattn.modeling.ops_kda import kda_chunked, kda_step
 from hf_recattn.modeling.ops_linear import linear_chunked, linear_step
 
 pytest.importorskip("fla")
 from fla.ops.delta_rule.naive import delta_rule_recurrence  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.gla.naive import naive_recurrent_gla  # noqa: E402
+from fla.ops.kda.naive import naive_recurrent_kda  # noqa: E402
 from fla.ops.linear_attn.naive import naive_recurrent_linear_attn  # noqa: E402
 from fla.ops.simple_gla.naive import naive_recurrent_simple_gla  # noqa: E402
 
@@ -69,6 +71,8 @@ REFERENCES: dict[str, Callable] = {
     "fused_recurrent_simple_gla": naive_recurrent_simple_gla,
     "chunk_linear_attn": _linear_attn,
     "fused_recurrent_linear_attn": _linear_attn,
+    "chunk_kda": naive_recurrent_kda,
+    "fused_recurrent_kda": naive_recurrent_kda,
 }
 
 
@@ -230,6 +234,25 @@ def test_linear_decode_steps_match_fla(references: dict, decayed: bool, op: str)
     _check(run, _inputs(5, t=3), references, op)
 
 
+def test_chunked_kda_matches_fla(references: dict) -> None:
+    def run(q, k, v, log_a, beta, S, z):
+        return kda_chunked(q, k, v, log_a, beta, S, CHUNK)
+
+    _check(run, _inputs(8, gate_width=D), references, "chunk_kda")
+
+
+def test_kda_decode_steps_match_fla(references: dict) -> None:
+    def run(q, k, v, log_a, beta, S, z):
+        outs, state = [], S
+        for t in range(3):
+            sl = slice(t, t + 1)
+            o, state = kda_step(q[:, :, :, sl], k[:, :, sl], v[:, :, sl], log_a[:, :, sl], beta[:, :, sl], state)
+            outs.append(o)
+        return torch.cat(outs, dim=3), state
+
+    _check(run, _inputs(9, t=3, gate_width=D), references, "fused_recurrent_kda")
+
+
 # ----- what fla does not compute -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("rule,steps,message", [("comba", 1, "Comba"), ("gated", 2, "DeltaProduct")])
 def test_what_fla_does_not_cover_warns_once_and_runs_the_torch_form(
@@ -253,7 +276,7 @@ def test_what_fla_does_not_cover_warns_once_and_runs_the_torch_form(
 
 
 # ----- whole models through the adapters -----------------------------------------------------------------------------
-MODEL_CASES = ["linear(feature_map=elu)", "linear(decay=learned)", "gated_linear", "delta", "hybrid(window=3)"]
+MODEL_CASES = ["linear(feature_map=elu)", "linear(decay=learned)", "gated_linear", "delta", "kda", "hybrid(window=3)"]
 
 
 @pytest.mark.parametrize("case_id", MODEL_CASES)

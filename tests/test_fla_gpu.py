@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from hf_recattn.modeling import backends
 from hf_recattn.modeling.ops_delta import delta_chunked, delta_step
 from hf_recattn.modeling.ops_gated_linear import gla_chunked, gla_step
+from hf_recattn.modeling.ops_kda import kda_chunked, kda_step
 from hf_recattn.modeling.ops_linear import linear_chunked, linear_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -142,7 +143,27 @@ def test_linear_decode_steps(decayed: bool, dtype: str) -> None:
     _check(run, _inputs(8, dtype))
 
 
-MODEL_CASES = ["linear(feature_map=elu)", "linear(decay=learned)", "gated_linear", "delta"]
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", LENGTHS)
+def test_chunked_kda(t: int, dtype: str) -> None:
+    _check(lambda q, k, v, log_a, beta, S, z: kda_chunked(q, k, v, log_a, beta, S, 64),
+           _inputs(t, dtype, gate_width=D))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_decode_steps(dtype: str) -> None:
+    def run(q, k, v, log_a, beta, S, z):
+        outs = []
+        for i in range(8):
+            sl = slice(i, i + 1)
+            o, S = kda_step(q[:, :, :, sl], k[:, :, sl], v[:, :, sl], log_a[:, :, sl], beta[:, :, sl], S)
+            outs.append(o)
+        return torch.cat(outs, dim=3), S
+
+    _check(run, _inputs(8, dtype, gate_width=D))
+
+
+MODEL_CASES = ["linear(feature_map=elu)", "linear(decay=learned)", "gated_linear", "delta", "kda"]
 
 
 @pytest.mark.parametrize("case_id", MODEL_CASES)

@@ -16,7 +16,9 @@ What fla computes, per op (the op name is the fla function's):
 * GLA (a log decay per key dimension): ``chunk_gla`` (``g``) / ``fused_recurrent_gla`` (``gk``);
 * decayed linear attention (a scalar log decay per head and token; RetNet's fixed decay is the constant case):
   ``chunk_simple_gla`` / ``fused_recurrent_simple_gla`` with ``g``;
-* plain linear attention: ``chunk_linear_attn`` / ``fused_recurrent_linear_attn`` (``normalize=False``).
+* plain linear attention: ``chunk_linear_attn`` / ``fused_recurrent_linear_attn`` (``normalize=False``);
+* Kimi Delta Attention (``kda``: a decay per key channel, the key reading the decayed state):
+  ``chunk_kda`` / ``fused_recurrent_kda`` with ``g`` = log a and ``beta``.
 
 Linear attention's denominator rides along as one more value column of ones (its key sum z as one more state
 column). The layout: our queries ``[B, Hkv, G, T, F]`` are fla's ``[B, T, H, F]`` with H = Hkv * G; keys, values and
@@ -60,6 +62,8 @@ FLA_FUNCTIONS = {
     "fused_recurrent_simple_gla": "fla.ops.simple_gla",
     "chunk_linear_attn": "fla.ops.linear_attn",
     "fused_recurrent_linear_attn": "fla.ops.linear_attn",
+    "chunk_kda": "fla.ops.kda",
+    "fused_recurrent_kda": "fla.ops.kda",
 }
 #: the delta rules fla computes: rule -> (chunk op, fused-recurrent op)
 DELTA_RULES = {

@@ -31,6 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .backends import pick
+from .fla_adapters import run_fla, too_wide
 from .triangular import unit_lower_solve
 
 #: tokens per sub-chunk of the decayed scores
@@ -152,6 +154,9 @@ def kda_chunked(
         (True, True)
     """
     q, k, v, log_a, beta = _cast(state, q, k, v, log_a, beta)
+    kernel = pick("chunk_kda", q, k, v, log_a, beta, state, unsupported=too_wide(k))
+    if kernel is not None:
+        return run_fla(kernel, q, k, v, state, g=log_a, beta=beta)
     outs = []
     pieces = zip(q.split(chunk_size, dim=3), *(x.split(chunk_size, dim=2) for x in (k, v, log_a, beta)), strict=True)
     for operands in pieces:
@@ -194,6 +199,9 @@ def kda_step(
         True
     """
     q, k, v, log_a, beta = _cast(state, q, k, v, log_a, beta)
+    kernel = pick("fused_recurrent_kda", q, k, v, log_a, beta, state, unsupported=too_wide(k))
+    if kernel is not None:
+        return run_fla(kernel, q, k, v, state, in_place, g=log_a, beta=beta)
     decay = log_a[:, :, 0, :, None].exp()  # [B, Hk, D, 1]
     state = state.mul_(decay) if in_place else state * decay
     new = beta[..., None] * (v - k @ state)  # [B, Hk, 1, E]
