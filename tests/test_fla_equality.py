@@ -6,8 +6,8 @@ fla's Triton kernels do not run on the CPU; its naive references do, and they ar
 kernels to. The shims below only translate a kernel's calling convention to its naive reference's (layout, a
 reference's fixed scale); the mapping of our tensors to fla's (heads, groups, gates, states, the denominator column)
 is the adapter's, under test. Inputs are float64 and so is the torch form, but fla's references compute in float32
-whatever they are given, so values and gradients agree to float32 rounding: rtol = atol = 1e-4 (observed errors
-~1e-6). A computation fla does not cover runs the torch form exactly (tolerance 0) after one warning.
+whatever they are given, so values and gradients agree to float32 rounding: rtol = atol = 1e-4. A computation
+fla does not cover runs the torch form exactly (tolerance 0) after one warning.
 """
 
 from __future__ import annotations
