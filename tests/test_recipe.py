@@ -24,7 +24,7 @@ from hf_recattn.training.distill_settings import DistillSettings
 
 #: the stage-2 settings only conversion has: where its blocks start, the blocks that hide facts
 CONVERSION_ONLY = ["skip_tokens", "retrieval_share", "answer_weight", "retrieval_kinds"]
-REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn",
+REQUIRED = {"taylor2-norm", "hybrid-w64-taylor2", "hybrid-w64-hedgehog", "linear-hedgehog", "heinsen", "gdn", "kda",
             "hybrid-w64-sink4-gdn", "fox", "gemma3-270m-full-delta", "gemma3-270m-full-hybrid-gdn",
             "hybrid-w64-sink4-hedgehog-cache64", "hybrid-w64-sink4-gdn-cache64", "gemma3-270m-full-hybrid-gdn-cache64",
             "hybrid-w64-sink4-gdn-novelty64", "gemma3-270m-full-hybrid-gdn-novelty64"}
