@@ -232,15 +232,17 @@ def measure_device(name: str, shape: tuple, stage: str, recipe_data: dict[str, A
 
 
 # ----- Qwen3-shaped teachers on the CPU: each stage, and the whole convert --------------------------------
-def scale_recipe(name: str, steps: int, block: int, chunk: int) -> dict[str, Any]:
+def scale_recipe(name: str, steps: int, block: int, chunk: int | None) -> dict[str, Any]:
     """The recipe's YAML with a budget ``scale``: its quick budget at ``block`` tokens, batch 1 and ``steps``
-    optimizer steps per stage, stage 2 with ``loss_chunk_size: chunk`` and gradient checkpointing."""
+    optimizer steps per stage, stage 2 with ``loss_chunk_size: chunk`` and gradient checkpointing (``chunk`` None:
+    neither set, as the recipe has them, so that stage 2 chooses them)."""
     data = read_recipe_yaml(find_recipe(name))
     scale = copy.deepcopy((data.get("budgets") or {}).get("quick") or {})
     one = {"block_size": block, "batch_size": 1, "tokens": steps * block}
     scale["stage1"] = {**scale.get("stage1", {}), **one}
-    scale["stage2"] = {**scale.get("stage2", {}), **one, "grad_accum": 1, "loss_chunk_size": chunk,
-                       "gradient_checkpointing": True}
+    scale["stage2"] = {**scale.get("stage2", {}), **one, "grad_accum": 1}
+    if chunk is not None:
+        scale["stage2"].update(loss_chunk_size=chunk, gradient_checkpointing=True)
     data["budgets"] = {**(data.get("budgets") or {}), "scale": scale}
     return data
 
@@ -357,10 +359,12 @@ class _PeakByStage:
             time.sleep(self.every)
 
 
-def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: int | None) -> dict[str, Any]:
-    """The whole ``hf-recattn convert`` (both stages and the evaluation) of a random-init bf16 Qwen3 teacher of
-    ``SHAPES[name]`` saved as safetensors, in a fresh process (``heap``: its ``--malloc-mmap-threshold``, None for
-    the command's default): its peak resident set (the kernel's) and the peak sampled in each pipeline stage."""
+def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: int | None,
+                    evaluate: bool = True) -> dict[str, Any]:
+    """The whole ``hf-recattn convert`` (both stages and, if ``evaluate``, the evaluation) of a random-init bf16
+    Qwen3 teacher of ``SHAPES[name]`` saved as safetensors, in a fresh process (``heap``: its
+    ``--malloc-mmap-threshold``, None for the command's default): its peak resident set (the kernel's), the peak
+    sampled in each pipeline stage and stage 2's memory options (``stage2/memory.json``)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="conversion-scale-") as tmp:
@@ -370,6 +374,7 @@ def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: 
         command = [sys.executable, "-m", "hf_recattn.cli", "convert", "--teacher", str(teacher), "--teacher-dtype",
                    "bfloat16", "--recipe", str(recipe), "--budget", "scale", "--output", str(Path(tmp) / "run"),
                    "--no-progress", "--threads", str(threads)] + ([HEAP_OPTION, str(heap)] if heap is not None else [])
+        command += [] if evaluate else ["--no-eval"]
         began = time.perf_counter()
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         peaks, log = _PeakByStage(child.pid), []
@@ -379,12 +384,13 @@ def measure_convert(name: str, recipe_data: dict[str, Any], threads: int, heap: 
         _, status, usage = os.wait4(child.pid, 0)
         if status != 0:
             raise RuntimeError(f"{name} convert failed:\n" + "\n".join(log[-40:]))
+        memory = json.loads((Path(tmp) / "run" / "stage2" / "memory.json").read_text())
     def shown(text: str) -> str:  # the temporary folder's paths named by their role
         return text.replace(str(teacher), "TEACHER").replace(str(recipe), "RECIPE").replace(tmp, "OUT")
 
     return {"size": name, "command": shown(" ".join(["hf-recattn", *command[3:]])), "shape": list(SHAPES[name]),
             "seconds": time.perf_counter() - began, "peak_rss": usage.ru_maxrss * 1024,
-            "stage_peak_rss": dict(peaks.peaks),
+            "stage_peak_rss": dict(peaks.peaks), "evaluated": evaluate, "stage2_memory": memory,
             "log": [shown(line) for line in log if line.startswith(("[", "stage"))]}
 
 
@@ -556,14 +562,33 @@ def render_shapes(results: dict) -> str:
                     f"{above / predicted:.2f} |")
     if results.get("convert"):
         names = list(PIPELINE_STAGES)
-        rows += ["", "| whole `hf-recattn convert` | heap | " + " | ".join(f"{n} MiB" for n in names)
-                 + " | peak RSS MiB | minutes |", "|---|---|" + "---:|" * (len(names) + 2)]
+        rows += ["", "| whole `hf-recattn convert` | heap | stage 2 memory options | steps per stage | "
+                 + " | ".join(f"{n} MiB" for n in names) + " | peak RSS MiB | minutes |",
+                 "|---|---|---|---:|" + "---:|" * (len(names) + 2)]
         for c in results["convert"]:
-            peaks = " | ".join(f"{c['stage_peak_rss'].get(n, 0) / MIB:.0f}" for n in names)
-            rows.append(f"| {c['size']} | {_heap(c)} | {peaks} | {c['peak_rss'] / MIB:.0f} | "
-                        f"{c['seconds'] / 60:.0f} |")
+            peaks = " | ".join(_stage_peak(c, n) for n in names)
+            rows.append(f"| {c['size']} | {_heap(c)} | {_memory_options(c)} | {c.get('steps', 2)} | {peaks} | "
+                        f"{c['peak_rss'] / MIB:.0f} | {c['seconds'] / 60:.0f} |")
     rows += [""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(rows)
+
+
+def _stage_peak(row: dict[str, Any], stage: str) -> str:
+    """A whole convert's peak in one pipeline stage, MiB ("-" for an evaluation the run left out)."""
+    if stage == "evaluation" and not row.get("evaluated", True):
+        return "- (--no-eval)"
+    return f"{row['stage_peak_rss'].get(stage, 0) / MIB:.0f}"
+
+
+def _memory_options(row: dict[str, Any]) -> str:
+    """How a whole convert's stage 2 ran: the options the recipe set, or those stage 2 chose where it left them."""
+    memory = row.get("stage2_memory")
+    if memory is None:  # the rows measured before stage 2 chose them: the scale budget set both
+        return "set: loss_chunk_size 256, checkpointing"
+    options = [f"loss_chunk_size {memory['loss_chunk_size']}" if memory["loss_chunk_size"] else None,
+               "checkpointing" if memory["gradient_checkpointing"] else None]
+    shown = ", ".join(option for option in options if option) or "both off"
+    return f"{'unset, chosen' if row.get('memory_options') == 'unset' else 'set'}: {shown}"
 
 
 def render_computed(computed: list[dict[str, Any]], chunk: int) -> list[str]:
@@ -625,6 +650,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the whole hf-recattn convert of these shapes (saved random-init teachers)")
     p.add_argument("--loss-chunk", type=int, default=256,
                    help="stage2.loss_chunk_size of --shapes / --convert / --device cuda")
+    p.add_argument("--unset-memory-options", action="store_true",
+                   help="--convert: leave stage2.loss_chunk_size and gradient_checkpointing unset, as the recipe "
+                        "has them, so that stage 2 chooses them")
+    p.add_argument("--no-eval", action="store_true", help="--convert: without the evaluation (hf-recattn's --no-eval)")
     p.add_argument("--gpu-loss-kernel", choices=("auto", "torch", "liger"), default="auto",
                    help="stage2.loss_kernel of --device cuda (auto: Liger Kernel's fused ops where installed)")
     p.add_argument(HEAP_OPTION, type=int, default=None, metavar="BYTES",
@@ -704,8 +733,9 @@ def _shapes_notes(data: dict[str, Any]) -> list[str]:
         "peak: the kernel's high-water mark during the stage (reset after building); formulas: both models' "
         "weights and the stage's terms (docs/conversion.md), compared with the peak above the baseline.",
         "Whole convert: `hf-recattn convert` of the teacher saved as safetensors with the embedded SmolLM2 "
-        "tokenizer, both stages and the quick evaluation; peak: the process's maximum resident set (the "
-        "kernel's); per pipeline stage: the resident set sampled every 0.1 s.",
+        "tokenizer, both stages and the quick evaluation (unless `--no-eval`); stage 2 memory options: set in the "
+        "recipe, or unset and chosen by stage 2 (`--unset-memory-options`); peak: the process's maximum resident "
+        "set (the kernel's); per pipeline stage: the resident set sampled every 0.1 s.",
     ]
 
 
@@ -717,16 +747,19 @@ def main_shapes(args: argparse.Namespace) -> int:
     data: dict[str, Any] = {"mode": "shapes", "recipe": args.recipe, "steps": args.steps, "threads": args.threads,
                             "block_size": args.gpu_block, "loss_chunk_size": args.loss_chunk,
                             "measured": old.get("measured", []), "convert": old.get("convert", [])}
-    recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, args.loss_chunk)
     for size in args.shapes:
         for stage in STAGES:
             row = {**_child(args, size, stage, "--child-shape"), "provenance": record}  # rows of several runs
             data["measured"] = _merged(data["measured"], row, CPU_SHAPES, ("size", "stage", "malloc_mmap_threshold"))
             results = write_results(args.out, "conversion_scale", record, {**data, "notes": _shapes_notes(data)})
+    chunk = None if args.unset_memory_options else args.loss_chunk
+    recipe = scale_recipe(args.recipe, args.steps, args.gpu_block, chunk)
     for size in args.convert:
-        row = measure_convert(size, recipe, args.threads, args.malloc_mmap_threshold)
-        row.update(malloc_mmap_threshold=chosen_threshold(args.malloc_mmap_threshold, os.environ), provenance=record)
-        data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold"))
+        row = measure_convert(size, recipe, args.threads, args.malloc_mmap_threshold, not args.no_eval)
+        row.update(malloc_mmap_threshold=chosen_threshold(args.malloc_mmap_threshold, os.environ), provenance=record,
+                   memory_options="unset" if args.unset_memory_options else "recipe", steps=args.steps)
+        data["convert"] = _merged(data["convert"], row, CPU_SHAPES, ("size", "malloc_mmap_threshold",
+                                                                     "memory_options"))
         results = write_results(args.out, "conversion_scale", record, {**data, "notes": _shapes_notes(data)})
     print(render_markdown(results))
     return 0

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from distill_fixtures import tiny_corpus_file, tiny_recipe_dict, tiny_teacher, tiny_teacher_folder, write_recipe
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hf_recattn.conversion import memory
 from hf_recattn.conversion.memory import GIB, choose_memory_options, stage2_memory, stage2_shape
@@ -24,6 +31,10 @@ from hf_recattn.modeling.modeling import RecAttnForCausalLM
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                  tie_word_embeddings=True)
+#: Gemma 3 270M's
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                   tie_word_embeddings=True)
 #: SmolLM2-135M's, the embedded teacher's
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -104,8 +115,9 @@ def test_liger_loss_leaves_the_chunks_unset() -> None:
 
 
 def test_small_teachers_keep_both_options_off() -> None:
-    """The embedded teacher's shape with every packaged recipe's quick and full budget, and the tiny test teacher:
-    nothing chosen on a machine with 16 GiB free (quick budgets: down to 9 GiB)."""
+    """The embedded teacher's shape with every packaged recipe's quick and full budget, Gemma 3 270M's with its
+    recipes' quick budget, and the tiny test teacher: nothing chosen on a machine with 16 GiB free (SmolLM2's quick
+    budgets: down to 9 GiB)."""
     config = LlamaConfig(**SMOLLM2)
     for name in (name for name in available_recipes() if not name.startswith("gemma")):
         teacher, student = _meta_models(config, LlamaForCausalLM, load_recipe(name), torch.float32)
@@ -114,6 +126,14 @@ def test_small_teachers_keep_both_options_off() -> None:
             shape = stage2_shape(teacher, student, recipe.stage2, fused_loss=False)
             choice = choose_memory_options(recipe.stage2, shape, free * GIB)
             assert choice.chosen == () and choice.estimate < 7.5 * GIB, (name, budget, choice.line())
+    gemma = Gemma3TextConfig(**GEMMA3_270M)  # the other embedded teacher, with its recipes' quick budget
+    recipe = load_recipe("gemma3-270m-full-hybrid-gdn", "quick")
+    teacher, student = _meta_models(gemma, Gemma3ForCausalLM, recipe, torch.float32)
+    choice = choose_memory_options(recipe.stage2, stage2_shape(teacher, student, recipe.stage2, False), 16 * GIB)
+    assert choice.chosen == () and choice.estimate < 7.6 * GIB, choice.line()
+    full = load_recipe("gemma3-270m-full-hybrid-gdn", "full")  # four blocks of a 262k vocabulary's logits
+    choice = choose_memory_options(full.stage2, stage2_shape(teacher, student, full.stage2, False), 64 * GIB)
+    assert choice.chosen == ("loss_chunk_size",) and choice.unset_terms["logits"] == 10 * 262144 * 4 * 2048
     tiny = tiny_teacher(96)
     recipe = Recipe("tiny", {"mixer": "linear"}, "quick", load_recipe("gdn").stage1, load_recipe("gdn").stage2,
                     load_recipe("gdn").eval)

@@ -194,3 +194,25 @@ def test_checkpointing_keeps_the_chunked_delta_rules_inputs_in_the_formula() -> 
     kept = scale.Run(128, checkpointing=True, checkpoint_kept=1000)
     plain = scale.estimate(shape, scale.Run(128, checkpointing=True))
     assert scale.estimate(shape, kept)["activations"] - plain["activations"] == 1000 * 2 * 128
+
+
+def test_a_whole_convert_with_unset_memory_options_says_what_stage_2_chose() -> None:
+    """``--unset-memory-options``: the scale budget leaves both options as the recipe has them (unset, so that stage
+    2 chooses them); the whole-convert table says which options each run had, its steps and a left-out evaluation."""
+    from hf_recattn.conversion.recipe import recipe_from_dict
+
+    unset = recipe_from_dict(scale.scale_recipe("gdn", 1, 2048, None), "scale").stage2
+    assert (unset.loss_chunk_size, unset.gradient_checkpointing, unset.tokens) == (None, None, 2048)
+    set_ = recipe_from_dict(scale.scale_recipe("gdn", 2, 2048, 256), "scale").stage2
+    assert (set_.loss_chunk_size, set_.gradient_checkpointing, set_.tokens) == (256, True, 4096)
+    peaks = {stage: 1000 * scale.MIB for stage in scale.PIPELINE_STAGES}
+    old = {"size": "Qwen3-0.6B", "malloc_mmap_threshold": 2 * scale.MIB, "stage_peak_rss": peaks,
+           "peak_rss": 7000 * scale.MIB, "seconds": 1620.0}
+    chosen = {**old, "memory_options": "unset", "steps": 1, "evaluated": False, "seconds": 600.0,
+              "stage2_memory": {"loss_chunk_size": 256, "gradient_checkpointing": True}}
+    data = {"mode": "shapes", "recipe": "gdn", "block_size": 2048, "loss_chunk_size": 256, "threads": 1,
+            "measured": [], "convert": [old, chosen], "notes": []}
+    lines = scale.render_markdown(data).splitlines()
+    assert "| Qwen3-0.6B | mmap from 2 MiB | set: loss_chunk_size 256, checkpointing | 2 | 1000 |" in lines[5]
+    assert lines[6].startswith("| Qwen3-0.6B | mmap from 2 MiB | unset, chosen: loss_chunk_size 256, checkpointing "
+                               "| 1 | 1000 | 1000 | 1000 | 1000 | - (--no-eval) | 7000 | 10 |")
