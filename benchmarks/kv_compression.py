@@ -18,6 +18,9 @@ kept tokens per head on average). A press that cannot run is listed with its err
 The teacher without a press runs the same probes and also the Pareto table's 512-token perplexity blocks: its
 figures must reproduce the teacher's own (the project's perplexity, and the teacher row of ``--pareto``).
 
+``--probe needles`` runs the natural-text needle probe of ``benchmarks/natural_recall.py`` instead, at the bytes of
+its constant-memory rows (``--recall``), question-agnostic and question-aware: see ``benchmarks/kv_needles.py``.
+
 kvpress 0.5.5 needs transformers < 5.3, so the presses run in their own environment, ``.venv-kvpress/`` (built
 when missing, or with ``--setup``, from the pinned ``PINS``: kvpress==0.5.5, transformers==5.2.0, torch==2.13.0
 CPU, tokenizers==0.22.2, safetensors==0.8.0, huggingface-hub==1.33.0, accelerate==1.15.0, datasets==5.2.0,
@@ -52,6 +55,7 @@ from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
 from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation import PASSKEY_DEPTHS, passkey_ids, perplexity
+from hf_recattn.evaluation.needles import NEEDLE_HAYSTACKS, NEEDLE_TASKS
 from hf_recattn.evaluation.passkey import passkey_answered, passkey_question_ids
 from hf_recattn.provenance import provenance
 
@@ -271,7 +275,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bytes", type=float, nargs="*", default=[], metavar="MIB", help="cache budgets, MiB")
     parser.add_argument("--pareto", default=None, metavar="JSON", help="take the students' cache MiB as budgets")
     parser.add_argument("--students", nargs="*", default=None, metavar="NAME", help="only these --pareto rows")
-    parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=PRESSES)
+    parser.add_argument("--probe", default="passkey", choices=("passkey", "needles"),
+                        help="passkey and perplexity (the Pareto table's probes), or natural-text needles "
+                        "(benchmarks/kv_needles.py)")
+    parser.add_argument("--presses", nargs="+", default=None, choices=PRESSES,
+                        help="default: all of them (passkey), all but DuoAttention (needles)")
     parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--passkey-trials", type=int, default=6)
     parser.add_argument("--passkey-drawn-before", type=int, nargs="*", default=[], metavar="TOKENS",
@@ -282,13 +290,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ppl-blocks", type=int, default=4)
     parser.add_argument("--heldout-tokens", type=int, default=4096, help="the Pareto table's perplexity tokens")
     parser.add_argument("--block-size", type=int, default=512, help="the Pareto table's perplexity blocks")
+    needles = parser.add_argument_group("--probe needles")
+    needles.add_argument("--recall", type=Path, default=None, metavar="JSON",
+                         help="take the constant-memory rows of a natural_recall.py results file as budgets")
+    needles.add_argument("--tasks", nargs="+", default=["single_number"], choices=NEEDLE_TASKS)
+    needles.add_argument("--haystacks", nargs="+", default=list(NEEDLE_HAYSTACKS), choices=NEEDLE_HAYSTACKS)
+    needles.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    needles.add_argument("--prompts", type=int, default=20, help="prompts per (task, haystack, length) cell")
+    needles.add_argument("--seed", type=int, default=0)
+    needles.add_argument("--modes", nargs="+", default=["question-agnostic", "question-aware"],
+                         choices=("question-agnostic", "question-aware"))
+    needles.add_argument("--verify", type=int, default=1, metavar="N",
+                         help="the first N prompts of the first cell also run each press in a real prefill")
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-kvpress")
     parser.add_argument("--setup", action="store_true", help="(re)build the presses' environment first")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "kv_compression",
                         help="where the saved teacher and the probe file go")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_compression.json")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/kv_compression.json (kv_needles.json with --probe needles)")
+    args = parser.parse_args(argv)
+    default = "kv_needles.json" if args.probe == "needles" else "kv_compression.json"
+    args.out = args.out or ROOT / "benchmarks" / "results" / default
+    args.presses = args.presses or [p for p in PRESSES if args.probe == "passkey" or p != "DuoAttention"]
+    return args
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -314,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     pareto = json.loads(Path(args.pareto).read_text()) if args.pareto else None
     python = ensure_env(args.venv, args.setup)
+    if args.probe == "needles":
+        import kv_needles  # imports this module: imported here, not at the top
+
+        return kv_needles.run(args, python)
     if not args.bytes and pareto is None:
         if args.setup:
             return 0

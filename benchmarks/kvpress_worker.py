@@ -8,6 +8,17 @@ questions, perplexity contexts and continuations, plain blocks) and the runs: a 
 compression ratio for each context length. Each run prints one JSON line on stdout when it ends: the answers,
 the summed negative log-likelihood of the continuations, the cache length after each prefill, or the error
 that stopped it. The first line gives the package versions.
+
+A probe file of kind ``needles`` holds cells of needle prompts instead (each a context, its question and the
+answer's lead-in) and runs that also name a mode. Each prompt is prefilled once without a press, the attention
+layers' inputs recorded; every run then compresses a copy of that cache by calling its press's own hook on each
+layer's recorded inputs, as a prefill with the press would (a press changes the cache, never a layer's output):
+``question-agnostic`` over the context alone (the question follows uncompressed), ``question-aware`` over the
+context and the question, as kvpress's ``query_aware`` evaluation puts it (the answer's lead-in follows). The
+answers are greedy as kvpress's ``generate_answer`` decodes them, the caches of runs that compress the same tokens
+to the same length decoded as one batch. The first ``verify`` prompts of a cell also run each press inside a real
+prefill, answered by ``generate_answer`` itself: its cache and answer must match. One JSON line per run and cell,
+then one for the cell.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import math
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import kvpress
@@ -115,6 +127,166 @@ def measure(pipe: Any, run: dict[str, Any], probes: dict[str, Any]) -> dict[str,
     return row
 
 
+# ----- needles: one prefill per prompt, every press replayed on it ---------------------------------------------
+AGNOSTIC, AWARE = "question-agnostic", "question-aware"
+
+
+@torch.no_grad()
+def recorded_prefill(model: Any, ids: torch.Tensor) -> tuple[DynamicCache, list[dict[str, Any]]]:
+    """A prefill without a press: its cache, and each attention layer's inputs that a press's hook reads."""
+    seen: list[dict[str, Any]] = []
+
+    def keep(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        seen.append({"hidden_states": kwargs["hidden_states"], "position_embeddings": kwargs["position_embeddings"]})
+
+    hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    cache = DynamicCache()
+    try:
+        model.model(input_ids=ids, past_key_values=cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return cache, seen
+
+
+@torch.no_grad()
+def replayed_cache(model: Any, press: Any, full: DynamicCache, seen: list[dict[str, Any]], n: int) -> DynamicCache:
+    """The cache a prefill of the first ``n`` tokens leaves with ``press`` (None: the whole cache): the recorded
+    keys and values of each layer, compressed by the press's hook called on that layer's recorded inputs."""
+    cache = DynamicCache()
+    with press(model) if press is not None else contextlib.nullcontext():
+        for index, (layer, inputs) in enumerate(zip(model.model.layers, seen, strict=True)):
+            cache.update(full.layers[index].keys[:, :, :n], full.layers[index].values[:, :, :n], index)
+            if press is None:
+                continue
+            cos, sin = inputs["position_embeddings"]
+            kwargs = {"hidden_states": inputs["hidden_states"][:, :n], "position_embeddings": (cos[:, :n], sin[:, :n]),
+                      "past_key_values": cache, "cache_position": torch.arange(n)}
+            press.forward_hook(layer.self_attn, [], kwargs, (None, None))
+    return cache
+
+
+@torch.no_grad()
+def hooked_cache(model: Any, press: Any, ids: torch.Tensor) -> DynamicCache:
+    """The cache of a real prefill of ``ids`` with ``press`` hooked in (what the replay must give)."""
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    return cache
+
+
+def cache_difference(one: DynamicCache, other: DynamicCache) -> float:
+    """The largest absolute difference between two caches' keys and values, each head's tokens taken in one
+    canonical order (a press may keep its tokens in the order of their scores, which ties reorder); inf when their
+    shapes differ."""
+    worst = 0.0
+    for a, b in zip(one.layers, other.layers, strict=True):
+        if a.keys.shape != b.keys.shape:
+            return math.inf
+        probe = torch.linspace(1.0, 2.0, a.keys.shape[-1], dtype=a.keys.dtype)
+        ordered = []
+        for keys, values in ((a.keys, a.values), (b.keys, b.values)):
+            order = (keys @ probe).argsort(dim=-1).unsqueeze(-1).expand_as(keys)
+            ordered.append((keys.gather(2, order), values.gather(2, order)))
+        (ka, va), (kb, vb) = ordered
+        worst = max(worst, float((ka - kb).abs().max()), float((va - vb).abs().max()))
+    return worst
+
+
+def run_inputs(case: dict[str, Any], mode: str) -> tuple[int, list[int]]:
+    """What the press compresses (the first n tokens of context + question) and the ids that follow it."""
+    query, split = case["query_ids"], case["split"]
+    if mode == AWARE:
+        return len(case["context_ids"]) + split, query[split:]
+    return len(case["context_ids"]), query
+
+
+def compressed(pipe: Any, run: dict[str, Any], case: dict[str, Any], recorded: tuple[Any, Any, torch.Tensor],
+               verify: bool) -> tuple[DynamicCache, dict[str, Any]]:
+    """One prompt's cache under one run (the press replayed on the recorded prefill) and its record; with
+    ``verify``, the same press in a real prefill too, answered by kvpress's ``generate_answer``."""
+    full, seen, ids = recorded
+    n, follow = run_inputs(case, run["mode"])
+    press = make_press(run, n)
+    cache = replayed_cache(pipe.model, press, full, seen, n)
+    out: dict[str, Any] = {"cache_tokens": cache.get_seq_length()}
+    if verify and press is not None:
+        real = hooked_cache(pipe.model, make_press(run, n), ids[:, :n])
+        out["difference"] = cache_difference(cache, real)
+        out["hooked_answer"] = pipe.generate_answer(torch.tensor([follow]), real, n, case["max_new_tokens"])
+    return cache, out
+
+
+@torch.no_grad()
+def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], start: int, max_new: int) -> list[str]:
+    """Greedy answers (as kvpress's ``generate_answer``: ``follow`` at positions from ``start``, up to ``max_new``
+    tokens, each row ending at its first EOS) of caches of one length, decoded as one batch."""
+    batch = DynamicCache()
+    for index in range(len(caches[0].layers)):
+        batch.update(torch.cat([c.layers[index].keys for c in caches]),
+                     torch.cat([c.layers[index].values for c in caches]), index)
+    rows = len(caches)
+    positions = torch.arange(start, start + len(follow)).expand(rows, -1)
+    logits = pipe.model(input_ids=torch.tensor([follow] * rows), past_key_values=batch, position_ids=positions,
+                        logits_to_keep=1).logits
+    eos = pipe.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    tokens = [logits[:, -1].argmax(-1)]
+    for step in range(max_new - 1):
+        if all(any(int(t[r]) in eos for t in tokens) for r in range(rows)):
+            break
+        position = torch.full((rows, 1), start + len(follow) + step)
+        tokens.append(pipe.model(input_ids=tokens[-1][:, None], past_key_values=batch,
+                                 position_ids=position).logits[:, -1].argmax(-1))
+    answers = []
+    for row in torch.stack(tokens, dim=1).tolist():
+        ends = [i for i, t in enumerate(row) if t in eos]
+        answers.append(pipe.tokenizer.decode(row[: ends[0] + 1] if ends else row, skip_special_tokens=True))
+    return answers
+
+
+def answer_prompt(pipe: Any, runs: list[dict[str, Any]], case: dict[str, Any], recorded: tuple[Any, Any, Any],
+                  verify: bool) -> dict[str, dict[str, Any]]:
+    """Every run's record of one prompt (or its error): the caches of runs that compress the same tokens to the
+    same length are answered as one batch."""
+    out: dict[str, dict[str, Any]] = {}
+    groups: dict[tuple[int, int], list[tuple[str, DynamicCache]]] = {}
+    for run in runs:
+        try:
+            cache, out[run["name"]] = compressed(pipe, run, case, recorded, verify)
+        except Exception as err:  # a press that cannot run here is reported, not dropped
+            traceback.print_exc(limit=-3)
+            out[run["name"]] = {"error": f"{type(err).__name__}: {err}".strip()}
+            continue
+        n, _ = run_inputs(case, run["mode"])
+        groups.setdefault((n, cache.get_seq_length()), []).append((run["name"], cache))
+    for (n, _), members in groups.items():
+        follow = run_inputs(case, AWARE if n > len(case["context_ids"]) else AGNOSTIC)[1]
+        got = batched_answers(pipe, [cache for _, cache in members], follow, n, case["max_new_tokens"])
+        for (name, _), answer in zip(members, got, strict=True):
+            out[name]["answer"] = answer
+    return out
+
+
+def needle_cell(pipe: Any, cell: dict[str, Any], runs: list[dict[str, Any]], verify: int) -> Iterator[dict[str, Any]]:
+    """The records of one cell: one per run (its answers, or the error that stopped it), then the cell's with the
+    seconds its prompts took. ``verify``: how many of its first prompts also run each press in a real prefill."""
+    got: dict[str, dict[str, Any]] = {run["name"]: {"answers": []} for run in runs}
+    began = time.perf_counter()
+    for index, case in enumerate(cell["cases"]):
+        ids = torch.tensor([case["context_ids"] + case["query_ids"][: case["split"]]])
+        recorded = (*recorded_prefill(pipe.model, ids), ids)
+        live = [run for run in runs if "error" not in got[run["name"]]]
+        for name, record in answer_prompt(pipe, live, case, recorded, index < verify).items():
+            if "error" in record:
+                got[name]["error"] = record["error"]
+            else:
+                got[name]["answers"].append(record)
+    for name, record in got.items():
+        yield {"cell": cell["key"], "name": name, **record}
+    yield {"cell": cell["key"], "seconds": time.perf_counter() - began, "prompts": len(cell["cases"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probes", help="the JSON file written by kv_compression.py")
@@ -129,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(probes["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(probes["model"])
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
+    if probes.get("kind") == "needles":
+        runs = {run["name"]: run for run in probes["runs"]}
+        for cell in probes["cells"]:
+            for record in needle_cell(pipe, cell, [runs[name] for name in cell["runs"]], cell["verify"]):
+                print(json.dumps(record), flush=True)
+        return 0
     for run in probes["runs"]:
         print(json.dumps(measure(pipe, run, probes)), flush=True)
     return 0

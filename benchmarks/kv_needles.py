@@ -1,0 +1,293 @@
+"""KV-cache compression of the unchanged teacher (NVIDIA kvpress) on the natural-text needle probe, at the bytes of
+the constant-memory rows of ``benchmarks/natural_recall.py``: the ``needles`` probe of ``kv_compression.py``.
+
+The prompts are natural_recall's (``hf_recattn.evaluation.needles``: same task, haystacks, lengths, prompts per
+cell and seeds, so the same tokens); answers are greedy and scored by ``needle_answered``, each cell with its
+Wilson 95% interval. A budget (a ``--recall`` row's cache MiB, or ``--bytes``) divided by the teacher's KV bytes
+per token gives the tokens a press keeps, in two modes:
+
+* ``question-agnostic``: the press compresses the context before the question arrives; the question and the
+  answer's lead-in follow through the compressed cache, unseen by the press (as a constant-memory model reads);
+* ``question-aware``: the press compresses the context and the question together, as kvpress's ``query_aware``
+  evaluation does (the question appended to the context); the answer's lead-in follows.
+
+SnapKV, which scores tokens by the attention of the last 64 queries (the question, when it is there), runs only
+question-aware. The presses run in ``.venv-kvpress`` through ``kvpress_worker.py`` (one prefill per prompt, every
+press replayed on it; the first ``--verify`` prompts of the first cell also run each press in a real prefill).
+Results go to ``--out`` after every cell; a rerun with the same settings measures only the (run, cell) pairs
+missing.
+
+    nice python benchmarks/kv_compression.py --probe needles --threads 2 \\
+        --recall benchmarks/results/natural_recall_single_cpu.json --out benchmarks/results/kv_needles_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import kv_compression as kv
+
+from hf_recattn.atomic import write_json
+from hf_recattn.conversion.teacher import load_teacher
+from hf_recattn.data.pinned import CORPUS_SHA256
+from hf_recattn.evaluation.needles import (
+    cell_summary,
+    natural_haystacks,
+    needle_answered,
+    needle_prompt,
+    needle_template,
+    wilson_interval,
+)
+from hf_recattn.prompting.haystack import Haystack
+from hf_recattn.provenance import provenance
+
+AGNOSTIC, AWARE = "question-agnostic", "question-aware"
+MODES = (AGNOSTIC, AWARE)
+AWARE_ONLY = ("SnapKV",)  # presses that score by the last queries: without the question they see only text
+NEEDLE_PRESSES = ("StreamingLLM", "KNorm", "ExpectedAttention", "KeyDiff", "SnapKV")
+SINGLE_QUERY_TASKS = ("single_number", "single_word", "single_phrase", "multi_key", "paraphrase")
+
+
+# ----- the prompts ------------------------------------------------------------------------------------------
+def question_split(tokenizer: Any, task: str, key: str, query_ids: tuple[int, ...]) -> int:
+    """Where the question ends and the answer's lead-in begins in a query's ids."""
+    question = tuple(tokenizer(needle_template(task).fill("question", key=key), add_special_tokens=False)["input_ids"])
+    if query_ids[: len(question)] != question or len(question) >= len(query_ids):
+        raise ValueError(f"needles task {task}: the question's ids are not a prefix of the query's; cannot split it")
+    return len(question)
+
+
+def needle_cells(tokenizer: Any, haystacks: dict[str, Any], task: str, lengths: list[int], prompts: int,
+                 seed: int = 0) -> list[dict[str, Any]]:
+    """natural_recall's prompts of ``task`` (the seeds and depths of ``needle_probe``), one cell per length and
+    haystack, each prompt split into the context, the query and where its question ends."""
+    if task not in SINGLE_QUERY_TASKS:
+        raise ValueError(f"--tasks: {task} asks more than one query; the needles probe of kvpress runs "
+                         f"{list(SINGLE_QUERY_TASKS)}")
+    cells = []
+    texts = {name: Haystack(tokenizer, source() if callable(source) else source) for name, source in haystacks.items()}
+    for length in lengths:  # the shortest first: a run cut short has every haystack's cells of a length
+        for name, haystack in texts.items():
+            cases = []
+            for t in range(prompts):
+                prompt = needle_prompt(tokenizer, haystack, task, length, f"{seed}:{name}:{task}:{length}:{t}",
+                                       depth=(t + 0.5) / prompts)
+                (query,) = prompt.queries
+                cases.append({"context_ids": list(prompt.context), "query_ids": list(query.ids),
+                              "split": question_split(tokenizer, task, query.key, query.ids),
+                              "max_new_tokens": query.max_new_tokens, "key": query.key, "values": list(query.values),
+                              "repeated": prompt.repeated})
+            cells.append({"key": f"{task}/{name}/{length}", "task": task, "haystack": name, "length": length,
+                          "cases": cases})
+    return cells
+
+
+def compressed_lengths(cells: list[dict[str, Any]], mode: str) -> list[int]:
+    """Every length a press compresses in ``mode``: the context, or the context and the question."""
+    return sorted({len(c["context_ids"]) + (c["split"] if mode == AWARE else 0) for cell in cells
+                   for c in cell["cases"]})
+
+
+def plan_needle_runs(presses: list[str], modes: list[str], kept: dict[int, list[str]],
+                     cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The teacher without a press, then every press in every mode at every budget, with kvpress's compression
+    ratio for each length it compresses (presses of ``AWARE_ONLY`` question-aware only)."""
+    runs = [{"name": kv.NO_PRESS, "press": None, "mode": AGNOSTIC, "kept": None, "budget_of": [], "ratios": {}}]
+    for tokens, names in kept.items():
+        for mode in modes:
+            lengths = compressed_lengths(cells, mode)
+            runs += [{"name": f"{press} {mode} {tokens}", "press": press, "mode": mode, "kept": tokens,
+                      "budget_of": names, "ratios": {str(n): kv.compression_ratio(tokens, n) for n in lengths}}
+                     for press in presses if mode == AWARE or press not in AWARE_ONLY]
+    return runs
+
+
+def recall_budgets(recall: dict[str, Any] | None) -> dict[str, float]:
+    """The cache MiB of every constant-memory row of a natural_recall results file."""
+    if recall is None:
+        return {}
+    if recall.get("benchmark") != "natural_recall":
+        raise SystemExit("--recall: not a benchmarks/natural_recall.py results file")
+    return {name: min(row["cache_mib"].values()) for name, row in recall["models"].items() if row["constant_memory"]}
+
+
+def kept_by_budget(named: dict[str, float], per_token: int) -> dict[int, list[str]]:
+    """Kept tokens -> the budgets (name: MiB) that give them, the most tokens first."""
+    out: dict[int, list[str]] = {}
+    for name, mib in named.items():
+        out.setdefault(kv.kept_tokens(mib, per_token), []).append(name)
+    return dict(sorted(out.items(), reverse=True))
+
+
+# ----- scoring ----------------------------------------------------------------------------------------------
+def score_cell(record: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    """One run's cell from a worker record: every prompt's answer and verdict, the cell summary (needles.py's), the
+    cache tokens after the press, and how the replayed press agreed with a real prefill where checked."""
+    prompts = []
+    for case, got in zip(cell["cases"], record["answers"], strict=True):
+        answer = got["answer"].strip()
+        prompts.append({"queries": [{"key": case["key"], "values": case["values"], "answer": answer,
+                                     "correct": needle_answered(answer, case["values"])}],
+                        "repeated": case["repeated"], "cache_tokens": got["cache_tokens"]})
+    checked = [got for got in record["answers"] if "hooked_answer" in got]
+    out = {"summary": cell_summary(prompts), "prompts": prompts}
+    if checked:
+        out["verified"] = {"prompts": len(checked),
+                           "same_answers": sum(g["hooked_answer"] == g["answer"] for g in checked),
+                           "max_difference": max(g["difference"] for g in checked)}
+    return out
+
+
+def new_row(run: dict[str, Any], per_token: int) -> dict[str, Any]:
+    """A results row for a run, before its cells."""
+    return {"press": run["press"], "mode": run["mode"], "kept_tokens": run["kept"], "budget_of": run["budget_of"],
+            "cache_mib": None if run["kept"] is None else run["kept"] * per_token / 2**20, "cells": {}}
+
+
+def add_record(results: dict[str, Any], record: dict[str, Any], cells: dict[str, dict[str, Any]]) -> str:
+    """Put a worker record into ``results``; returns a line to print."""
+    if "name" not in record:
+        results["seconds"][record["cell"]] = record["seconds"]
+        return f"{record['cell']}: {record['prompts']} prompts in {record['seconds']:.0f} s"
+    row, cell = results["rows"][record["name"]], cells[record["cell"]]
+    if "error" in record:
+        row["error"] = record["error"]
+        return f"{record['name']}: could not run: {record['error']}"
+    scored = score_cell(record, cell)
+    row["cells"].setdefault(cell["task"], {}).setdefault(cell["haystack"], {})[str(cell["length"])] = scored
+    summary = scored["summary"]
+    return f"{record['name']} {record['cell']}: {summary['correct']}/{summary['n']}"
+
+
+# ----- the run ----------------------------------------------------------------------------------------------
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("teacher", "tasks", "haystacks", "lengths", "prompts", "seed")
+    return {"probe": "needles", "corpus": CORPUS_SHA256, "pins": list(kv.PINS)} | {k: getattr(args, k) for k in keys}
+
+
+def start_results(args: argparse.Namespace) -> dict[str, Any]:
+    """The results of this setting: what ``--out`` already holds for the same settings, nothing otherwise."""
+    results: dict[str, Any] = {"settings": settings(args), "rows": {}, "seconds": {}}
+    if args.out.is_file():
+        earlier = json.loads(args.out.read_text())
+        if earlier.get("settings") == results["settings"]:
+            results.update({k: earlier[k] for k in ("rows", "seconds", "worker_versions") if k in earlier})
+    return results | {"benchmark": "kv_needles", "provenance": provenance(["python", *sys.argv])}
+
+
+def measured(row: dict[str, Any], cell: dict[str, Any]) -> bool:
+    """Whether a row holds a cell already (or could not run)."""
+    return "error" in row or str(cell["length"]) in row["cells"].get(cell["task"], {}).get(cell["haystack"], {})
+
+
+def probe_file(args: argparse.Namespace, results: dict[str, Any], teacher: Any, tokenizer: Any) -> dict[str, Any]:
+    """The worker's input: the cells with the runs each still needs (cells with none left out)."""
+    per_token = results["bytes_per_token"]
+    named = {f"{mib:g} MiB": mib for mib in args.bytes} | recall_budgets(
+        json.loads(args.recall.read_text()) if args.recall else None)
+    if not named:
+        raise SystemExit("kv_compression.py --probe needles: give budgets with --recall JSON or --bytes MIB ...")
+    cells = [cell for task in args.tasks for cell in needle_cells(
+        tokenizer, natural_haystacks(args.haystacks), task, args.lengths, args.prompts, args.seed)]
+    runs = plan_needle_runs(args.presses or list(NEEDLE_PRESSES), args.modes, kept_by_budget(named, per_token), cells)
+    for run in runs:
+        results["rows"].setdefault(run["name"], new_row(run, per_token))
+    for index, cell in enumerate(cells):
+        cell["runs"] = [run["name"] for run in runs if not measured(results["rows"][run["name"]], cell)]
+        cell["verify"] = args.verify if index == 0 else 0
+    folder = kv.save_teacher(teacher, tokenizer, args.work / args.teacher)
+    return {"kind": "needles", "model": str(folder), "runs": runs,
+            "cells": [cell for cell in cells if cell["runs"]]}
+
+
+def run(args: argparse.Namespace, python: Any) -> int:
+    """The needles probe: plan, run the worker, score each cell as it comes, print the table."""
+    results = start_results(args)
+    teacher, tokenizer = load_teacher(args.teacher)
+    results["bytes_per_token"] = kv.bytes_per_token(teacher)
+    probes = probe_file(args, results, teacher, tokenizer)
+    del teacher
+    args.work.mkdir(parents=True, exist_ok=True)
+    path = args.work / "needle_probes.json"
+    write_json(path, probes, indent=0)
+    cells = {cell["key"]: cell for cell in probes["cells"]}
+    print(f"{len(cells)} cells to measure, {sum(len(c['runs']) for c in cells.values())} (run, cell) pairs",
+          flush=True)
+    for record in kv.worker_lines(python, path, args.threads) if cells else []:
+        if "versions" in record:
+            results["worker_versions"] = record["versions"]
+            continue
+        print(add_record(results, record, cells), flush=True)
+        if "name" not in record:  # a cell is done
+            write_json(args.out, results)
+    write_json(args.out, results)
+    print(render_markdown(results))
+    print(f"results: {args.out}")
+    return 0
+
+
+# ----- the table --------------------------------------------------------------------------------------------
+def _cell(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    summary = cell["summary"]
+    low, high = summary["interval"]
+    return f"{100 * summary['accuracy']:.0f}% [{100 * low:.0f}-{100 * high:.0f}]"
+
+
+def row_order(item: tuple[str, dict[str, Any]]) -> tuple[Any, ...]:
+    """The teacher first, then the most kept tokens first, question-agnostic before question-aware, presses in
+    NEEDLE_PRESSES order."""
+    name, row = item
+    press = NEEDLE_PRESSES.index(row["press"]) if row["press"] in NEEDLE_PRESSES else len(NEEDLE_PRESSES)
+    return row["press"] is not None, -(row["kept_tokens"] or 0), MODES.index(row["mode"]), press, name
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """One row per press, mode and budget: kept tokens, cache MiB, then each (task, length, haystack) cell."""
+    s = results["settings"]
+    columns = [(t, str(n), h) for t in s["tasks"] for n in s["lengths"] for h in s["haystacks"]]
+    head = ["press", "mode", "budget of", "kept tokens", "cache MiB",
+            *(f"{t} {h} {int(n) // 1024}k" for t, n, h in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    for name, row in sorted(results["rows"].items(), key=row_order):
+        kept = "all" if row["kept_tokens"] is None else f"{row['kept_tokens']:,}"
+        mib = "all" if row["cache_mib"] is None else f"{row['cache_mib']:.2f}"
+        cells = [row["press"] or name, row["mode"] if row["press"] else "-", ", ".join(row["budget_of"]) or "-",
+                 kept, mib]
+        if "error" in row:
+            cells += [f"could not run: {row['error'].splitlines()[0][:150]}"] + [""] * (len(columns) - 1)
+        else:
+            cells += [_cell(row["cells"].get(t, {}).get(h, {}).get(n)) for t, n, h in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + " ".join(notes(results))
+
+
+def notes(results: dict[str, Any]) -> list[str]:
+    """The lines under the table: what a cell is, the environment, and how the replayed presses were checked."""
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(results.get("worker_versions", {}).items()))
+    checked = [cell["verified"] for row in results["rows"].values() for per_h in row["cells"].values()
+               for per_n in per_h.values() for cell in per_n.values() if "verified" in cell]
+    out = ["A cell: the share of the prompts answered, with its Wilson 95% interval.",
+           f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token (fp32)."]
+    if checked:
+        same = sum(c["same_answers"] for c in checked)
+        total = sum(c["prompts"] for c in checked)
+        worst = max(c["max_difference"] for c in checked)
+        out.append(f"Each press replayed on a recorded prefill; checked against a real prefill with the press on "
+                   f"{total} prompts: {same} the same answers, caches within {worst:.1e}.")
+    return out
+
+
+def pooled(cells: dict[str, Any], haystacks: list[str], length: str) -> tuple[float, tuple[float, float], int] | None:
+    """Accuracy over the ``haystacks``' cells at ``length`` (one task's cells: {haystack: {length: cell}}, a cell
+    with a ``summary`` or the summary itself), its Wilson 95% interval and n; None when a cell is missing."""
+    parts = [cells.get(h, {}).get(length) for h in haystacks]
+    if not parts or any(p is None for p in parts):
+        return None
+    summaries = [p.get("summary", p) for p in parts]
+    correct, n = sum(s["correct"] for s in summaries), sum(s["n"] for s in summaries)
+    return correct / n, wilson_interval(correct, n), n

@@ -1,0 +1,183 @@
+"""The needles probe of the KV-compression peers (benchmarks/kv_needles.py): the prompts are natural_recall's, the
+budgets and kvpress ratios of each mode, the scoring, the table and resuming. No kvpress needed: the worker's
+records are written by hand. Exact comparisons throughout (token ids, counts, rendered lines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import test_needles as tn
+import torch
+from script_modules import load_script
+
+from hf_recattn.evaluation import Continuation, needle_probe
+from hf_recattn.evaluation import needles as needles_module
+from hf_recattn.evaluation.needles import needle_template
+
+PER_TOKEN = 46_080  # SmolLM2-135M: 30 layers x (keys + values) x 3 heads x 64 dims x 4 bytes
+
+
+@pytest.fixture(scope="module")
+def kn() -> ModuleType:
+    return load_script("benchmarks", "kv_needles")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return tn.tok.__wrapped__()
+
+
+def kvpress_kept(length: int, ratio: float) -> int:
+    """What kvpress 0.5.5 keeps of ``length`` tokens at ``compression_ratio`` (kvpress.utils.compute_n_kept)."""
+    return max(1, int(length * (1 - ratio)))
+
+
+def test_the_cells_hold_the_probes_own_prompts_split_at_the_question(kn: ModuleType, tok: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    fed: list[list[int]] = []
+
+    def record(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, cache: Any = None,
+               stop_at_eos: bool = True) -> Continuation:
+        fed.append(ids[0].tolist())
+        return Continuation(torch.tensor([5], dtype=torch.long), None)
+
+    monkeypatch.setattr(needles_module, "greedy_continuation", record)
+    haystacks = {"heldout": tn.HELDOUT, "ood": tn.OOD}
+    needle_probe(tn.Stub(), tok, haystacks, tasks=("single_number",), lengths=(600, 900), prompts=3)
+    cells = kn.needle_cells(tok, haystacks, "single_number", [600, 900], prompts=3)
+    assert [c["key"] for c in cells] == ["single_number/heldout/600", "single_number/ood/600",
+                                         "single_number/heldout/900", "single_number/ood/900"]
+    in_probe_order = [cells[i] for i in (0, 2, 1, 3)]
+    cases = [case for cell in in_probe_order for case in cell["cases"]]
+    assert [c["context_ids"] + c["query_ids"] for c in cases] == fed  # the probe's tokens
+    template = needle_template("single_number")
+    for case in cases:
+        question, lead_in = case["query_ids"][: case["split"]], case["query_ids"][case["split"] :]
+        assert tn._text(tok, question) == template.fill("question", key=case["key"])
+        assert tn._text(tok, lead_in) == template.fill("answer", key=case["key"])
+        assert len(case["values"]) == 1 and len(case["values"][0]) == 7 and case["max_new_tokens"] > 4
+    with pytest.raises(ValueError, match="multi_query"):
+        kn.needle_cells(tok, haystacks, "multi_query", [600], prompts=1)
+
+
+def cells_of(lengths: dict[str, list[tuple[int, int]]]) -> list[dict[str, Any]]:
+    """Cells whose cases have the given (context tokens, question tokens)."""
+    return [{"key": key, "cases": [{"context_ids": [0] * c, "split": q, "query_ids": [0] * (q + 3)}
+                                   for c, q in shapes]} for key, shapes in lengths.items()]
+
+
+def test_budgets_modes_and_ratios(kn: ModuleType) -> None:
+    recall = {"benchmark": "natural_recall", "models": {
+        "teacher": {"cache_mib": {"1024": 45.0, "4096": 180.0}, "constant_memory": False},
+        "window 512 + 4 sinks": {"cache_mib": {"1024": 22.734832763671875}, "constant_memory": True},
+        "student": {"cache_mib": {"1024": 10.371551513671875}, "constant_memory": True}}}
+    named = kn.recall_budgets(recall)
+    assert named == {"window 512 + 4 sinks": 22.734832763671875, "student": 10.371551513671875}
+    assert kn.kept_by_budget(named | {"10.37 MiB": 10.37}, PER_TOKEN) == {517: ["window 512 + 4 sinks"],
+                                                                          236: ["student"], 235: ["10.37 MiB"]}
+    with pytest.raises(SystemExit, match="natural_recall"):
+        kn.recall_budgets({"benchmark": "pareto"})
+    cells = cells_of({"a": [(1000, 20), (1003, 22)], "b": [(4070, 21)]})
+    assert kn.compressed_lengths(cells, kn.AGNOSTIC) == [1000, 1003, 4070]
+    assert kn.compressed_lengths(cells, kn.AWARE) == [1020, 1025, 4091]
+    runs = kn.plan_needle_runs(["StreamingLLM", "SnapKV"], list(kn.MODES), {517: ["w"], 236: ["s"]}, cells)
+    assert [r["name"] for r in runs] == [
+        "teacher (no press)", "StreamingLLM question-agnostic 517", "StreamingLLM question-aware 517",
+        "SnapKV question-aware 517", "StreamingLLM question-agnostic 236", "StreamingLLM question-aware 236",
+        "SnapKV question-aware 236"]  # SnapKV scores by the last queries: question-aware only
+    for run in runs[1:]:
+        assert list(run["ratios"]) == [str(n) for n in kn.compressed_lengths(cells, run["mode"])]
+        assert all(kvpress_kept(int(n), ratio) == run["kept"] for n, ratio in run["ratios"].items())
+
+
+def answers(verdicts: str, **extra: Any) -> list[dict[str, Any]]:
+    """Worker answers: ``y`` the right value, ``n`` a wrong one."""
+    return [{"answer": " 1234567." if v == "y" else " 7654321", "cache_tokens": 236, **extra} for v in verdicts]
+
+
+def results_and_cells(kn: ModuleType) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    cells = {}
+    for haystack in ("heldout", "ood"):
+        for length in (1024, 4096):
+            key = f"single_number/{haystack}/{length}"
+            cells[key] = {"key": key, "task": "single_number", "haystack": haystack, "length": length,
+                          "cases": [{"key": "Rufi", "values": ["1234567"], "repeated": False}] * 4}
+    runs = kn.plan_needle_runs(["KNorm", "SnapKV"], list(kn.MODES), {236: ["student"]}, cells_of({}))
+    settings = {"tasks": ["single_number"], "lengths": [1024, 4096], "haystacks": ["heldout", "ood"]}
+    results = {"settings": settings, "rows": {r["name"]: kn.new_row(r, PER_TOKEN) for r in runs},
+               "seconds": {}, "bytes_per_token": PER_TOKEN, "worker_versions": {"kvpress": "0.5.5"}}
+    return results, cells
+
+
+def test_scoring_the_table_and_resuming(kn: ModuleType) -> None:
+    results, cells = results_and_cells(kn)
+    teacher, knorm = "teacher (no press)", "KNorm question-agnostic 236"
+    for key in cells:
+        kn.add_record(results, {"cell": key, "name": teacher, "answers": answers("yyyy")}, cells)
+    checked = answers("y", difference=3e-7, hooked_answer=" 1234567.") + answers("n", difference=0.0,
+                                                                              hooked_answer=" 1") + answers("yn")
+    line = kn.add_record(results, {"cell": "single_number/heldout/1024", "name": knorm, "answers": checked}, cells)
+    assert line == f"{knorm} single_number/heldout/1024: 2/4"
+    kn.add_record(results, {"cell": "single_number/ood/1024", "name": "SnapKV question-aware 236",
+                            "error": "RuntimeError: no\nmore"}, cells)
+    assert kn.add_record(results, {"cell": "single_number/ood/1024", "seconds": 9.0, "prompts": 4},
+                         cells) == "single_number/ood/1024: 4 prompts in 9 s"
+    results = json.loads(json.dumps(results))
+    cell = results["rows"][knorm]["cells"]["single_number"]["heldout"]["1024"]
+    assert cell["summary"] | {"interval": None} == {"accuracy": 0.5, "correct": 2, "n": 4, "interval": None,
+                                                    "prompts": 4, "repeated": 0}
+    assert cell["verified"] == {"prompts": 2, "same_answers": 1, "max_difference": 3e-7}
+    assert [p["queries"][0]["answer"] for p in cell["prompts"]] == ["1234567.", "7654321", "1234567.", "7654321"]
+    lines = kn.render_markdown(results).splitlines()
+    assert lines[0] == ("| press | mode | budget of | kept tokens | cache MiB | single_number heldout 1k | "
+                        "single_number ood 1k | single_number heldout 4k | single_number ood 4k |")
+    assert lines[2] == "| teacher (no press) | - | - | all | all" + " | 100% [51-100]" * 4 + " |"
+    assert lines[3] == "| KNorm | question-agnostic | student | 236 | 10.37 | 50% [15-85] | - | - | - |"
+    assert lines[4] == "| KNorm | question-aware | student | 236 | 10.37 | - | - | - | - |"
+    assert lines[5] == "| SnapKV | question-aware | student | 236 | 10.37 | could not run: RuntimeError: no |  |  |  |"
+    assert "2 prompts: 1 the same answers, caches within 3.0e-07" in lines[-1] and "46,080 bytes" in lines[-1]
+    assert kn.pooled(results["rows"][teacher]["cells"]["single_number"], ["heldout", "ood"], "4096")[::2] == (1.0, 8)
+    assert kn.pooled(results["rows"][knorm]["cells"]["single_number"], ["heldout", "ood"], "1024") is None  # no ood
+    done = {name: [key for key, c in cells.items() if kn.measured(row, c)] for name, row in results["rows"].items()}
+    assert done == {teacher: list(cells), knorm: ["single_number/heldout/1024"], "KNorm question-aware 236": [],
+                    "SnapKV question-aware 236": list(cells)}  # a press that could not run is not run again
+
+
+def test_results_of_other_settings_are_not_resumed(kn: ModuleType, tmp_path: Path) -> None:
+    args = argparse.Namespace(teacher="embedded", tasks=["single_number"], haystacks=["heldout"], lengths=[1024],
+                              prompts=2, seed=0, out=tmp_path / "r.json")
+    args.out.write_text(json.dumps({"settings": kn.settings(args), "rows": {"x": {}}, "seconds": {"c": 1}}))
+    assert kn.start_results(args)["rows"] == {"x": {}}
+    args.prompts = 3
+    assert kn.start_results(args)["rows"] == {} and kn.start_results(args)["benchmark"] == "kv_needles"
+
+
+def test_the_figure_puts_every_row_and_press_at_its_bytes(kn: ModuleType, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    figure = load_script("benchmarks", "recall_plot")
+    results, cells = results_and_cells(kn)
+    for key in cells:
+        kn.add_record(results, {"cell": key, "name": "KNorm question-agnostic 236", "answers": answers("yyyn")}, cells)
+    summary = {"accuracy": 0.5, "correct": 10, "n": 20, "interval": [0.3, 0.7], "prompts": 20, "repeated": 0}
+    cells_20 = {"single_number": {h: {"1024": summary, "4096": summary} for h in ("heldout", "ood")}}
+    recall = {"settings": {"lengths": [1024, 4096], "haystacks": ["heldout", "ood"]}, "models": {
+        "teacher": {"cache_mib": {"1024": 45.0, "4096": 180.0}, "cells": cells_20},
+        "a": {"cache_mib": {"1024": 10.0, "4096": 10.0}, "cells": cells_20},
+        "b": {"cache_mib": {"1024": 10.0, "4096": 10.0}, "cells": {}}}}
+    refs = {s["label"]: s for s in figure.reference_series(recall, "single_number", ["heldout", "ood"])}
+    assert refs["teacher"]["points"]["4096"][:2] == (180.0, 0.5) and refs["b"]["points"] == {}
+    assert refs["a"]["points"]["1024"][2] == pytest.approx((0.3520, 0.6480), abs=1e-4)  # pooled: 20 of 40
+    (press,) = figure.press_series(json.loads(json.dumps(results)), "single_number", ["heldout", "ood"])
+    assert press["label"] == "KNorm (question-agnostic)" and list(press["points"]) == ["1024", "4096"]
+    ((mib, accuracy, _),) = press["points"]["1024"]
+    budget = 236 * PER_TOKEN / 2**20
+    assert accuracy == 0.75 and mib == pytest.approx(budget, rel=0.2) and mib != budget  # drawn a little aside
+    path = tmp_path / "recall.png"
+    assert figure.plot(recall, results, path) == f"plot: {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
