@@ -247,17 +247,16 @@ def row_order(item: tuple[str, dict[str, Any]]) -> tuple[Any, ...]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """One row per press, mode and budget: kept tokens, cache MiB, then each (task, length, haystack) cell."""
+    """One row per press, mode and budget: kept tokens, cache MiB, then each (task, length, haystack) cell; under
+    it, the rows whose bytes the budgets are."""
     s = results["settings"]
     columns = [(t, str(n), h) for t in s["tasks"] for n in s["lengths"] for h in s["haystacks"]]
-    head = ["press", "mode", "budget of", "kept tokens", "cache MiB",
-            *(f"{t} {h} {int(n) // 1024}k" for t, n, h in columns)]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    head = ["press", "mode", "kept tokens", "cache MiB", *(f"{t} {h} {int(n) // 1024}k" for t, n, h in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for name, row in sorted(results["rows"].items(), key=row_order):
         kept = "all" if row["kept_tokens"] is None else f"{row['kept_tokens']:,}"
         mib = "all" if row["cache_mib"] is None else f"{row['cache_mib']:.2f}"
-        cells = [row["press"] or name, row["mode"] if row["press"] else "-", ", ".join(row["budget_of"]) or "-",
-                 kept, mib]
+        cells = [row["press"] or name, row["mode"] if row["press"] else "-", kept, mib]
         if "error" in row:
             cells += [f"could not run: {row['error'].splitlines()[0][:150]}"] + [""] * (len(columns) - 1)
         else:
@@ -271,7 +270,9 @@ def notes(results: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(results.get("worker_versions", {}).items()))
     checked = [cell["verified"] for row in results["rows"].values() for per_h in row["cells"].values()
                for per_n in per_h.values() for cell in per_n.values() if "verified" in cell]
-    out = ["A cell: the share of the prompts answered, with its Wilson 95% interval.",
+    budgets = {row["kept_tokens"]: row["budget_of"] for row in results["rows"].values() if row["budget_of"]}
+    out = ["A cell: the share of the prompts answered, with its Wilson 95% interval. Kept tokens: the bytes of "
+           + "; ".join(f"{', '.join(names)} ({kept})" for kept, names in sorted(budgets.items(), reverse=True)) + ".",
            f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token (fp32)."]
     if checked:
         same = sum(c["same_answers"] for c in checked)

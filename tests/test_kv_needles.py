@@ -135,13 +135,14 @@ def test_scoring_the_table_and_resuming(kn: ModuleType) -> None:
     assert cell["verified"] == {"prompts": 2, "same_answers": 1, "max_difference": 3e-7}
     assert [p["queries"][0]["answer"] for p in cell["prompts"]] == ["1234567.", "7654321", "1234567.", "7654321"]
     lines = kn.render_markdown(results).splitlines()
-    assert lines[0] == ("| press | mode | budget of | kept tokens | cache MiB | single_number heldout 1k | "
+    assert lines[0] == ("| press | mode | kept tokens | cache MiB | single_number heldout 1k | "
                         "single_number ood 1k | single_number heldout 4k | single_number ood 4k |")
-    assert lines[2] == "| teacher (no press) | - | - | all | all" + " | 100% [51-100]" * 4 + " |"
-    assert lines[3] == "| KNorm | question-agnostic | student | 236 | 10.37 | 50% [15-85] | - | - | - |"
-    assert lines[4] == "| KNorm | question-aware | student | 236 | 10.37 | - | - | - | - |"
-    assert lines[5] == "| SnapKV | question-aware | student | 236 | 10.37 | could not run: RuntimeError: no |  |  |  |"
+    assert lines[2] == "| teacher (no press) | - | all | all" + " | 100% [51-100]" * 4 + " |"
+    assert lines[3] == "| KNorm | question-agnostic | 236 | 10.37 | 50% [15-85] | - | - | - |"
+    assert lines[4] == "| KNorm | question-aware | 236 | 10.37 | - | - | - | - |"
+    assert lines[5] == "| SnapKV | question-aware | 236 | 10.37 | could not run: RuntimeError: no |  |  |  |"
     assert "2 prompts: 1 the same answers, caches within 3.0e-07" in lines[-1] and "46,080 bytes" in lines[-1]
+    assert "Kept tokens: the bytes of student (236)." in lines[-1]
     assert kn.pooled(results["rows"][teacher]["cells"]["single_number"], ["heldout", "ood"], "4096")[::2] == (1.0, 8)
     assert kn.pooled(results["rows"][knorm]["cells"]["single_number"], ["heldout", "ood"], "1024") is None  # no ood
     done = {name: [key for key, c in cells.items() if kn.measured(row, c)] for name, row in results["rows"].items()}
