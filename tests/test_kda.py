@@ -109,7 +109,7 @@ def test_gradients_match_reference(init_kind: str, conv: int, gate: bool, fmap: 
 @pytest.mark.parametrize("chunk_size,seq_len", [(4, 11), (20, 45)], ids=["small-chunks", "sub-chunks"])
 def test_chunked_steps_and_prefill_match_parallel(chunk_size: int, seq_len: int) -> None:
     """Chunked, token steps and a cached prefill + steps give the parallel outputs and the same final states
-    (chunks of 20 run the two-level scores over sub-chunks of 16 with a ragged end)."""
+    (chunks of 20 run the two-level scores over sub-chunks of 8 with a ragged end)."""
     mixer = make_mixer("scratch", 3, True, chunk_size=chunk_size)
     checks.assert_forms_agree(mixer, make_inputs(seq_len), left_padded(seq_len, 6), REL_FORMS, whole_rows={"chunked"})
 

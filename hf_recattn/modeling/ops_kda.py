@@ -36,7 +36,7 @@ from .fla_adapters import run_fla, too_wide
 from .triangular import unit_lower_solve
 
 #: tokens per sub-chunk of the decayed scores
-SUB_CHUNK = 16
+SUB_CHUNK = 8
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
@@ -57,16 +57,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor) -> torch.Tensor
     n = length // sub
     qs, ks, cs = q.view(b, h, g, n, sub, d), k.view(b, h, n, sub, d), cum.view(b, h, n, sub, d)
     before = torch.cat([torch.zeros_like(cs[:, :, :1, 0]), cs[:, :, :-1, -1]], dim=2)  # G_m of each sub-chunk
-    rows = qs * (cs - before[:, :, :, None]).exp()[:, :, None]  # [B, Hk, G, n, sub, D]
+    rows = (qs * (cs - before[:, :, :, None]).exp()[:, :, None]).transpose(2, 3)  # [B, Hk, n, G, sub, D]
     earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)[:, :, None, None]
     seen = (before[:, :, :, None, None] - cs[:, :, None]).masked_fill(~earlier, -math.inf)  # [B, Hk, n, n, sub, D]
-    columns = ks[:, :, None] * seen.exp()
-    blocks = rows.unsqueeze(4) @ columns.unsqueeze(2).transpose(-1, -2)  # [B, Hk, G, n (rows), n (columns), sub, sub]
+    columns = (ks[:, :, None] * seen.exp()).view(b, h, n, length, d)  # the whole chunk seen from sub-chunk i
+    blocks = rows.reshape(b, h, n, g * sub, d) @ columns.transpose(-1, -2)  # [B, Hk, n, G sub, C]
     causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()[..., None]
     inside = (cs[..., :, None, :] - cs[..., None, :, :]).masked_fill(~causal, -math.inf).exp()  # [B, Hk, n, t, s, D]
-    diagonal = torch.einsum("bhgitd,bhisd,bhitsd->bhgits", qs, ks, inside)
-    blocks = blocks + torch.eye(n, dtype=q.dtype, device=q.device)[:, :, None, None] * diagonal.unsqueeze(4)
-    return blocks.transpose(-3, -2).reshape(b, h, g, length, length)[..., :c, :c]
+    # inside a sub-chunk: per token t, its G queries against the keys s <= t decayed to t
+    diagonal = qs.permute(0, 1, 3, 4, 2, 5) @ (ks[:, :, :, None] * inside).transpose(-1, -2)  # [B, Hk, n, t, G, s]
+    blocks = blocks.view(b, h, n, g, sub, n, sub)
+    torch.diagonal(blocks, dim1=2, dim2=5).add_(diagonal.permute(0, 1, 4, 3, 5, 2))  # the blocks (i, i)
+    return blocks.transpose(2, 3).reshape(b, h, g, length, length)[..., :c, :c]
 
 
 def _chunk(
@@ -77,10 +79,12 @@ def _chunk(
     d = k.shape[-1]
     cum = log_a.cumsum(-2)
     decayed = cum.exp()
-    lower = _scores(k.unsqueeze(2), k, cum)[:, :, 0] * beta[..., None]  # only its strict lower part is read
+    # the queries' scores and the keys' against each other at once: the decays of the keys are the same
+    scores = _scores(torch.cat([q, k.unsqueeze(2)], dim=2), k, cum)
+    lower = scores[:, :, -1] * beta[..., None]  # only its strict lower part is read
     solved = unit_lower_solve(lower, beta[..., None] * torch.cat([k * decayed, v], dim=-1))
     new = solved[..., d:] - solved[..., :d] @ state  # u = U~ - W S_0
-    out = torch.matmul(q * decayed.unsqueeze(2), state.unsqueeze(2)) + _scores(q, k, cum) @ new.unsqueeze(2)
+    out = torch.matmul(q * decayed.unsqueeze(2), state.unsqueeze(2)) + scores[:, :, :-1] @ new.unsqueeze(2)
     last = cum[:, :, -1]  # [B, Hk, D]
     k_state = k * (last[:, :, None] - cum).exp()  # each key's decay to the chunk's end
     return out, state * last.exp()[..., None] + k_state.transpose(-1, -2) @ new
@@ -98,7 +102,7 @@ def kda_parallel(
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole sequence as one chunk (O(T^2 D / 16) memory for the decayed scores).
+    """The whole sequence as one chunk (O(T^2 D / 8) memory for the decayed scores).
 
     Args:
         q: ``[B, Hk, G, T, D]`` queries (already scaled), G query heads per key head.
