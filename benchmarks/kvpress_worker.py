@@ -176,20 +176,17 @@ def hooked_cache(model: Any, press: Any, ids: torch.Tensor) -> DynamicCache:
 
 
 def cache_difference(one: DynamicCache, other: DynamicCache) -> float:
-    """The largest absolute difference between two caches' keys and values, each head's tokens taken in one
-    canonical order (a press may keep its tokens in the order of their scores, which ties reorder); inf when their
-    shapes differ."""
+    """The largest difference between a kept token of ``one`` and its nearest kept token of ``other`` in the same
+    head (keys by Euclidean distance, then the values of the pair): a press may keep its tokens in the order of
+    their scores, which near ties reorder. inf when the caches' shapes differ."""
     worst = 0.0
     for a, b in zip(one.layers, other.layers, strict=True):
         if a.keys.shape != b.keys.shape:
             return math.inf
-        probe = torch.linspace(1.0, 2.0, a.keys.shape[-1], dtype=a.keys.dtype)
-        ordered = []
-        for keys, values in ((a.keys, a.values), (b.keys, b.values)):
-            order = (keys @ probe).argsort(dim=-1).unsqueeze(-1).expand_as(keys)
-            ordered.append((keys.gather(2, order), values.gather(2, order)))
-        (ka, va), (kb, vb) = ordered
-        worst = max(worst, float((ka - kb).abs().max()), float((va - vb).abs().max()))
+        distance = torch.cdist(a.keys, b.keys)
+        nearest = distance.argmin(dim=-1, keepdim=True)
+        values = b.values.gather(2, nearest.expand_as(b.values))
+        worst = max(worst, float(distance.gather(-1, nearest).max()), float((a.values - values).abs().max()))
     return worst
 
 

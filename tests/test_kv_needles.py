@@ -141,7 +141,7 @@ def test_scoring_the_table_and_resuming(kn: ModuleType) -> None:
     assert lines[3] == "| KNorm | question-agnostic | 236 | 10.37 | 50% [15-85] | - | - | - |"
     assert lines[4] == "| KNorm | question-aware | 236 | 10.37 | - | - | - | - |"
     assert lines[5] == "| SnapKV | question-aware | 236 | 10.37 | could not run: RuntimeError: no |  |  |  |"
-    assert "2 prompts: 1 the same answers, caches within 3.0e-07" in lines[-1] and "46,080 bytes" in lines[-1]
+    assert "real prefill with the press, 1 of 2 answers the same." in lines[-1] and "46,080 bytes" in lines[-1]
     assert "Kept tokens: the bytes of student (236)." in lines[-1]
     assert kn.pooled(results["rows"][teacher]["cells"]["single_number"], ["heldout", "ood"], "4096")[::2] == (1.0, 8)
     assert kn.pooled(results["rows"][knorm]["cells"]["single_number"], ["heldout", "ood"], "1024") is None  # no ood
