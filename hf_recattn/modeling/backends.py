@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .fla_adapters import load_fla
+
 MODES = ("auto", "fla", "torch")
 ENV = "HF_RECATTN_KERNELS"
 #: dtypes every kernel takes (they accumulate in float32)
@@ -60,8 +62,6 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    from .fla_adapters import load_fla
-
     for name, fn in load_fla().items():
         if name not in _kernels:  # a kernel registered by hand (tests) stays
             register(name, fn, backward_verified=False)
