@@ -23,7 +23,8 @@ from kv_needles import AGNOSTIC, MODES, NEEDLE_PRESSES, pooled
 
 from hf_recattn.atomic import atomic_file
 
-SPREAD = 0.035  # how far apart sideways (a share of the bytes) points of the same bytes are drawn
+REFERENCE_COLORS = ("0.35", "C5", "C6", "C8", "C7", "C9")
+SPREAD = 0.025  # how far apart sideways (a share of the bytes) points of the same bytes are drawn
 TICKS = (2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
@@ -69,9 +70,9 @@ def press_series(presses: dict[str, Any], task: str, haystacks: list[str]) -> li
 def _style(series: dict[str, Any], index: int) -> dict[str, Any]:
     if series["kind"] == "teacher":
         return {"color": "black", "marker": "*", "markersize": 12, "linestyle": "none"}
-    if series["kind"] == "model":
-        return {"color": f"{0.25 + 0.12 * (index % 5):.2f}", "marker": "D^vP<>"[index % 6], "markersize": 7,
-                "linestyle": "none"}
+    if series["kind"] == "model":  # colors the presses (C0-C4) do not use
+        return {"color": REFERENCE_COLORS[index % len(REFERENCE_COLORS)], "marker": "PXD^v<>"[index % 7],
+                "markersize": 9, "linestyle": "none"}
     color = f"C{NEEDLE_PRESSES.index(series['press'])}" if series["press"] in NEEDLE_PRESSES else "C9"
     filled = series["mode"] == AGNOSTIC
     return {"color": color, "marker": "o" if filled else "s", "markersize": 6, "linewidth": 0.8,
