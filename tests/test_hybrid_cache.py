@@ -176,6 +176,14 @@ def _novelty(value: torch.Tensor, window: list[torch.Tensor]) -> float:
     return nearest / float(torch.linalg.vector_norm(value))
 
 
+def _key_diversity(key: torch.Tensor, candidates: list[torch.Tensor]) -> float:
+    """Minus the cosine between ``key`` and the mean of the candidates' unit keys."""
+    units = [c.detach() / torch.linalg.vector_norm(c.detach()) for c in candidates]
+    anchor = sum(units, torch.zeros_like(units[0])) / len(units)
+    key = key.detach()
+    return -float(key @ anchor) / float(torch.linalg.vector_norm(key) * torch.linalg.vector_norm(anchor))
+
+
 def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, value: torch.Tensor,
            evicted: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """How badly the far state recalls (key, value) after token t."""
@@ -219,6 +227,9 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                     if mixer.spec["cache_score"] == "novelty":
                         after = [v[b, hk, s] for s in range(t - window + 1, t + 1) if s in real and s not in sinks]
                         scores = [_novelty(v[b, hk, s], after) for s in candidates]
+                    elif mixer.spec["cache_score"] == "keydiff":
+                        keys = [k[b, hk, s] for s in candidates]
+                        scores = [_key_diversity(key, keys) for key in keys]
                     elif mixer.spec["cache_score"] == "learned":
                         scores = [retention_score(mixer.retention, hk, k[b, hk, s], v[b, hk, s]) for s in candidates]
                     else:
@@ -303,6 +314,24 @@ def test_forms_match_the_reference(far: str, sinks: int) -> None:
     with torch.no_grad():
         plain = without.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
     assert rel_err(real_rows(plain, mask), expected) > 1e-3  # the cache matters
+
+
+@pytest.mark.parametrize(("far", "sinks"), [("linear-hedgehog", 1), ("delta", 0), ("none", 1)])
+def test_keydiff_forms_match_the_reference(far: str, sinks: int) -> None:
+    """cache_score='keydiff' (fp32, as above): decisions by how far each candidate's key points from the mean unit
+    key of the candidates; with a far part and without one."""
+    mixer = make(far, sink_tokens=sinks, cache_score="keydiff")
+    inputs = checks.random_inputs(SHAPE, 14, seed=12)
+    mask = left_padded(14, PAD)
+    with torch.no_grad():
+        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
+        expected = reference_of(mixer)(inputs, mask)
+        by_novelty = make(far, sink_tokens=sinks, cache_score="novelty")
+        by_novelty.load_state_dict(mixer.state_dict())
+        other = by_novelty.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
+    assert rel_err(real_rows(parallel, mask), expected) < FP32
+    assert state["cmask"].all()
+    assert rel_err(real_rows(other, mask), expected) > 1e-4  # the score decides something here
 
 
 @pytest.mark.parametrize("sinks", [0, 1])
@@ -649,7 +678,7 @@ def test_variants_drop_the_cache() -> None:
          r"layer 2: option 'cache_slots' needs a taylor far part with denominator='exact'"),
         ({"cache_slots": 2, "far": "heinsen"}, r"layer 2: option 'far' must be a linear or taylor"),
         ({"cache_slots": 2, "cache_score": "attention"},
-         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'learned'\], got 'attention'"),
+         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'keydiff', 'learned'\], got 'attention'"),
         ({"cache_score": "novelty"},
          r"layer 2: option 'cache_score'='novelty' scores the exact cache, which is off \(cache_slots: 0\)"),
     ],

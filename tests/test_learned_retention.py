@@ -96,7 +96,8 @@ def test_the_score_reads_the_head_and_no_far_state() -> None:
     head = perturbed_head()
     keys = torch.randn(1, SHAPE.num_kv_heads, 4, SHAPE.head_dim)
     values = torch.randn_like(keys)
-    decision = Decision(keys, values, {}, values[:, :, :2], torch.ones(1, 2, dtype=torch.bool))
+    decision = Decision(keys, values, {}, values[:, :, :2], torch.ones(1, 2, dtype=torch.bool),
+                        torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool))
     learned = CACHE_SCORES["learned"]
     assert learned.learned and not learned.reads_far
     torch.testing.assert_close(learned.score(ScoreParts(None, head), decision), head(keys, values))

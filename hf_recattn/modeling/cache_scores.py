@@ -12,6 +12,11 @@ function here plus one line there.
   A pair whose value the window holds again (text that repeats, a recurring phrase) adds little beside it; one
   unlike anything recent (a fact stated once) scores high for as long as nothing like it comes back, since the
   cached pairs are re-scored against each new window. It reads neither the far state nor its parameters.
+* ``keydiff``: how far each candidate's key points from the others' (KeyDiff, Park et al., 2025): minus
+  the cosine between the key and the mean of the real candidates' unit keys. Keys that point where most keys point
+  (the resting places of attention, common words) score low; a key unlike the rest stays. It reads neither the far
+  state nor its parameters. KeyDiff scores a whole prefilled cache against its mean; here the mean is that of the
+  candidates of each decision (the cache and the pending pairs), so the memory stays constant.
 * ``learned``: the layer's retention head (retention_head.py, Locret's retaining heads) predicts from each pair
   the attention the teacher's later queries put on it; trained during conversion (training/retention_objective.py).
   It reads no far state, so it also serves a hybrid without a far part (a pure learned-eviction softmax cache).
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 class ScoreParts(NamedTuple):
@@ -35,13 +41,15 @@ class ScoreParts(NamedTuple):
 
 class Decision(NamedTuple):
     """What a decision scores: ``keys`` / ``values`` [B, Hkv, N, D] of the N candidates (the cache's slots, then the
-    pending pairs), the far ``state``, and the window's values [B, Hkv, W, D] with their real-token mask [B, W]."""
+    pending pairs), the far ``state``, the window's values [B, Hkv, W, D] with their real-token mask [B, W], and
+    which candidates hold a pair (``filled`` [B, N]; an empty cache slot does not)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     state: dict[str, torch.Tensor]
     window: torch.Tensor
     window_real: torch.Tensor
+    filled: torch.Tensor
 
 
 def far_recall(parts: ScoreParts, decision: Decision) -> torch.Tensor:
@@ -65,6 +73,16 @@ def window_novelty(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     return distance.amin(-1) / values.norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)
 
 
+def key_diversity(parts: ScoreParts, decision: Decision) -> torch.Tensor:
+    """[B, Hkv, N]: minus the cosine between each candidate's key and the mean unit key of the filled candidates (in
+    float32 at least)."""
+    dtype = torch.promote_types(decision.keys.dtype, torch.float32)
+    units = F.normalize(decision.keys.to(dtype), dim=-1)
+    filled = decision.filled[:, None, :, None].to(dtype)
+    anchor = (units * filled).sum(2, keepdim=True) / filled.sum(2, keepdim=True).clamp_min(1.0)
+    return -(units * F.normalize(anchor, dim=-1)).sum(-1)
+
+
 class CacheScore(NamedTuple):
     """One choice of option ``cache_score``: the ``score`` (score parts, decision) -> [B, Hkv, N], whether it
     ``reads_far`` (needs the far family's ``far_recall_error``), what the cache ``keeps``, in words (cards), and
@@ -80,6 +98,9 @@ CACHE_SCORES: dict[str, CacheScore] = {
     "far": CacheScore(far_recall, reads_far=True, keeps="the key / value pairs its far state recalls worst"),
     "novelty": CacheScore(window_novelty, reads_far=False,
                           keeps="the key / value pairs whose values are least like any value in the window"),
+    "keydiff": CacheScore(key_diversity, reads_far=False,
+                          keeps="the key / value pairs whose keys point furthest from the mean direction of the "
+                          "candidates' keys"),
     "learned": CacheScore(learned_retention, reads_far=False, learned=True,
                           keeps="the key / value pairs its retention head, trained on the teacher's attention, "
                           "predicts later queries will attend to most"),
