@@ -316,37 +316,27 @@ def test_forms_match_the_reference(far: str, sinks: int) -> None:
     assert rel_err(real_rows(plain, mask), expected) > 1e-3  # the cache matters
 
 
-@pytest.mark.parametrize(("far", "sinks"), [("linear-hedgehog", 1), ("delta", 0), ("none", 1)])
-def test_keydiff_forms_match_the_reference(far: str, sinks: int) -> None:
-    """cache_score='keydiff' (fp32, as above): decisions by how far each candidate's key points from the mean unit
-    key of the candidates; with a far part and without one."""
-    mixer = make(far, sink_tokens=sinks, cache_score="keydiff")
-    inputs = checks.random_inputs(SHAPE, 14, seed=12)
+#: (score, another score to tell it from, far part, sinks, seed) of the scores that read no far state
+OTHER_SCORES = [("novelty", "far", far, sinks, 11) for far in ("linear-hedgehog", "toy", "delta") for sinks in (0, 1)]
+OTHER_SCORES += [("keydiff", "novelty", far, sinks, 12) for far, sinks in (("linear-hedgehog", 1), ("delta", 0),
+                                                                          ("none", 1))]
+
+
+@pytest.mark.parametrize(("score", "other_score", "far", "sinks", "seed"), OTHER_SCORES)
+def test_window_and_key_scores_match_the_reference(score: str, other_score: str, far: str, sinks: int,
+                                                   seed: int) -> None:
+    """cache_score 'novelty' (by the window's values) and 'keydiff' (by how far each candidate's key points from the
+    candidates' mean unit key), fp32 as above: the same forms, with a far part and without one; another score
+    decides otherwise on the same inputs."""
+    mixer = make(far, sink_tokens=sinks, cache_score=score)
+    inputs = checks.random_inputs(SHAPE, 14, seed=seed)
     mask = left_padded(14, PAD)
     with torch.no_grad():
         parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
         expected = reference_of(mixer)(inputs, mask)
-        by_novelty = make(far, sink_tokens=sinks, cache_score="novelty")
-        by_novelty.load_state_dict(mixer.state_dict())
-        other = by_novelty.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
-    assert rel_err(real_rows(parallel, mask), expected) < FP32
-    assert state["cmask"].all()
-    assert rel_err(real_rows(other, mask), expected) > 1e-4  # the score decides something here
-
-
-@pytest.mark.parametrize("sinks", [0, 1])
-@pytest.mark.parametrize("far", ["linear-hedgehog", "toy", "delta"])
-def test_novelty_forms_match_the_reference(far: str, sinks: int) -> None:
-    """cache_score='novelty' (fp32, as above): the same forms, decisions by the window's values."""
-    mixer = make(far, sink_tokens=sinks, cache_score="novelty")
-    inputs = checks.random_inputs(SHAPE, 14, seed=11)
-    mask = left_padded(14, PAD)
-    with torch.no_grad():
-        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
-        expected = reference_of(mixer)(inputs, mask)
-        by_far = make(far, sink_tokens=sinks)
-        by_far.load_state_dict(mixer.state_dict())
-        other = by_far.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
+        by_other = make(far, sink_tokens=sinks, cache_score=other_score)
+        by_other.load_state_dict(mixer.state_dict())
+        other = by_other.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
     assert rel_err(real_rows(parallel, mask), expected) < FP32
     assert state["cmask"].all()
     assert rel_err(real_rows(other, mask), expected) > 1e-4  # the score decides something here
