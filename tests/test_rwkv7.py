@@ -16,7 +16,12 @@ import math
 import mixer_checks as checks
 import pytest
 import torch
-from generation_cases import Case, left_padded_batch, one_thread, tiny_model
+from generation_cases import (
+    Case,
+    assert_generates_through_the_cache_and_reloads,
+    one_thread,
+    tiny_model,
+)
 from mixer_checks import BATCH, HIDDEN, PAD, SHAPE
 from mixer_steps import left_padded, run_chunked, run_steps
 from reference import real_rows, rel_err
@@ -24,7 +29,6 @@ from reference_generalized_delta import RWKV7Params, rwkv7_reference
 from reference_recurrent_softmax import hybrid_attention
 from transformers import initialization as init
 
-from hf_recattn import RecAttnForCausalLM
 from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.mixers import build_mixer, validate_spec
 
@@ -222,23 +226,9 @@ def test_bad_specs_name_the_option() -> None:
     {"mixer": "hybrid", "window": 3, "combine": "sum", "chunk_size": 4, "far": {"mixer": "rwkv7", "chunk_size": 4}},
 ], ids=["preset", "convert", "hybrid-far"])
 def test_model_generates_through_the_cache_and_reloads(attention, tmp_path) -> None:
-    """Greedy decoding with the cache (chunked prefill, then steps) gives the tokens and logits of the full
-    forward without a cache, left-padded batch; save / load gives the same logits."""
-    model = tiny_model(Case("rwkv7", attention))
-    ids, mask = left_padded_batch()
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=False)
-    cached = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
-                            return_dict_in_generate=True)
-    assert torch.equal(cached.sequences, plain)
-    full = torch.cat([mask, torch.ones(mask.shape[0], 5, dtype=mask.dtype)], dim=1)
-    with torch.no_grad():
-        logits = model(plain, attention_mask=full, use_cache=False).logits[:, ids.shape[1] - 1 : -1]
-    assert rel_err(torch.stack(cached.logits, dim=1), logits) <= 1e-4
-    model.save_pretrained(tmp_path)
-    loaded = RecAttnForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        again = loaded(plain, attention_mask=full, use_cache=False).logits[:, ids.shape[1] - 1 : -1]
-    assert torch.equal(again, logits)
+    """Greedy decoding with the cache gives the tokens and logits of the full forward, left-padded batch; save /
+    load gives the same logits (generation_cases.assert_generates_through_the_cache_and_reloads)."""
+    assert_generates_through_the_cache_and_reloads(tiny_model(Case("rwkv7", attention)), tmp_path)
 
 
 # ----- RWKV-7 as a hybrid's far part: g softmax(window) + (1 - g) generalized_delta over every token ----------------
