@@ -142,22 +142,27 @@ def _windows(spec: Any) -> int:
     return 0
 
 
+def extra_rows(total: int, count: int) -> torch.Tensor:
+    """[total] bool: the rows ``mix_blocks`` gives the ``count`` extra blocks (the same every time)."""
+    # extra block j goes to the slot floor((j + 0.5) * total / count): evenly spaced, never at the same slot
+    slots = ((torch.arange(count, dtype=torch.float64) + 0.5) * total / count).long()
+    is_extra = torch.zeros(total, dtype=torch.bool)
+    is_extra[slots] = True
+    return is_extra
+
+
 def mix_blocks(
-    text_blocks: torch.Tensor, extra: torch.Tensor, extra_weights: torch.Tensor, text_weight: float = 1.0
+    text_blocks: torch.Tensor, extra: torch.Tensor, extra_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text blocks with the ``extra`` blocks spread evenly among them (same total order every time), and the
-    loss weights of the whole set (``text_weight`` for text blocks)."""
+    """The text blocks with the ``extra`` blocks spread evenly among them (``extra_rows``), and the loss weights of
+    the whole set (1 for text blocks)."""
     if text_blocks.shape[1:] != extra.shape[1:] or extra.shape != extra_weights.shape:
         raise ValueError(f"stage 2: blocks {tuple(text_blocks.shape)} and retrieval blocks {tuple(extra.shape)} "
                          "differ in length")
-    total = text_blocks.shape[0] + extra.shape[0]
-    # extra block j goes to the slot floor((j + 0.5) * total / count): evenly spaced, never at the same slot
-    slots = ((torch.arange(extra.shape[0], dtype=torch.float64) + 0.5) * total / extra.shape[0]).long()
-    is_extra = torch.zeros(total, dtype=torch.bool)
-    is_extra[slots] = True
-    rows = text_blocks.new_empty((total, *text_blocks.shape[1:]))
+    is_extra = extra_rows(text_blocks.shape[0] + extra.shape[0], extra.shape[0])
+    rows = text_blocks.new_empty((is_extra.shape[0], *text_blocks.shape[1:]))
     rows[is_extra], rows[~is_extra] = extra.to(rows.dtype), text_blocks
-    weights = torch.full(rows.shape, text_weight, dtype=extra_weights.dtype)
+    weights = torch.ones(rows.shape, dtype=extra_weights.dtype)
     weights[is_extra] = extra_weights
     return rows, weights
 
@@ -183,7 +188,9 @@ def with_retrieval_blocks(blocks: torch.Tensor, recipe: Recipe, section: str, to
                                         min_distance=recipe_window(recipe), kinds=kinds)
     except ValueError as err:
         raise ValueError(f"{recipe.source}: {section}.retrieval_share: {err}") from None
-    text = blocks[: blocks.shape[0] - count]
-    mixed, weights = mix_blocks(text, extra, torch.where(answers, float(answer_weight), 1.0))
-    return mixed, weights, mix_blocks(text, extra, answers.float(), text_weight=0.0)[1].bool()
+    extra_weights = torch.where(answers, float(answer_weight), 1.0)
+    mixed, weights = mix_blocks(blocks[: blocks.shape[0] - count], extra, extra_weights)
+    answers_all = torch.zeros(mixed.shape, dtype=torch.bool)
+    answers_all[extra_rows(mixed.shape[0], count)] = answers
+    return mixed, weights, answers_all
 

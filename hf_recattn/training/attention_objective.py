@@ -203,7 +203,6 @@ class TransferObjective(nn.Module):
         if self.retention_target == "answers" and answers is None:
             raise ValueError("stage1.retention_target: answers needs the blocks' answer tokens "
                              "(stage1.retrieval_share)")
-        self.answers = answers
         io = teacher_attention_io(self.teacher, input_ids, max(self.layers))
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         position_embeddings = self.rotary(io[0][0].to(self.dtype), position_ids=positions)
@@ -211,15 +210,17 @@ class TransferObjective(nn.Module):
         total = None
         for i in self.layers:
             hidden, target = io[i]
-            loss = self._layer_loss(i, hidden, target, position_embeddings, values)
+            loss = self._layer_loss(i, hidden, target, position_embeddings, values, answers)
             total = loss if total is None else total + loss
         self.values = values
         return total
 
     def _layer_loss(
-        self, i: int, hidden: torch.Tensor, target: torch.Tensor, position_embeddings: Any, values: LayerValues
+        self, i: int, hidden: torch.Tensor, target: torch.Tensor, position_embeddings: Any, values: LayerValues,
+        answers: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layer ``i``'s loss on the teacher's input ``hidden`` and output ``target``; its numbers into ``values``.
+        """Layer ``i``'s loss on the teacher's input ``hidden`` and output ``target``; its numbers into ``values``
+        (``answers``: the blocks' answer tokens, for the ``answers`` retention target).
 
         The layer's terms are recomputed in the backward (``torch.utils.checkpoint``): the same operations on the
         same inputs give the same gradient bit for bit, while only one layer's activations are alive at a time
@@ -240,13 +241,14 @@ class TransferObjective(nn.Module):
             values.loss[i] += self.attention_kl * power * kl_value
             loss = loss + self.attention_kl * power * kl
         if head is not None:
-            retention = self._retention_term(i, head, hidden, position_embeddings, log_p)
+            retention = self._retention_term(i, head, hidden, position_embeddings, log_p, answers)
             values.retention[i] = _batch_means(retention, retention.new_zeros(()), None)[0]  # its mean alone
             loss = loss + retention
         return loss
 
     def _retention_term(
-        self, i: int, head: nn.Module, hidden: torch.Tensor, position_embeddings: Any, log_p: torch.Tensor
+        self, i: int, head: nn.Module, hidden: torch.Tensor, position_embeddings: Any, log_p: torch.Tensor,
+        answers: torch.Tensor | None,
     ) -> torch.Tensor:
         """Layer ``i``'s retention-head loss: its predictions from the student's keys and values against the importance
         the teacher's attention ``log_p`` gives each key (training/retention_objective.py)."""
@@ -255,7 +257,7 @@ class TransferObjective(nn.Module):
         with torch.no_grad():
             _, keys, values = attention.project(hidden.to(self.dtype), position_embeddings)
         if self.retention_target == "answers":
-            target, counted = answer_retention_targets(log_p, self.answers, mixer.window, mixer.sink_tokens,
+            target, counted = answer_retention_targets(log_p, answers, mixer.window, mixer.sink_tokens,
                                                        mixer.shape.groups)
         else:
             target, counted = retention_targets(log_p, mixer.window, mixer.sink_tokens, mixer.shape.groups)

@@ -28,14 +28,19 @@ from torch import nn
 IMPORTANCE_FLOOR = 1e-6
 
 
+def _check_weights(log_weights: torch.Tensor, groups: int) -> None:
+    """ValueError unless ``log_weights`` is [B, H, T, T] with H a multiple of ``groups``."""
+    if log_weights.dim() != 4 or log_weights.shape[1] % groups:
+        raise ValueError(f"retention targets need [B, H, T, T] weights with H a multiple of {groups} query heads "
+                         f"per KV head, got {tuple(log_weights.shape)}")
+
+
 def retention_targets(
     log_weights: torch.Tensor, window: int, sink_tokens: int, groups: int, floor: float = IMPORTANCE_FLOOR
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """From the teacher's log attention weights [B, H, T, T]: the log importance [B, Hkv, T] of every key (H = Hkv x
     ``groups`` query heads, grouped as in ``group_queries``) and which keys count [B, Hkv, T] (see the module)."""
-    if log_weights.dim() != 4 or log_weights.shape[1] % groups:
-        raise ValueError(f"retention targets need [B, H, T, T] weights with H a multiple of {groups} query heads "
-                         f"per KV head, got {tuple(log_weights.shape)}")
+    _check_weights(log_weights, groups)
     b, h, t, _ = log_weights.shape
     query = torch.arange(t, device=log_weights.device)[:, None]
     key = torch.arange(t, device=log_weights.device)[None, :]
@@ -83,9 +88,7 @@ def answer_retention_targets(
     at least ``window`` tokens later (each floored at ``floor``), and which keys count: not one of the first
     ``sink_tokens``, at least ``window`` tokens before the block's first answering query; none in a block without
     answers."""
-    if log_weights.dim() != 4 or log_weights.shape[1] % groups:
-        raise ValueError(f"retention targets need [B, H, T, T] weights with H a multiple of {groups} query heads "
-                         f"per KV head, got {tuple(log_weights.shape)}")
+    _check_weights(log_weights, groups)
     b, h, t, _ = log_weights.shape
     if answers.shape != (b, t):
         raise ValueError(f"answer retention targets: answers {tuple(answers.shape)} do not match blocks {(b, t)}")
