@@ -49,6 +49,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from hf_recattn.conversion.attention_transfer import attention_transfer
 from hf_recattn.conversion.from_teacher import student_from_teacher
+from hf_recattn.conversion.memory import LOSS_COPIES
 from hf_recattn.conversion.pipeline import STAGES as PIPELINE_STAGES
 from hf_recattn.conversion.recipe import (
     check_against_teacher,
@@ -414,10 +415,6 @@ class Run:
     checkpoint_kept: int = 0  # numbers per token that checkpointing keeps in all layers besides their inputs
 
 
-#: fp32 [chunk, V] tensors alive at the peak of the loss (student logits and their masked copy, the log-softmaxes of
-#: the cross-entropy and of both tempered distributions, the teacher's probabilities, the log-ratio, the product,
-#: and the gradients flowing back through them); see docs/conversion.md
-LOSS_COPIES = 10
 #: [n_q, T, T] fp32 matrices alive while ``fastest_forms`` times the delta rule's parallel form on one layer's shape
 #: (measured: 0.9 GB for 9 heads at T = 2048), before each stage trains
 FORM_TIMING_COPIES = 6

@@ -31,7 +31,9 @@ from ..training.distill_settings import DistillSettings
 from ..training.fused_loss import liger_misfit, liger_unavailable
 from .job import Log, read_json
 
-#: float32 tensors of the vocabulary's size alive per predicted position at the loss's peak (docs/conversion.md)
+#: float32 tensors of the vocabulary's size alive per predicted position at the loss's peak (student logits and their
+#: masked copy, the log-softmaxes of the cross-entropy and of both tempered distributions, the teacher's
+#: probabilities, the log-ratio, the product, and the gradients flowing back through them; docs/conversion.md)
 LOSS_COPIES = 10
 #: the ``loss_chunk_size`` chosen where a recipe leaves it unset and the logits do not fit
 CHOSEN_CHUNK = 256
