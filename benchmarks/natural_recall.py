@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,13 +43,19 @@ NOTES = ["MiB: every state element at 4 bytes, per sequence; a row with the same
          "task, haystack (heldout: held-out corpus documents; ood: the corpus's license texts) and length."]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_row_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rows measured: ``--teacher``, ``--swap``, ``--converted`` (``models``), and ``--threads``."""
     parser.add_argument("--teacher", default="embedded")
     parser.add_argument("--swap", nargs="*", default=[], metavar="NAME=SPEC",
                         help="training-free variants: the teacher's weights with this attention (the window of 512 + "
                         "4 sinks is always measured)")
     parser.add_argument("--converted", nargs="*", default=[], metavar="DIR", help="converted checkpoints")
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_row_arguments(parser)
     parser.add_argument("--tasks", nargs="+", default=["single_number", "multi_key", "multi_query"],
                         choices=NEEDLE_TASKS)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
@@ -56,7 +63,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=20, help="prompts per (task, haystack, length) cell")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 32768],
                         help="contexts of the cache columns")
-    parser.add_argument("--threads", type=int, default=None)
     add_out_argument(parser, "natural_recall.json")
     return parser.parse_args(argv)
 
@@ -120,12 +126,18 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(results.get("notes", NOTES))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+#: one row's measurement: (name, model, config, tokenizer) -> the row's figures, with "seconds"
+Measure = Callable[[str, torch.nn.Module, RecAttnConfig, Any], dict[str, Any]]
+
+
+def measure_rows(args: argparse.Namespace, benchmark: str, run_settings: dict[str, Any], notes: list[str],
+                 measure_row: Measure, summary: str) -> dict[str, Any]:
+    """Every row of ``models`` through ``measure_row``, the results rewritten to ``args.out`` after each; rows of
+    an earlier run with the same settings are kept, not measured again. ``summary``: the field printed per row."""
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
-    results: dict[str, Any] = {"settings": settings(args), "models": {}, "notes": NOTES}
+    results: dict[str, Any] = {"settings": run_settings, "models": {}, "notes": notes}
     if args.out.is_file():
         earlier = json.loads(args.out.read_text())
         if earlier.get("settings") == results["settings"]:
@@ -136,11 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         if name in results["models"]:
             print(f"{name}: measured earlier", flush=True)
             continue
-        results["models"][name] = {**facts, **measure(name, model, config, tokenizer, args)}
-        results = write_results(args.out, "natural_recall", record, {k: v for k, v in results.items()
-                                                                     if k not in ("benchmark", "provenance")})
-        print(f"{name}: {results['models'][name]['accuracy']} ({results['models'][name]['seconds']:.0f} s)",
-              flush=True)
+        results["models"][name] = {**facts, **measure_row(name, model, config, tokenizer)}
+        results = write_results(args.out, benchmark, record, {k: v for k, v in results.items()
+                                                              if k not in ("benchmark", "provenance")})
+        row = results["models"][name]
+        print(f"{name}: {row[summary]} ({row['seconds']:.0f} s)", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = measure_rows(args, "natural_recall", settings(args), NOTES,
+                           lambda name, model, config, tokenizer: measure(name, model, config, tokenizer, args),
+                           "accuracy")
     print(render_markdown(results))
     return 0
 

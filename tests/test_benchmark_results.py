@@ -26,6 +26,8 @@ RESULTS = {
     "needles_smollm2_cpu.json": "needles",
     "sinks_past_context_cpu.json": "sinks_past_context",
     "natural_recall_single_cpu.json": "natural_recall",
+    "natural_recall_multi_cpu.json": "natural_recall",
+    "natural_perplexity_cpu.json": "natural_perplexity",
     "loss_by_position_cpu.json": "loss_by_position",
 }
 

@@ -49,6 +49,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             HYBRID, retrieval_heads={"max_heads": 1, "context_length": 256, "prompts": 1, "per_round": 1},
             stage2={"block_size": 512, "batch_size": 1, "tokens": 2048, "retrieval_share": 0.5,
                     "answer_weight": 20})),
+        "retrieval_teacher": write_recipe(root / "tiny-retrieval-teacher.yaml", tiny_recipe_dict(
+            {"mixer": "hybrid", "window": 8, "sink_tokens": 2, "far": "none"}, stage1={"tokens": 0},
+            stage2={"tokens": 0},
+            retrieval_heads={"max_heads": 2, "context_length": 256, "prompts": 1, "method": "teacher",
+                             "retrieval": {"mixer": "hybrid", "window": 64, "sink_tokens": 2, "far": "none"}})),
         "fox": write_recipe(  # the fox recipe in miniature: lossless start, no stage 1, gates train in stage 2
             root / "tiny-fox.yaml",
             tiny_recipe_dict({"mixer": "softmax", "forget": "fox"}, stage1={"tokens": 0},
@@ -146,6 +151,33 @@ def test_convert_keeps_retrieval_heads_and_resumes_with_them(
     shutil.rmtree(out / "model")
     assert main(_args(assets, out, "retrieval", "--no-eval")) == 0
     assert "retrieval heads: chosen earlier, 1 KV heads" in capsys.readouterr().out
+
+
+def test_convert_keeps_the_teachers_retrieval_heads_bounded(
+    assets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Without training: the two KV heads the teacher copies answers with run the recipe's bounded spec, the rest
+    the window; the choice and the teacher's scores are recorded, and the state no longer grows."""
+    from hf_recattn.state_size import state_size_report
+
+    out = tmp_path / "run"
+    assert main(_args(assets, out, "retrieval_teacher", "--no-eval")) == 0
+    chosen = json.loads((out / "retrieval_heads.json").read_text())
+    assert chosen["method"] == "teacher" and chosen["count"] == 2
+    assert sum(map(len, chosen["heads"].values())) == 2
+    scores = torch.tensor(chosen["scores"])
+    kept = sorted(float(scores[int(layer), h]) for layer, kv in chosen["heads"].items() for h in kv)
+    assert kept[0] >= scores.flatten().sort(descending=True).values[1].item() - 1e-5  # the two highest
+    assert "the 2 KV heads the teacher copies with" in capsys.readouterr().out
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    for layer, heads in chosen["heads"].items():
+        spec = model.config.layer_spec(int(layer))
+        assert spec["mixer"] == "retrieval_heads" and spec["heads"] == heads
+        assert spec["retrieval"]["window"] == 64
+    sizes = [sum(r.state_elements for r in state_size_report(model.config, n)) for n in (100, 10_000)]
+    assert sizes[0] == sizes[1]
 
 
 def test_convert_end_to_end_fox(assets: dict[str, Path], tmp_path: Path) -> None:

@@ -135,6 +135,24 @@ def test_wrong_types_and_values(tmp_path: Path) -> None:
         assert f"retrieval_heads.{key}" in _error(tmp_path, recipe)
     unknown = tiny_recipe_dict(retrieval_heads={"heads": 3})
     assert "retrieval_heads: unknown key(s) ['heads']" in _error(tmp_path, unknown)
+    method = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "method": "attention"})
+    assert "retrieval_heads.method must be one of ['gradient', 'teacher'], got 'attention'" in _error(tmp_path, method)
+    spec = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "retrieval": {"mixer": "hybrid", "windw": 8}})
+    assert "retrieval_heads.retrieval: unknown option(s) ['windw']" in _error(tmp_path, spec)
+
+
+def test_later_retrieval_head_settings_leave_fingerprints_alone(tmp_path: Path) -> None:
+    """``method`` and ``retrieval`` unset: the fingerprint of a recipe written before they existed; set: another."""
+    plain = tiny_recipe_dict(retrieval_heads={"max_heads": 2})
+    def fingerprint(folder: str, recipe: dict) -> str:  # one file name: the name is part of the fingerprint
+        (tmp_path / folder).mkdir()
+        return load_recipe(write_recipe(tmp_path / folder / "r.yaml", recipe)).fingerprint()
+
+    before = fingerprint("a", plain)
+    spelled = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "method": None, "retrieval": None})
+    assert fingerprint("b", spelled) == before
+    teacher = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "method": "teacher"})
+    assert fingerprint("c", teacher) != before
 
 
 def test_missing_budget_lists_the_available_ones(tmp_path: Path) -> None:

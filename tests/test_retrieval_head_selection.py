@@ -95,6 +95,33 @@ def test_the_built_model_saves_and_generates(tmp_path) -> None:  # noqa: ANN001
     assert torch.equal(a, b)
 
 
+def test_a_bounded_retrieval_spec_takes_its_heads_rows_and_stays_exact_while_it_fits(tmp_path) -> None:  # noqa: ANN001
+    """With a window longer than the input, the bounded retrieval heads give the exact-softmax model's logits; the
+    retrieval part's window share is the layer's row for those heads; the model saves, reloads and generates the
+    same through its constant-size cache."""
+    model = tiny()
+    bounded = {"mixer": "hybrid", "window": 32, "sink_tokens": 1, "far": "none"}
+    built = with_retrieval_heads(model, {0: [1]}, bounded).eval()
+    exact = with_retrieval_heads(model, {0: [1]}).eval()
+    mixer = built.model.layers[0].self_attn.mixer
+    assert torch.equal(mixer.full.mix_logit, model.model.layers[0].self_attn.mixer.mix_logit[2:4])
+    assert built.config.layer_spec(0)["retrieval"]["window"] == 32
+    with torch.no_grad():
+        assert (built(input_ids=ids()).logits - exact(input_ids=ids()).logits).abs().max() < 1e-5
+    built.save_pretrained(tmp_path)
+    loaded = RecAttnForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        a = built.generate(ids()[:1], max_new_tokens=6, do_sample=False)
+        b = loaded.generate(ids()[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_a_retrieval_spec_with_parameters_the_layer_lacks_is_refused() -> None:
+    window_only = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": "none"}
+    with pytest.raises(ValueError, match=r"layer 0: the retrieval spec's hybrid mixer has a parameter 'far\."):
+        with_retrieval_heads(tiny(window_only), {0: [1]}, HYBRID)
+
+
 def test_selection_stays_within_budget_and_restores_the_model() -> None:
     model = tiny()
     before = [layer.self_attn.mixer for layer in model.model.layers]

@@ -159,3 +159,75 @@ def test_shape_of_the_parts() -> None:
     assert (mixer.full.shape.num_heads, mixer.full.shape.num_kv_heads) == (3, 1)
     assert (mixer.rest.shape.num_heads, mixer.rest.shape.num_kv_heads) == (6, 2)
     assert mixer.heads == {"full": ([6, 7, 8], [2]), "rest": ([0, 1, 2, 3, 4, 5], [0, 1])}
+
+
+# ----- a bounded mixer on the retrieval heads (option ``retrieval``) ------------------------------------------
+WINDOW_ON_RETRIEVAL = {"mixer": "hybrid", "window": 4, "sink_tokens": 2, "far": "none"}
+CACHE_ON_RETRIEVAL = {"mixer": "hybrid", "window": 2, "sink_tokens": 1, "far": "none", "cache_slots": 2,
+                      "cache_score": "keydiff"}
+
+
+def make_bounded(retrieval: dict, others: str = "hybrid-elu", dtype: torch.dtype = torch.float32):
+    spec = validate_spec({"mixer": "retrieval_heads", "heads": [1], "others": OTHERS[others],
+                          "retrieval": retrieval}, "layer 5")
+    mixer = build_mixer(spec, SHAPE).to(dtype)
+    perturb_parameters(mixer, scale=1.0, dtype=dtype)
+    return mixer
+
+
+def test_a_bounded_retrieval_part_matches_reference() -> None:
+    """The listed heads see a window of 4 and 2 sinks (the hybrid reference without a far part), the others their
+    hybrid: fp32 against float64, < 1e-5 relative."""
+    mixer = make_bounded(WINDOW_ON_RETRIEVAL)
+    q, k, v, x = inputs = random_inputs(SHAPE, 12, seed=4)
+    mask = left_padded(12, PAD)
+    out = mixer.parallel(q, k, v, MixerInputs(x, mask))
+    others = mixer.rest
+    share = torch.sigmoid(others.mix_logit.detach().double())
+    rest = hybrid_attention(q[:, :GROUPS], k[:, :1], v[:, :1], others.window, linear_kernel("elu"), share, mask=mask)
+    listed = hybrid_attention(q[:, GROUPS:], k[:, 1:], v[:, 1:], 4, None, torch.ones(GROUPS), mask=mask, sinks=2)
+    assert rel_err(real_rows(out, mask), torch.cat([rest, listed], dim=2)) < 1e-5
+    assert rel_err(real_rows(out, mask), reference(make([1], "hybrid-elu"), inputs, mask)) > 1e-2  # not exact
+
+
+@pytest.mark.parametrize("retrieval", [WINDOW_ON_RETRIEVAL, CACHE_ON_RETRIEVAL], ids=["window", "keydiff-cache"])
+def test_a_bounded_retrieval_part_agrees_in_every_form(retrieval: dict) -> None:
+    mixer = make_bounded(retrieval)
+    assert_forms_agree(mixer, random_inputs(SHAPE, 13, seed=5), left_padded(13, PAD), rel=1e-5)
+
+
+def test_a_bounded_retrieval_part_keeps_memory_constant() -> None:
+    """The state stops growing (kind "window"), and while the context fits the listed heads' window the layer is
+    the exact-softmax one to rounding."""
+    bounded = make_bounded({**WINDOW_ON_RETRIEVAL, "window": 16})
+    assert bounded.state_kind == "window"
+    assert bounded.state_size(100) == bounded.state_size(100_000)
+    exact = make([1], "hybrid-elu")
+    exact.rest.load_state_dict(bounded.rest.state_dict())
+    q, k, v, x = random_inputs(SHAPE, 12, seed=6)
+    assert rel_err(bounded.parallel(q, k, v, MixerInputs(x)), exact.parallel(q, k, v, MixerInputs(x))) < 1e-6
+
+
+def test_bad_retrieval_specs_name_the_option() -> None:
+    assert_specs_rejected([
+        ({"mixer": "retrieval_heads", "heads": [0], "retrieval": {"mixer": "retrieval_heads"}}, "layer 3",
+         r"option 'retrieval' cannot be another 'retrieval_heads'"),
+        ({"mixer": "retrieval_heads", "heads": [0], "retrieval": {"mixer": "linear", "causal": False}}, "layer 3",
+         r"option 'retrieval' must be causal"),
+        ({"mixer": "retrieval_heads", "heads": [0], "retrieval": {"mixer": "nope"}}, "layer 3",
+         r"layer 3: option 'retrieval': unknown"),
+    ])
+
+
+def test_position_need_follows_the_retrieval_part() -> None:
+    """Exact softmax over the context needs positions; a plain window does not; sinks kept at any distance do."""
+    from hf_recattn.modeling.registry import position_need
+
+    def need(retrieval: dict | None) -> str | None:
+        return position_need(validate_spec({"mixer": "retrieval_heads", "heads": [0], "retrieval": retrieval,
+                                            "others": OTHERS["window+sinks"] | {"sink_tokens": 0}}, "layer 1"),
+                             "layer 1")
+
+    assert "exact softmax over every earlier key" in need(None)
+    assert need({"mixer": "hybrid", "window": 8, "far": "none", "sink_tokens": 0}) is None
+    assert "retrieval part" in need(WINDOW_ON_RETRIEVAL)

@@ -209,7 +209,7 @@ def _student_and_stage1(label: str, job: Job, teacher: Teacher, train_texts: lis
     timings = {"stage1": summary.get("seconds", 0.0)}
     if recipe.retrieval_heads.max_heads:
         t0 = time.perf_counter()
-        student = keep_retrieval_heads(label, job, teacher.tokenizer, student, train_texts)
+        student = keep_retrieval_heads(label, job, teacher, student, train_texts)
         timings["retrieval_heads"] = time.perf_counter() - t0
     return Trained(student, summary, timings)
 
@@ -272,7 +272,8 @@ def _records(job: Job, stage1_summary: dict[str, Any], stage2_summary: dict[str,
         report["training_tokens"] += report["init"]["training_tokens"]
     chosen = read_json(job.output / "retrieval_heads.json")
     if "heads" in chosen:
-        report["retrieval_heads"] = {key: chosen[key] for key in ("heads", "count", "answered", "prompts")}
+        keys = ("heads", "count", "answered", "prompts", "method", "chosen_scores")
+        report["retrieval_heads"] = {key: chosen[key] for key in keys if key in chosen}
     return report
 
 

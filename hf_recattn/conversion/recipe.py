@@ -79,6 +79,10 @@ class Recipe:
             values.pop(key)
         if not self.retrieval_heads.max_heads:  # added later: off leaves older fingerprints as they were
             values.pop("retrieval_heads")
+        else:  # its later settings, as below
+            for key in ("method", "retrieval"):
+                if values["retrieval_heads"][key] is None:
+                    values["retrieval_heads"].pop(key)
         if self.init is None:  # added later, as above
             values.pop("init")
         if self.layers is None:  # added later, as above

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..modeling.mixer_base import Mixer, MixerInputs
-from ..modeling.mixer_retrieval_heads import FULL_SPEC, RetrievalHeadsMixer
+from ..modeling.mixer_retrieval_heads import FULL_PREFIX, FULL_SPEC, REST_PREFIX, RetrievalHeadsMixer
 from ..modeling.mixer_softmax import SoftmaxMixer
 from ..prompting.haystack import Haystack
 from ..prompting.recall import RecallPrompt, recall_prompt
@@ -213,28 +213,31 @@ def select_retrieval_heads(
 
 # ----- the model that keeps them --------------------------------------------------------------------------
 def _split_parameter(name: str, source: torch.Tensor, target: torch.Tensor, mixer: RetrievalHeadsMixer,
-                     where: str) -> torch.Tensor:
-    """The rows of a per-head parameter that belong to the other heads (dim 0 indexed by query or KV heads,
+                     where: str, part: str = "rest") -> torch.Tensor:
+    """The rows of a per-head parameter that belong to ``part``'s heads (dim 0 indexed by query or KV heads,
     possibly several rows per head); a parameter shared by all heads is copied whole."""
     if source.shape == target.shape:
         return source
     shape = mixer.shape
     options = []
-    q_rest, kv_rest = mixer.heads["rest"]
-    for count, index in ((shape.num_heads, q_rest), (shape.num_kv_heads, kv_rest)):
+    q_part, kv_part = mixer.heads[part]
+    for count, index in ((shape.num_heads, q_part), (shape.num_kv_heads, kv_part)):
         rows, rest = divmod(source.shape[0], count)
         if rest == 0 and rows * len(index) == target.shape[0] and source.shape[1:] == target.shape[1:]:
             options.append(source.view(count, rows, *source.shape[1:])[index].reshape(target.shape))
     if len(options) == 1 or (len(options) == 2 and torch.equal(options[0], options[1])):
         return options[0]
     why = "is ambiguous" if options else "has no rows per head"
+    heads = "other heads'" if part == "rest" else "retrieval heads'"
     raise ValueError(f"{where}: cannot split parameter {name!r} {tuple(source.shape)} between the heads: its first "
-                     f"dimension {why} (the other heads' part needs {tuple(target.shape)})")
+                     f"dimension {why} (the {heads} part needs {tuple(target.shape)})")
 
 
-def with_retrieval_heads(model: nn.Module, heads: HeadSet) -> nn.Module:
+def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, Any] | None = None) -> nn.Module:
     """A copy of ``model`` whose layers in ``heads`` keep exact softmax on those KV heads (their other heads
-    keep the layer's own mixer and weights)."""
+    keep the layer's own mixer and weights). ``retrieval``: the spec those heads run instead of exact softmax (the
+    mixer's option of that name); its parameters take those heads' rows of the layer's parameters of the same
+    name (e.g. a hybrid's mixing weight), and a parameter the layer lacks is refused."""
     config = copy.deepcopy(model.config)
     specs = config.layer_specs()
     count = len(specs)
@@ -245,7 +248,7 @@ def with_retrieval_heads(model: nn.Module, heads: HeadSet) -> nn.Module:
         if specs[layer_idx]["mixer"] == RetrievalHeadsMixer.name:
             raise ValueError(f"retrieval heads: layer {layer_idx} already keeps retrieval heads")
         overrides[str(layer_idx)] = {"mixer": RetrievalHeadsMixer.name, "heads": sorted(kv),
-                                     "others": specs[layer_idx]}
+                                     "others": specs[layer_idx], "retrieval": retrieval}
     config.attention = specs
     config.attention_overrides = overrides or None
     student = type(model)(config).to(next(model.parameters()).dtype)
@@ -254,10 +257,17 @@ def with_retrieval_heads(model: nn.Module, heads: HeadSet) -> nn.Module:
     for layer_idx in heads:
         prefix = f"model.layers.{layer_idx}.self_attn.mixer."
         mixer = student.model.layers[layer_idx].self_attn.mixer
-        for name in [n for n in state if n.startswith(prefix)]:
-            target = prefix + "rest." + name[len(prefix):]
-            state[target] = _split_parameter(name[len(prefix):], state.pop(name), own[target], mixer,
-                                             f"layer {layer_idx}")
+        where = f"layer {layer_idx}"
+        layer = {name[len(prefix):]: state.pop(name) for name in [n for n in state if n.startswith(prefix)]}
+        for name, source in layer.items():
+            state[prefix + REST_PREFIX + name] = _split_parameter(name, source, own[prefix + REST_PREFIX + name],
+                                                                  mixer, where)
+        for target in [n for n in own if n.startswith(prefix + FULL_PREFIX)]:  # a retrieval spec's own parameters
+            name = target[len(prefix + FULL_PREFIX):]
+            if name not in layer:
+                raise ValueError(f"retrieval heads: {where}: the retrieval spec's {mixer.full.name} mixer has a "
+                                 f"parameter {name!r} that the layer's own mixer does not, so nothing would set it")
+            state[target] = _split_parameter(name, layer[name], own[target], mixer, where, "full")
     student.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         student.tie_weights()

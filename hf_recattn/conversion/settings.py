@@ -135,6 +135,9 @@ class Stage2Settings(DistillSettings):
             raise ValueError(f"{at}.answer_weight must be a finite number > 0, got {weight!r}")
 
 
+RETRIEVAL_HEAD_METHODS = (None, "gradient", "teacher")
+
+
 @dataclass(frozen=True)
 class RetrievalHeadSettings:
     """After stage 1, keep exact softmax on the KV heads recall needs (``conversion/retrieval_heads.py``)."""
@@ -143,12 +146,26 @@ class RetrievalHeadSettings:
     context_length: int = 1024  # tokens of each recall prompt the heads are chosen on
     prompts: int = 2  # prompts of each kind: a secret number, an associative-recall fact (in training text)
     per_round: int = 2  # heads switched to exact softmax per round of the greedy search
+    #: how the heads are chosen: "gradient" (None: the greedy search on the stage-1 student, retrieval_heads.py) or
+    #: "teacher" (exactly max_heads, those the teacher copies answers with, teacher_heads.py)
+    method: str | None = None
+    #: the spec the chosen heads run instead of exact softmax (the retrieval_heads mixer's option), e.g. a hybrid
+    #: window with an exact cache, so that their memory stops growing; None: exact softmax over the whole context
+    retrieval: dict | None = None
 
     def check(self, source: str, section: str = "retrieval_heads") -> None:
         at = f"{source}: {section}"
         positive(self.max_heads, f"{at}.max_heads", allow_zero=True)
         for key in ("context_length", "prompts", "per_round"):
             positive(getattr(self, key), f"{at}.{key}")
+        if self.method not in RETRIEVAL_HEAD_METHODS:
+            raise ValueError(f"{at}.method must be one of {list(RETRIEVAL_HEAD_METHODS[1:])}, got {self.method!r}")
+        if self.retrieval is not None:
+            if not isinstance(self.retrieval, dict):
+                raise ValueError(f"{at}.retrieval must be a mixer spec (a mapping), got {self.retrieval!r}")
+            from ..modeling.registry import validate_spec
+
+            validate_spec(dict(self.retrieval), f"{at}.retrieval")
 
 
 @dataclass(frozen=True)

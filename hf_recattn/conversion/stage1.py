@@ -23,6 +23,7 @@ from .layer_selection import selected_layers
 from .recipe import Recipe
 from .retrieval_data import with_retrieval_blocks
 from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
+from .teacher_heads import copy_scores, describe, top_heads
 
 
 def tokens_per_second(result: Any) -> float:
@@ -94,9 +95,11 @@ def _log_result(result: TransferResult, per_second: float, log: Log) -> None:
     )
 
 
-def keep_retrieval_heads(label: str, job: Job, tokenizer: Any, student: nn.Module, train_texts: list[str]) -> nn.Module:
-    """Choose the KV heads that keep exact softmax on the stage-1 student (or read the choice of an earlier run
-    from ``retrieval_heads.json``) and return the student that keeps them."""
+def keep_retrieval_heads(label: str, job: Job, teacher: Teacher, student: nn.Module,
+                         train_texts: list[str]) -> nn.Module:
+    """Choose the KV heads that keep exact softmax (or the recipe's ``retrieval`` spec): on the stage-1 student by
+    the gradient search, or on the teacher by ``method: teacher``; or read the choice of an earlier run from
+    ``retrieval_heads.json``. Returns the student that keeps them."""
     settings, log = job.recipe.retrieval_heads, job.log
     path = job.output / "retrieval_heads.json"
     chosen = read_json(path)
@@ -104,19 +107,27 @@ def keep_retrieval_heads(label: str, job: Job, tokenizer: Any, student: nn.Modul
         heads = {int(layer): list(kv) for layer, kv in chosen["heads"].items()}
         log(f"{label} retrieval heads: chosen earlier, {sum(map(len, heads.values()))} KV heads")
     else:
-        log(f"{label} retrieval heads: choosing at most {settings.max_heads} KV heads on {2 * settings.prompts} recall "
-            f"prompts of {settings.context_length} tokens")
+        by_teacher = settings.method == "teacher"
+        log(f"{label} retrieval heads: choosing {'the' if by_teacher else 'at most'} {settings.max_heads} KV heads "
+            f"{'the teacher copies with ' if by_teacher else ''}on {2 * settings.prompts} recall prompts of "
+            f"{settings.context_length} tokens")
         try:
-            prompts = recall_objective(tokenizer, train_texts, settings.context_length, settings.prompts,
+            prompts = recall_objective(teacher.tokenizer, train_texts, settings.context_length, settings.prompts,
                                        seed=job.recipe.seed)
         except ValueError as err:
             raise ValueError(f"{job.recipe.source}: retrieval_heads.context_length: {err}") from None
-        selection = select_retrieval_heads(student, prompts, settings.max_heads, settings.per_round,
-                                           log=lambda line: log("  " + line))
-        heads = selection.heads
+        if by_teacher:
+            scores = copy_scores(teacher.model, prompts)
+            heads = top_heads(scores, settings.max_heads)
+            record = {"count": settings.max_heads, **describe(scores, heads)}
+        else:
+            selection = select_retrieval_heads(student, prompts, settings.max_heads, settings.per_round,
+                                               log=lambda line: log("  " + line))
+            heads = selection.heads
+            record = {"count": selection.count, "answered": selection.answered, "prompts": selection.prompts,
+                      "rounds": selection.rounds}
         if parallel.is_main():
-            write_json(path, {"heads": {str(k): v for k, v in heads.items()}, "count": selection.count,
-                                     "answered": selection.answered, "prompts": selection.prompts,
-                                     "rounds": selection.rounds})
-    log("  exact softmax on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))
-    return with_retrieval_heads(student, heads)
+            write_json(path, {"heads": {str(k): v for k, v in heads.items()}, **record})
+    kept = "exact softmax" if settings.retrieval is None else f"a {settings.retrieval['mixer']} of their own"
+    log(f"  {kept} on: " + (", ".join(f"layer {k} KV {v}" for k, v in sorted(heads.items())) or "none"))
+    return with_retrieval_heads(student, heads, settings.retrieval)

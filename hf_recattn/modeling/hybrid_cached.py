@@ -216,7 +216,8 @@ class ExactCacheForms:
         values = torch.cat([cv, pending[1]], dim=2)
         filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
         # the choice is discrete: no gradient
-        score = self.cache_score(ScoreParts(self.far, self.retention), Decision(keys, values, far, *window, filled)).detach()
+        decision = Decision(keys, values, far, *window, filled)
+        score = self.cache_score(ScoreParts(self.far, self.retention), decision).detach()
         keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
         cache = (
             where_rows(rows, gather_heads(keys, keep), ck),

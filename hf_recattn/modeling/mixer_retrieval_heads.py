@@ -8,10 +8,15 @@ window with 4 attention sinks), on the remaining KV heads. The cache then grows 
 elements per token instead of ``2 * num_kv_heads * head_dim``; ``hf_recattn.conversion.retrieval_heads``
 picks the heads from a teacher.
 
-The two parts are the ``softmax`` mixer and the ``others`` mixer built for their share of the heads, so their
-forms, states and proofs are theirs: the parallel form runs each part's uncached form (its own choice of parallel
-or chunked), the chunked and step forms each part's. The state holds the softmax part's tensors under ``full.``
-and the other part's under ``rest.``; ``heads=[]`` is the ``others`` mixer alone.
+``retrieval`` replaces the listed heads' exact softmax by another causal mixer, so that their memory stops
+growing too: e.g. a ``hybrid`` with a long window, sinks and an exact cache (``far: none``) holds a fixed number
+of pairs per head, every pair exact until the context outgrows it, then the ones its ``cache_score`` keeps.
+
+The two parts are the retrieval mixer (by default ``softmax``) and the ``others`` mixer built for their share of
+the heads, so their forms, states and proofs are theirs: the parallel form runs each part's uncached form (its own
+choice of parallel or chunked), the chunked and step forms each part's (the default softmax part always its
+chunked form). The state holds the retrieval part's tensors under ``full.`` and the other part's under ``rest.``;
+``heads=[]`` is the ``others`` mixer alone.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ def _part(prefix: str, state: State) -> State:
     return {name[len(prefix) :]: x for name, x in state.items() if name.startswith(prefix)}
 
 
+def _combined_kind(kinds: list[str]) -> str:
+    """The state kind of the parts together: growing if one grows, else bounded if one is a window."""
+    return next((kind for kind in ("kv", "window") if kind in kinds), kinds[0])
+
+
 def _rest_keys(key_map: KeyMap) -> KeyMap:
     """A variant's key map of the ``others`` mixer applied under ``rest.``; the softmax heads' keys stay."""
 
@@ -67,13 +77,20 @@ class RetrievalHeadsMixer(Mixer):
     options = {
         "heads": Option((list,), [], "KV head indices that keep exact softmax over the whole context"),
         "others": Option((dict, str), dict(DEFAULT_OTHERS), "spec of the mixer on the other KV heads"),
+        "retrieval": Option(
+            (dict, str, type(None)), None,
+            "spec of the mixer on the listed KV heads; None: exact softmax over the whole context",
+        ),
     }
     state_kind = "kv"  # with heads listed; heads=[] takes the other mixer's kind
 
     def rollback_problem(self) -> str | None:
-        """The softmax heads can drop tokens; the other heads' mixer decides."""
-        problem = self.rest.rollback_problem() if self.rest is not None else None
-        return None if problem is None else f"its other heads' {self.rest.name} mixer: {problem}"
+        """Each part's: exact softmax heads can drop tokens."""
+        for part, label in ((self.full, "retrieval heads'"), (self.rest, "other heads'")):
+            problem = part.rollback_problem() if part is not None else None
+            if problem is not None:
+                return f"its {label} {part.name} mixer: {problem}"
+        return None
 
     @classmethod
     def layer_type(cls, spec: dict[str, Any]) -> str:
@@ -84,13 +101,17 @@ class RetrievalHeadsMixer(Mixer):
 
     @classmethod
     def softmax_reach(cls, spec: dict[str, Any]) -> str | None:
-        """The listed heads' softmax reaches every earlier key; the other heads' mixer answers for itself (as a
-        part: ``registry.position_need``)."""
-        return "context" if spec["heads"] else None
+        """The listed heads' reach: every earlier key with exact softmax, else their mixer's; the other heads'
+        mixer answers for itself (as a part: ``registry.position_need``)."""
+        if not spec["heads"]:
+            return None
+        retrieval = spec["retrieval"]
+        return "context" if retrieval is None else mixer_class(retrieval["mixer"], "retrieval").softmax_reach(retrieval)
 
     @classmethod
     def position_need(cls, spec: dict[str, Any]) -> str | None:
-        if spec["heads"] and spec.get("rope", True):
+        """The listed heads' need (a ``retrieval`` spec is asked as a part by ``registry.position_need``)."""
+        if spec["heads"] and spec["retrieval"] is None and spec.get("rope", True):
             return f"its KV heads {spec['heads']} keep exact softmax over every earlier key, compared through RoPE"
         return None
 
@@ -102,12 +123,19 @@ class RetrievalHeadsMixer(Mixer):
         if len(set(heads)) != len(heads):
             raise ValueError(f"{where}: option 'heads' lists a KV head twice: {heads!r}")
         spec["heads"] = sorted(heads)
-        others = validate_spec(spec["others"], f"{where}: option 'others'")
-        if others["mixer"] == cls.name:
-            raise ValueError(f"{where}: option 'others' cannot be another {cls.name!r} mixer")
-        if not others.get("causal", True):
-            raise ValueError(f"{where}: option 'others' must be causal")
-        spec["others"] = others
+        spec["others"] = cls._part(spec["others"], "others", where)
+        if spec["retrieval"] is not None:
+            spec["retrieval"] = cls._part(spec["retrieval"], "retrieval", where)
+
+    @classmethod
+    def _part(cls, part: dict[str, Any] | str, option: str, where: str) -> dict[str, Any]:
+        """A part's spec validated: any causal mixer but this one."""
+        spec = validate_spec(part, f"{where}: option {option!r}")
+        if spec["mixer"] == cls.name:
+            raise ValueError(f"{where}: option {option!r} cannot be another {cls.name!r} mixer")
+        if not spec.get("causal", True):
+            raise ValueError(f"{where}: option {option!r} must be causal")
+        return spec
 
     @classmethod
     def variants(cls, spec: dict[str, Any]) -> dict[str, tuple[dict[str, Any], KeyMap]]:
@@ -131,9 +159,19 @@ class RetrievalHeadsMixer(Mixer):
                 f"layer {shape.layer_idx} ({self.name}): option 'heads' lists every KV head; use mixer 'softmax'"
             )
         rest = [h for h in range(shape.num_kv_heads) if h not in heads]
-        self.full = SoftmaxMixer(FULL_SPEC, self._shape(len(heads)), config) if heads else None
+        retrieval = spec.get("retrieval")
+        self.full: Mixer | None = None
+        if heads:
+            shape_full = self._shape(len(heads))
+            self.full = SoftmaxMixer(FULL_SPEC, shape_full, config) if retrieval is None else build_mixer(
+                retrieval, shape_full, config)
+        if self.full is not None and self.full.input_weights():
+            raise ValueError(f"layer {shape.layer_idx} ({self.name}): option 'retrieval' names a {self.full.name} "
+                             "mixer that reads the layer input; the retrieval heads' mixer must work on q, k, v alone")
+        #: the default exact softmax runs its chunked form for cached tokens, a step included
+        self._full_always_chunked = retrieval is None
         self.rest = build_mixer(spec["others"], self._shape(len(rest)), config)
-        self.state_kind = "kv" if heads else self.rest.state_kind
+        self.state_kind = _combined_kind([m.state_kind for m in (self.full, self.rest) if m is not None])
         groups = shape.groups
         order = [h * groups + g for h in heads + rest for g in range(groups)]  # query heads: full part, then rest
         split = len(heads) * groups
@@ -173,30 +211,35 @@ class RetrievalHeadsMixer(Mixer):
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         rest, _ = self.rest(*self._split(q, k, v, "rest"), inputs)
-        full = self.full.parallel(*self._split(q, k, v, "full"), inputs) if self.full is not None else None
+        full = None
+        if self.full is not None:
+            split = self._split(q, k, v, "full")
+            full = self.full.parallel(*split, inputs) if self._full_always_chunked else self.full(*split, inputs)[0]
         return self._merge(full, rest)
 
     def _continue(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, rest_form: Form
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, form: str
     ) -> tuple[torch.Tensor, State]:
-        """The other heads through ``rest_form`` (their mixer's chunked or step form), the softmax heads chunked."""
+        """Both parts through ``form`` (their mixers' chunked or step form; the default softmax part chunked)."""
+        rest_form: Form = getattr(self.rest, form)
         rest, rest_state = rest_form(*self._split(q, k, v, "rest"), inputs, _part(REST_PREFIX, state))
         new = _prefixed(REST_PREFIX, rest_state)
         full = None
         if self.full is not None:
-            full, full_state = self.full.chunked(*self._split(q, k, v, "full"), inputs, _part(FULL_PREFIX, state))
+            full_form: Form = getattr(self.full, "chunked" if self._full_always_chunked else form)
+            full, full_state = full_form(*self._split(q, k, v, "full"), inputs, _part(FULL_PREFIX, state))
             new.update(_prefixed(FULL_PREFIX, full_state))
         return self._merge(full, rest), new
 
     def chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        return self._continue(q, k, v, inputs, state, self.rest.chunked)
+        return self._continue(q, k, v, inputs, state, "chunked")
 
     def step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
     ) -> tuple[torch.Tensor, State]:
-        return self._continue(q, k, v, inputs, state, self.rest.step)
+        return self._continue(q, k, v, inputs, state, "step")
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         state = _prefixed(REST_PREFIX, self.rest.init_state(batch_size, device, dtype))
