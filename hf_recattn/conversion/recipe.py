@@ -80,6 +80,8 @@ class Recipe:
         if not self.retrieval_heads.max_heads:  # added later: off leaves older fingerprints as they were
             values.pop("retrieval_heads")
         else:  # its later settings, as below
+            if values["retrieval_heads"]["method"] == "gradient":  # the default spelled out
+                values["retrieval_heads"]["method"] = None
             for key in ("method", "retrieval"):
                 if values["retrieval_heads"][key] is None:
                     values["retrieval_heads"].pop(key)

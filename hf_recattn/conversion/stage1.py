@@ -119,7 +119,7 @@ def keep_retrieval_heads(label: str, job: Job, teacher: Teacher, student: nn.Mod
         if by_teacher:
             scores = copy_scores(teacher.model, prompts)
             heads = top_heads(scores, settings.max_heads)
-            record = {"count": settings.max_heads, **describe(scores, heads)}
+            record = describe(scores, heads)
         else:
             selection = select_retrieval_heads(student, prompts, settings.max_heads, settings.per_round,
                                                log=lambda line: log("  " + line))

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from ..prompting.recall import RecallPrompt
-
-HeadSet = dict[int, list[int]]
+from .retrieval_heads import HeadSet
 
 
 @contextlib.contextmanager
@@ -88,6 +87,7 @@ def top_heads(scores: torch.Tensor, count: int) -> HeadSet:
 
 def describe(scores: torch.Tensor, heads: HeadSet) -> dict[str, Any]:
     """What ``retrieval_heads.json`` records of a teacher-scored choice."""
-    return {"method": "teacher", "scores": [[round(float(x), 5) for x in row] for row in scores],
+    return {"method": "teacher", "count": sum(map(len, heads.values())),
+            "scores": [[round(float(x), 5) for x in row] for row in scores],
             "chosen_scores": {str(layer): [round(float(scores[layer, h]), 5) for h in kv]
                               for layer, kv in heads.items()}}

@@ -211,10 +211,7 @@ class RetrievalHeadsMixer(Mixer):
     # ----- forms ------------------------------------------------------------------------------------------
     def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         rest, _ = self.rest(*self._split(q, k, v, "rest"), inputs)
-        full = None
-        if self.full is not None:
-            split = self._split(q, k, v, "full")
-            full = self.full.parallel(*split, inputs) if self._full_always_chunked else self.full(*split, inputs)[0]
+        full = self.full(*self._split(q, k, v, "full"), inputs)[0] if self.full is not None else None
         return self._merge(full, rest)
 
     def _continue(
