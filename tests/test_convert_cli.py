@@ -52,7 +52,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "retrieval_teacher": write_recipe(root / "tiny-retrieval-teacher.yaml", tiny_recipe_dict(
             {"mixer": "hybrid", "window": 8, "sink_tokens": 2, "far": "none"}, stage1={"tokens": 0},
             stage2={"tokens": 0},
-            retrieval_heads={"max_heads": 2, "context_length": 256, "prompts": 1, "method": "teacher",
+            retrieval_heads={"max_heads": 2, "context_length": 512, "prompts": 1, "method": "teacher",
+                             "kinds": ["words", "passkey"],
                              "retrieval": {"mixer": "hybrid", "window": 64, "sink_tokens": 2, "far": "none"}})),
         "fox": write_recipe(  # the fox recipe in miniature: lossless start, no stage 1, gates train in stage 2
             root / "tiny-fox.yaml",
@@ -168,14 +169,19 @@ def test_convert_keeps_the_teachers_retrieval_heads_bounded(
     scores = torch.tensor(chosen["scores"])
     kept = sorted(float(scores[int(layer), h]) for layer, kv in chosen["heads"].items() for h in kv)
     assert kept[0] >= scores.flatten().sort(descending=True).values[1].item() - 1e-5  # the two highest
-    assert "the 2 KV heads the teacher copies with" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "the 2 KV heads the teacher copies with on 2 recall prompts of 512 tokens (words, passkey)" in printed
+    assert "scored 2 of 2 prompts (512 tokens)" in printed
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     for layer, heads in chosen["heads"].items():
         spec = model.config.layer_spec(int(layer))
-        assert spec["mixer"] == "retrieval_heads" and spec["heads"] == heads
-        assert spec["retrieval"]["window"] == 64
+        if len(heads) == model.config.num_key_value_heads:  # every KV head of the layer: the retrieval spec whole
+            assert spec["mixer"] == "hybrid" and spec["window"] == 64
+        else:
+            assert spec["mixer"] == "retrieval_heads" and spec["heads"] == heads
+            assert spec["retrieval"]["window"] == 64
     sizes = [sum(r.state_elements for r in state_size_report(model.config, n)) for n in (100, 10_000)]
     assert sizes[0] == sizes[1]
 

@@ -142,17 +142,26 @@ def test_wrong_types_and_values(tmp_path: Path) -> None:
 
 
 def test_later_retrieval_head_settings_leave_fingerprints_alone(tmp_path: Path) -> None:
-    """``method`` and ``retrieval`` unset: the fingerprint of a recipe written before they existed; set: another."""
+    """``method``, ``retrieval`` and ``kinds`` unset: the fingerprint of a recipe written before they existed; set:
+    another."""
     plain = tiny_recipe_dict(retrieval_heads={"max_heads": 2})
     def fingerprint(folder: str, recipe: dict) -> str:  # one file name: the name is part of the fingerprint
         (tmp_path / folder).mkdir()
         return load_recipe(write_recipe(tmp_path / folder / "r.yaml", recipe)).fingerprint()
 
     before = fingerprint("a", plain)
-    spelled = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "method": None, "retrieval": None})
+    spelled = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "method": None, "retrieval": None, "kinds": None})
     assert fingerprint("b", spelled) == before
     teacher = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "method": "teacher"})
     assert fingerprint("c", teacher) != before
+    kinds = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "kinds": ["words"]})
+    assert fingerprint("d", kinds) != before
+
+
+@pytest.mark.parametrize(("kinds", "message"), [(["word"], "unknown kind(s) ['word']"), ([], "an empty list")])
+def test_retrieval_head_kinds_are_checked(tmp_path: Path, kinds: list, message: str) -> None:
+    spec = tiny_recipe_dict(retrieval_heads={"max_heads": 2, "kinds": kinds})
+    assert f"retrieval_heads.kinds: {message}" in _error(tmp_path, spec)
 
 
 def test_missing_budget_lists_the_available_ones(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_recattn import RecAttnConfig, RecAttnForCausalLM
+from hf_recattn.conversion.retrieval_data import retrieval_prompt
 from hf_recattn.conversion.retrieval_heads import (
     _Blend,
     recall_objective,
@@ -14,6 +15,8 @@ from hf_recattn.conversion.retrieval_heads import (
 )
 from hf_recattn.evaluation.recall import Fact, RecallPrompt
 from hf_recattn.evaluation.templates import templates
+from hf_recattn.prompting.haystack import Haystack
+from hf_recattn.prompting.templates import word_list
 
 VOCAB = 40
 HYBRID = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
@@ -116,6 +119,25 @@ def test_a_bounded_retrieval_spec_takes_its_heads_rows_and_stays_exact_while_it_
     assert torch.equal(a, b)
 
 
+def test_a_layer_whose_every_kv_head_is_listed_runs_the_retrieval_spec_whole() -> None:
+    """Every KV head of layer 0 listed: the layer is exact softmax (the selection's blend at a = 1 on all its heads)
+    or, with a bounded spec, that spec with the layer's own mixing weights (exact while the input fits)."""
+    model = tiny()
+    everything = {0: [0, 1, 2], 1: [1]}
+    exact = with_retrieval_heads(model, everything).eval()
+    assert exact.config.layer_spec(0)["mixer"] == "softmax"
+    assert exact.config.layer_spec(1)["mixer"] == "retrieval_heads"
+    bounded = with_retrieval_heads(model, everything, {"mixer": "hybrid", "window": 32, "sink_tokens": 1,
+                                                       "far": "none"}).eval()
+    assert bounded.config.layer_spec(0)["window"] == 32
+    assert torch.equal(bounded.model.layers[0].self_attn.mixer.mix_logit,
+                       model.model.layers[0].self_attn.mixer.mix_logit)
+    with torch.no_grad():
+        want = blended_logits(model, everything)
+        assert (exact(input_ids=ids()).logits - want).abs().max() < 1e-5
+        assert (bounded(input_ids=ids()).logits - want).abs().max() < 1e-5
+
+
 def test_a_retrieval_spec_with_parameters_the_layer_lacks_is_refused() -> None:
     window_only = {"mixer": "hybrid", "window": 3, "sink_tokens": 1, "far": "none"}
     with pytest.raises(ValueError, match=r"layer 0: the retrieval spec's hybrid mixer has a parameter 'far\."):
@@ -206,3 +228,21 @@ def test_the_objective_hides_numbers_and_facts_in_the_texts() -> None:
     depths = [p.depths()[0] for p in prompts[::2]]
     assert depths[0] < 0.5 < depths[1]
     assert recall_objective(tokenizer, texts, 300, prompts=2, seed=4)[0].ids().tolist() == prompts[0].ids().tolist()
+
+
+def test_the_objective_takes_the_kinds_asked_for_in_turn() -> None:
+    """``kinds``: ``prompts`` of each kind, in turn, each the training block of that kind and index: word-valued
+    facts (``words``) as well as numbers."""
+    from distill_fixtures import tiny_texts, tiny_tokenizer
+
+    texts = tiny_texts()
+    tokenizer = tiny_tokenizer(texts)
+    kinds = ("words", "passkey")
+    prompts = recall_objective(tokenizer, texts, 1024, prompts=2, seed=4, kinds=kinds)
+    assert len(prompts) == 4
+    haystack = Haystack(tokenizer, texts)
+    for index, p in enumerate(prompts):
+        assert p.ids().tolist() == retrieval_prompt(tokenizer, haystack, 1024, index, 4, kinds=kinds).ids().tolist()
+    words = set(word_list("train"))
+    assert all(fact.value in words for p in prompts[::2] for fact in p.facts)
+    assert all(fact.value.isdigit() for p in prompts[1::2] for fact in p.facts)

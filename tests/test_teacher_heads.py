@@ -66,3 +66,10 @@ def test_top_heads_takes_the_highest_by_layer() -> None:
     assert top_heads(scores, 3) == {0: [1], 1: [0, 2]}
     with pytest.raises(ValueError, match=r"count must be in 1..6"):
         top_heads(scores, 7)
+
+
+def test_progress_is_told_after_every_prompt() -> None:
+    lines: list[str] = []
+    copy_scores(teacher(), [prompt(), prompt()], log=lines.append)
+    length = prompt().length
+    assert lines == [f"scored 1 of 2 prompts ({length} tokens)", f"scored 2 of 2 prompts ({length} tokens)"]

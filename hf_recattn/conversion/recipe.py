@@ -82,7 +82,7 @@ class Recipe:
         else:  # its later settings, as below
             if values["retrieval_heads"]["method"] == "gradient":  # the default spelled out
                 values["retrieval_heads"]["method"] = None
-            for key in ("method", "retrieval"):
+            for key in ("method", "retrieval", "kinds"):
                 if values["retrieval_heads"][key] is None:
                     values["retrieval_heads"].pop(key)
         if self.init is None:  # added later, as above

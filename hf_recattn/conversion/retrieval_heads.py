@@ -30,7 +30,7 @@ from ..modeling.mixer_softmax import SoftmaxMixer
 from ..prompting.haystack import Haystack
 from ..prompting.recall import RecallPrompt, recall_prompt
 from ..prompting.templates import templates
-from .retrieval_data import needle_prompt
+from .retrieval_data import needle_prompt, retrieval_prompt
 
 HeadSet = dict[int, list[int]]
 
@@ -76,11 +76,16 @@ class _Blend(nn.Module):
 
 
 def recall_objective(tokenizer: Any, texts: Sequence[str], context_length: int, prompts: int = 3,
-                     seed: int = 0) -> list[RecallPrompt]:
+                     seed: int = 0, kinds: Sequence[str] | None = None) -> list[RecallPrompt]:
     """What the heads are chosen on: ``prompts`` secret numbers hidden in ``texts`` (at depths spread over the
     context) and as many associative-recall prompts (one fact planted, asked at the end), alternating, in the
-    words of the first ``passkey`` and ``codes`` training templates (never the probes')."""
+    words of the first ``passkey`` and ``codes`` training templates (never the probes'). ``kinds``: instead,
+    ``prompts`` retrieval prompts of each of these kinds (``retrieval_data.retrieval_prompt``, every training
+    template of the kind in turn), taken in turn."""
     haystack = Haystack(tokenizer, texts)
+    if kinds is not None:
+        return [retrieval_prompt(tokenizer, haystack, context_length, index, seed, kinds=kinds)
+                for index in range(prompts * len(kinds))]
     codes = templates("codes", "train")[0]
     out: list[RecallPrompt] = []
     for i in range(prompts):
@@ -237,16 +242,22 @@ def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, 
     """A copy of ``model`` whose layers in ``heads`` keep exact softmax on those KV heads (their other heads
     keep the layer's own mixer and weights). ``retrieval``: the spec those heads run instead of exact softmax (the
     mixer's option of that name); its parameters take those heads' rows of the layer's parameters of the same
-    name (e.g. a hybrid's mixing weight), and a parameter the layer lacks is refused."""
+    name (e.g. a hybrid's mixing weight), and a parameter the layer lacks is refused. A layer whose every KV head
+    is listed runs ``retrieval`` (or softmax) as a whole, with the layer's parameters of the same names."""
     config = copy.deepcopy(model.config)
     specs = config.layer_specs()
     count = len(specs)
     overrides = {}
+    whole = set()
     for layer_idx, kv in heads.items():
         if not 0 <= layer_idx < count:
             raise ValueError(f"retrieval heads: layer {layer_idx} does not exist (the model has {count} layers)")
         if specs[layer_idx]["mixer"] == RetrievalHeadsMixer.name:
             raise ValueError(f"retrieval heads: layer {layer_idx} already keeps retrieval heads")
+        if len(set(kv)) == config.num_key_value_heads:
+            whole.add(layer_idx)
+            overrides[str(layer_idx)] = dict(retrieval or {"mixer": "softmax"})
+            continue
         overrides[str(layer_idx)] = {"mixer": RetrievalHeadsMixer.name, "heads": sorted(kv),
                                      "others": specs[layer_idx], "retrieval": retrieval}
     config.attention = specs
@@ -259,6 +270,15 @@ def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, 
         mixer = student.model.layers[layer_idx].self_attn.mixer
         where = f"layer {layer_idx}"
         layer = {name[len(prefix):]: state.pop(name) for name in [n for n in state if n.startswith(prefix)]}
+        if layer_idx in whole:
+            for target in [n for n in own if n.startswith(prefix)]:
+                name = target[len(prefix):]
+                if name not in layer or layer[name].shape != own[target].shape:
+                    raise ValueError(f"retrieval heads: {where}: the retrieval spec's {mixer.name} mixer has a "
+                                     f"parameter {name!r} that the layer's own mixer does not have in that shape, "
+                                     "so nothing would set it")
+                state[target] = layer[name]
+            continue
         for name, source in layer.items():
             state[prefix + REST_PREFIX + name] = _split_parameter(name, source, own[prefix + REST_PREFIX + name],
                                                                   mixer, where)

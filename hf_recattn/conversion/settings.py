@@ -152,12 +152,20 @@ class RetrievalHeadSettings:
     #: the spec the chosen heads run instead of exact softmax (the retrieval_heads mixer's option), e.g. a hybrid
     #: window with an exact cache, so that their memory stops growing; None: exact softmax over the whole context
     retrieval: dict | None = None
+    #: the kinds of retrieval prompt (``RETRIEVAL_KINDS``) the heads are chosen on, ``prompts`` of each; None: a
+    #: secret number (``passkey``) and an associative-recall fact (``codes``)
+    kinds: tuple[str, ...] | None = None
 
     def check(self, source: str, section: str = "retrieval_heads") -> None:
         at = f"{source}: {section}"
         positive(self.max_heads, f"{at}.max_heads", allow_zero=True)
         for key in ("context_length", "prompts", "per_round"):
             positive(getattr(self, key), f"{at}.{key}")
+        if self.kinds is not None:
+            unknown = [kind for kind in self.kinds if kind not in RETRIEVAL_KINDS]
+            if unknown or not self.kinds:
+                raise ValueError(f"{at}.kinds: {f'unknown kind(s) {unknown}' if unknown else 'an empty list'}; "
+                                 f"name some of {list(RETRIEVAL_KINDS)}")
         if self.method not in RETRIEVAL_HEAD_METHODS:
             raise ValueError(f"{at}.method must be one of {list(RETRIEVAL_HEAD_METHODS[1:])}, got {self.method!r}")
         if self.retrieval is not None:

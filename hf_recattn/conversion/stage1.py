@@ -108,16 +108,16 @@ def keep_retrieval_heads(label: str, job: Job, teacher: Teacher, student: nn.Mod
         log(f"{label} retrieval heads: chosen earlier, {sum(map(len, heads.values()))} KV heads")
     else:
         by_teacher = settings.method == "teacher"
-        log(f"{label} retrieval heads: choosing {'the' if by_teacher else 'at most'} {settings.max_heads} KV heads "
-            f"{'the teacher copies with ' if by_teacher else ''}on {2 * settings.prompts} recall prompts of "
-            f"{settings.context_length} tokens")
         try:
             prompts = recall_objective(teacher.tokenizer, train_texts, settings.context_length, settings.prompts,
-                                       seed=job.recipe.seed)
+                                       seed=job.recipe.seed, kinds=settings.kinds)
         except ValueError as err:
             raise ValueError(f"{job.recipe.source}: retrieval_heads.context_length: {err}") from None
+        log(f"{label} retrieval heads: choosing {'the' if by_teacher else 'at most'} {settings.max_heads} KV heads "
+            f"{'the teacher copies with ' if by_teacher else ''}on {len(prompts)} recall prompts of "
+            f"{settings.context_length} tokens ({', '.join(settings.kinds or ('passkey', 'codes'))})")
         if by_teacher:
-            scores = copy_scores(teacher.model, prompts)
+            scores = copy_scores(teacher.model, prompts, log=lambda line: log("  " + line))
             heads = top_heads(scores, settings.max_heads)
             record = describe(scores, heads)
         else:

@@ -14,7 +14,7 @@ backward pass.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,16 +47,18 @@ def _value_start(prompt: RecallPrompt, query: int) -> int | None:
 
 
 @torch.no_grad()
-def copy_scores(model: nn.Module, prompts: Sequence[RecallPrompt]) -> torch.Tensor:
+def copy_scores(model: nn.Module, prompts: Sequence[RecallPrompt],
+                log: Callable[[str], None] | None = None) -> torch.Tensor:
     """[layers, KV heads]: the mean attention the answering queries put on the planted value (see the module
-    docstring). ``model``: a transformers causal LM with GQA heads (query head h reads KV head h // group)."""
+    docstring). ``model``: a transformers causal LM with GQA heads (query head h reads KV head h // group).
+    ``log``: told after each prompt how many are scored."""
     config = model.config
     kv_heads = config.num_key_value_heads
     total: torch.Tensor | None = None
     answers = 0
     device = next(model.parameters()).device
     with _eager_attention(model):
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts, 1):
             ids = prompt.ids().to(device)
             weights = model(input_ids=ids, output_attentions=True, use_cache=False).attentions
             for query, span in zip(prompt.queries, prompt.answer_spans(), strict=True):
@@ -69,6 +71,8 @@ def copy_scores(model: nn.Module, prompts: Sequence[RecallPrompt]) -> torch.Tens
                 scores = torch.stack(per_layer).float().view(len(per_layer), kv_heads, -1).mean(-1).cpu()
                 total = scores if total is None else total + scores
                 answers += 1
+            if log is not None:
+                log(f"scored {index} of {len(prompts)} prompts ({prompt.length} tokens)")
     if total is None:
         raise ValueError("copy_scores: no prompt holds its answer verbatim in its context; nothing to score")
     return total / answers
