@@ -17,8 +17,9 @@ past its context with its own rotary (changing nothing else for a rotary that do
         --lengths 16384 32768 --prompts 2 --hybrid-options '{"distant_positions": "clamp"}' --threads 2 \
         --out benchmarks/results/needles_past_context_cpu.json
 
-The results and their provenance go to ``--out`` (default ``benchmarks/results/needles_cpu.json``);
-``scripts/render_docs.py`` renders the docs' table from that file with ``render_markdown``.
+The results and their provenance go to ``--out`` (default ``benchmarks/results/needles_cpu.json``), rewritten after
+every model; a rerun with the same settings skips the models measured before. ``scripts/render_docs.py`` renders
+the docs' table from that file with ``render_markdown``.
 """
 
 from __future__ import annotations
@@ -107,8 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
-    models = {_label(spec, args.hybrid_options): measure(spec, args) for spec in args.models}
-    results = write_results(args.out, "needles", record, {"models": models, "notes": [NOTE]})
+    settings = {key: getattr(args, key) for key in ("tasks", "lengths", "prompts", "haystacks", "seed",
+                                                   "hybrid_options", "max_positions")}
+    models: dict[str, Any] = {}
+    if args.out.is_file():  # a rerun with the same settings keeps the models measured before it stopped
+        earlier = json.loads(args.out.read_text())
+        if earlier.get("settings") == settings:
+            models = earlier.get("models", {})
+    results: dict[str, Any] = {}
+    for spec in args.models:
+        label = _label(spec, args.hybrid_options)
+        if label in models:
+            print(f"{label}: measured earlier", flush=True)
+            continue
+        models[label] = measure(spec, args)
+        results = write_results(args.out, "needles", record, {"settings": settings, "models": models,
+                                                              "notes": [NOTE]})
+    if not results:
+        results = json.loads(args.out.read_text())
     print(render_markdown(results))
     return 0
 
