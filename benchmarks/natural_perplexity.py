@@ -19,11 +19,10 @@ import time
 from typing import Any
 
 import torch
-from natural_recall import add_row_arguments, measure_rows
+from natural_recall import add_row_arguments, measure_rows, run_settings
 from results_file import add_out_argument
 
 from hf_recattn.data.corpus import embedded_texts
-from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation.heldout import long_rows, perplexity
 from hf_recattn.evaluation.needles import NEEDLE_HAYSTACKS
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
@@ -43,11 +42,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--haystacks", nargs="+", default=list(NEEDLE_HAYSTACKS), choices=NEEDLE_HAYSTACKS)
     add_out_argument(parser, "natural_perplexity.json")
     return parser.parse_args(argv)
-
-
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("teacher", "lengths", "tokens", "haystacks")
-    return {"corpus": CORPUS_SHA256} | {key: getattr(args, key) for key in keys}
 
 
 def block_sets(tokenizer: Any, args: argparse.Namespace) -> dict[str, dict[str, torch.Tensor]]:
@@ -107,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             blocks.update(block_sets(tokenizer, args))
         return measure(model, blocks)
 
-    results = measure_rows(args, "natural_perplexity", settings(args), NOTES, measure_row, "perplexity")
+    kept_by = run_settings(args, "teacher", "lengths", "tokens", "haystacks")
+    results = measure_rows(args, "natural_perplexity", kept_by, NOTES, measure_row, "perplexity")
     print(render_markdown(results))
     return 0
 

@@ -67,9 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("teacher", "tasks", "lengths", "haystacks", "prompts", "contexts")
+def run_settings(args: argparse.Namespace, *keys: str) -> dict[str, Any]:
+    """What a results file is kept by (``measure_rows``): the pinned corpus and these arguments' values."""
     return {"corpus": CORPUS_SHA256} | {key: getattr(args, key) for key in keys}
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return run_settings(args, "teacher", "tasks", "lengths", "haystacks", "prompts", "contexts")
 
 
 def measure(name: str, model: torch.nn.Module, config: RecAttnConfig, tokenizer: Any,

@@ -21,11 +21,10 @@ import time
 from typing import Any
 
 import torch
-from natural_recall import add_row_arguments, measure_rows
+from natural_recall import add_row_arguments, measure_rows, run_settings
 from results_file import add_out_argument
 
 from hf_recattn.data.corpus import embedded_texts
-from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation.distance import distance_recall_probe
 from hf_recattn.evaluation.needles import NEEDLE_HAYSTACKS, wilson_interval
 
@@ -42,11 +41,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--haystacks", nargs="+", default=list(NEEDLE_HAYSTACKS), choices=NEEDLE_HAYSTACKS)
     add_out_argument(parser, "recall_by_distance.json")
     return parser.parse_args(argv)
-
-
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("teacher", "distances", "trials", "haystacks")
-    return {"corpus": CORPUS_SHA256} | {key: getattr(args, key) for key in keys}
 
 
 def measure(name: str, model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -84,7 +78,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = measure_rows(args, "recall_by_distance", settings(args), NOTES,
+    kept_by = run_settings(args, "teacher", "distances", "trials", "haystacks")
+    results = measure_rows(args, "recall_by_distance", kept_by, NOTES,
                            lambda name, model, config, tokenizer: measure(name, model, tokenizer, args), "accuracy")
     print(render_markdown(results))
     return 0
