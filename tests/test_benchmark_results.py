@@ -29,6 +29,7 @@ RESULTS = {
     "natural_recall_multi_cpu.json": "natural_recall",
     "natural_perplexity_cpu.json": "natural_perplexity",
     "recall_by_distance_cpu.json": "recall_by_distance",
+    "needles_past_context_retrieval9_cpu.json": "needles",
     "loss_by_position_cpu.json": "loss_by_position",
 }
 
