@@ -21,15 +21,20 @@ RETRIEVAL_KINDS = ("passkey", "codes", "words", "needles")
 DEFAULT_RETRIEVAL_KINDS = ("passkey", "codes", "words")
 
 
+def check_kind_names(kinds: tuple[str, ...], option: str, note: str = "") -> None:
+    """``kinds`` a non-empty list of ``RETRIEVAL_KINDS``; else ValueError naming ``option`` and listing them."""
+    unknown = [kind for kind in kinds if kind not in RETRIEVAL_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"{option}: {f'unknown kind(s) {unknown}' if unknown else 'an empty list'}; "
+                         f"name some of {list(RETRIEVAL_KINDS)}{note}")
+
+
 def check_retrieval_kinds(kinds: tuple[str, ...] | None, share: float | None, at: str, section: str) -> None:
     """``{section}.retrieval_kinds``: None, or a non-empty list of ``RETRIEVAL_KINDS`` (taken in turn) with a
     ``retrieval_share`` > 0 to build; ValueError naming the option and listing the kinds."""
     if kinds is None:
         return
-    unknown = [kind for kind in kinds if kind not in RETRIEVAL_KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"{at}.retrieval_kinds: {f'unknown kind(s) {unknown}' if unknown else 'an empty list'}; "
-                         f"name some of {list(RETRIEVAL_KINDS)} (taken in turn)")
+    check_kind_names(kinds, f"{at}.retrieval_kinds", " (taken in turn)")
     if not share:
         raise ValueError(f"{at}.retrieval_kinds needs {section}.retrieval_share > 0 (it chooses those blocks)")
 
@@ -162,10 +167,7 @@ class RetrievalHeadSettings:
         for key in ("context_length", "prompts", "per_round"):
             positive(getattr(self, key), f"{at}.{key}")
         if self.kinds is not None:
-            unknown = [kind for kind in self.kinds if kind not in RETRIEVAL_KINDS]
-            if unknown or not self.kinds:
-                raise ValueError(f"{at}.kinds: {f'unknown kind(s) {unknown}' if unknown else 'an empty list'}; "
-                                 f"name some of {list(RETRIEVAL_KINDS)}")
+            check_kind_names(self.kinds, f"{at}.kinds")
         if self.method not in RETRIEVAL_HEAD_METHODS:
             raise ValueError(f"{at}.method must be one of {list(RETRIEVAL_HEAD_METHODS[1:])}, got {self.method!r}")
         if self.retrieval is not None:
