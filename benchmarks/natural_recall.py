@@ -26,6 +26,7 @@ from pareto import cache_mib, converted_folder, parse_swap
 from results_file import add_out_argument, run_record, write_results
 
 from hf_recattn import from_teacher
+from hf_recattn.conversion.baselines import BASELINES
 from hf_recattn.conversion.from_teacher import recattn_config_from
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.pinned import CORPUS_SHA256
@@ -34,8 +35,7 @@ from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
 
 #: the untrained baseline every student is read against: the teacher's weights, softmax over 512 tokens + 4 sinks
-WINDOW_BASELINE = ("window 512 + 4 sinks", {"attention": {"mixer": "hybrid", "window": 512, "far": "none",
-                                                           "sink_tokens": 4}})
+WINDOW_LABEL, WINDOW_SPEC = BASELINES["window"]
 
 
 NOTES = ["MiB: every state element at 4 bytes, per sequence; a row with the same MiB at every context keeps constant "
@@ -90,7 +90,7 @@ def measure(name: str, model: torch.nn.Module, config: RecAttnConfig, tokenizer:
 def models(args: argparse.Namespace, teacher: torch.nn.Module):  # noqa: ANN201 (a generator of rows to measure)
     """(name, model, config, facts) of every row, built one at a time."""
     yield "teacher", teacher, recattn_config_from(teacher.config, {"mixer": "softmax"}), {"training_tokens": 0}
-    swaps = dict([WINDOW_BASELINE, *(parse_swap(s) for s in args.swap)])
+    swaps = dict([(WINDOW_LABEL, {"attention": WINDOW_SPEC}), *(parse_swap(s) for s in args.swap)])
     for name, swap in swaps.items():
         student = from_teacher(teacher, swap["attention"], swap.get("attention_overrides"))
         yield name, student, student.config, {"training_tokens": 0, "attention": swap}

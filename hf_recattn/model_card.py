@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_text
+from .conversion.baselines import BASELINES
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .modeling.cache_scores import CACHE_SCORES
@@ -136,6 +137,10 @@ def _corpus_name(report: dict[str, Any]) -> str:
     return "embedded corpus (Python documentation)" if data == "embedded" else str(data)
 
 
+#: the row of the untrained window baseline in a conversion's comparison
+WINDOW_LABEL = BASELINES["window"][0]
+
+
 def _evaluation(report: dict[str, Any] | None) -> str:
     if not report or not report.get("comparison"):
         return "No evaluation report ships with this checkpoint."
@@ -150,7 +155,9 @@ def _evaluation(report: dict[str, Any] | None) -> str:
         + ("associative recall accuracy (codes of made-up people planted in held-out text, then asked); "
            if recall else "")
         + "greedy decode cost through the cache. For hybrids, window-only and far-only are this model with one "
-        "part removed.",
+        "part removed."
+        + (f" {WINDOW_LABEL} is the teacher's own weights, untrained, with softmax over only the last 512 tokens and "
+           "the first 4: the constant-memory cache this model is read against." if WINDOW_LABEL in rows else ""),
         comparison_table(rows),
     ]
     if per_length:

@@ -108,6 +108,7 @@ def tiny_recipe_dict(attention: Any = None, **sections: Any) -> dict[str, Any]:
             "sample_tokens": 6,
             "heldout_fraction": 0.2,
             "probes": {"needle_prompts": 1, "needle_haystacks": ["heldout"]},  # the needles: 2 prompts per model
+            "baselines": [],  # no untrained baselines but where a test asks for them
         },
     }
     for key, value in sections.items():

@@ -18,11 +18,13 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
+from hf_recattn.conversion.baselines import BASELINES
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 from hf_recattn.training import attention_objective as objective
 from hf_recattn.training.distill import finetune as distill_finetune
 from hf_recattn.training.parallel import local_share
 
+WINDOW_LABEL = BASELINES["window"][0]
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
 #: window + sinks + a gated delta far part (the hybrid-w64-sink4-gdn recipe in miniature)
 HYBRID_DELTA = {"mixer": "hybrid", "window": 8, "sink_tokens": 2, "combine": "sum", "mix_init": 0.9,
@@ -42,7 +44,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "teacher": tiny_teacher_folder(root / "teacher"),
         "corpus": tiny_corpus_file(root / "corpus.jsonl"),
-        "hybrid": write_recipe(root / "tiny-hybrid.yaml", tiny_recipe_dict(HYBRID)),
+        "hybrid": write_recipe(root / "tiny-hybrid.yaml", tiny_recipe_dict(HYBRID, eval={"baselines": None})),
         "hybrid_delta": write_recipe(root / "tiny-hybrid-delta.yaml", tiny_recipe_dict(HYBRID_DELTA)),
         "linear": write_recipe(root / "tiny-linear.yaml", tiny_recipe_dict()),
         "retrieval": write_recipe(root / "tiny-retrieval.yaml", tiny_recipe_dict(
@@ -97,22 +99,32 @@ def test_convert_end_to_end_hybrid(
     assert main(_args(assets, out, recipe)) == 0
     # every model's associative recall plants its facts in the whole held-out documents, not in the blocks
     heldout = split_heldout(load_texts(str(assets["corpus"])), 0.2, seed=0)[1]  # the tiny recipe's fraction
-    assert len(recall_sources) == 4 and all(source == heldout for source in recall_sources)
+    baselines = [WINDOW_LABEL] if recipe == "hybrid" else []  # the recipe's default, or none (eval.baselines [])
+    assert len(recall_sources) == 4 + len(baselines) and all(source == heldout for source in recall_sources)
     printed = capsys.readouterr().out
     assert "| teacher |" in printed and "| window-only |" in printed and "| far-only |" in printed
+    assert (f"| {WINDOW_LABEL} |" in printed) == bool(baselines)
     assert "through the window cache" in printed  # the sample went through the recurrent cache
     model_dir = out / "model"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "report.json"):
         assert (model_dir / name).is_file(), name
     report = json.loads((out / "report.json").read_text())
-    assert set(report["comparison"]) == {"teacher", "window-only", "far-only", recipe_name}
-    for row in report["comparison"].values():
-        assert row["perplexity"] > 1 and row["eval_tokens"] == report["comparison"]["teacher"]["eval_tokens"]
+    rows = report["comparison"]
+    assert set(rows) == {"teacher", "window-only", "far-only", recipe_name, *baselines}
+    for row in rows.values():
+        assert row["perplexity"] > 1 and row["eval_tokens"] == rows["teacher"]["eval_tokens"]
+    if baselines:  # the teacher's weights with its window: 512 tokens + 4 sinks cover the 32-token blocks exactly
+        window = rows[WINDOW_LABEL]
+        assert {(s["mixer"], s["window"], s["sink_tokens"], s["far"]) for s in window["model"]["attention"]} == {
+            ("hybrid", 512, 4, "none")}
+        assert window["perplexity"] == pytest.approx(rows["teacher"]["perplexity"], rel=1e-4)
+        assert window["perplexity"] != pytest.approx(rows[recipe_name]["perplexity"], rel=1e-4)
     assert report["stage1"]["steps"] == 6 and report["stage2"]["steps"] == 4
     provenance = report["provenance"]  # a local corpus file: no corpus pin, but the rest of the record
     assert "corpus" not in provenance and provenance["packages"]["transformers"] and provenance["machine"]["cpu"]
     card = (model_dir / "README.md").read_text()
     assert card.startswith("---") and "| window-only |" in card and recipe_name in card
+    assert (f"| {WINDOW_LABEL} |" in card) == bool(baselines) == ("untrained, with softmax over only" in card)
     # the tokenizer knows the model's positions: the teacher's 2048 where the sinks need them, else transformers'
     # "unbounded" (a window and a far part need none: tests/test_length_limit.py)
     limit = 2048 if recipe == "hybrid_delta" else VERY_LARGE_INTEGER

@@ -333,6 +333,15 @@ def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert saved["heldout_tokens"] == 64
     assert "corpus" not in saved["provenance"] and saved["provenance"]["command"]  # a local corpus, not the pinned one
     assert results["student"]["perplexity"] == pytest.approx(results["teacher"]["perplexity"], rel=1e-4)
+    # with a teacher, the untrained window of 512 + 4 sinks by default: built from the teacher's weights, so on
+    # 16-token blocks its perplexity is the teacher's
+    window = results["window 512 + 4 sinks"]
+    assert "| window 512 + 4 sinks |" in out and window["model"]["mixers"] == {"hybrid": 2}
+    assert window["perplexity"] == pytest.approx(results["teacher"]["perplexity"], rel=1e-4)
+    assert main(["eval", student_dir, "--tokens", "32", "--teacher", teacher_dir, "--baselines", *common]) == 0
+    assert set(json.loads((tmp_path / "student" / "eval.json").read_text())["results"]) == {"teacher", "student"}
+    assert main(["eval", student_dir, "--teacher", teacher_dir, "--baselines", "window", "sinks", *common]) == 2
+    assert "--baselines: unknown baseline(s) ['sinks']" in capsys.readouterr().err
 
     generate = ["generate", str(tmp_path / "student"), "--prompt", "the river", "--max-new-tokens", "5"]
     assert main(generate) == 0

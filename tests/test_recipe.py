@@ -219,6 +219,20 @@ def test_mixer_group_settings(tmp_path: Path) -> None:
     assert "stage2.mixer_lr needs stage2.train_mixer" in message
 
 
+def test_eval_baselines_setting(tmp_path: Path) -> None:
+    """``eval.baselines``: unset is the window of 512 + 4 sinks and leaves the fingerprint alone; [] is none (another
+    report, another fingerprint); an unknown name is refused naming the option."""
+    settings = tiny_recipe_dict()
+    del settings["eval"]["baselines"]
+    unset = recipe_from_dict(settings)
+    assert unset.eval.baselines is None and unset.eval.baseline_names() == ("window",)
+    assert unset.fingerprint() == recipe_from_dict(tiny_recipe_dict(eval={"baselines": None})).fingerprint()
+    none = recipe_from_dict(tiny_recipe_dict())  # the fixture's []
+    assert none.eval.baseline_names() == () and none.fingerprint() != unset.fingerprint()
+    message = _error(tmp_path, tiny_recipe_dict(eval={"baselines": ["window", "sinks"]}))
+    assert "eval.baselines: unknown baseline(s) ['sinks']" in message, message
+
+
 def test_attention_kl_setting(tmp_path: Path) -> None:
     base = recipe_from_dict(tiny_recipe_dict())
     assert base.stage1.attention_kl is None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..conversion.baselines import BASELINES, DEFAULT_BASELINES, baseline_models, check_baseline_names
 from ..modeling.cache import cache_of
 from .common import SubParsers, add_command
 
@@ -87,6 +88,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     sizes = recall_sizes(args)  # bad sizes and options fail before any model is loaded
     options = hybrid_options(args.hybrid_option)
+    check_baseline_names(args.baselines, "--baselines")
     torch.manual_seed(args.seed)
     model, tokenizer, name = load_evaluated(args.checkpoint, options)
     _, heldout = load_splits(args.corpus, seed=args.seed)
@@ -102,6 +104,10 @@ def run_eval(args: argparse.Namespace) -> int:
                              "perplexities on the same tokens would not be comparable")
         rows["teacher"] = evaluate(teacher, teacher_tokenizer, blocks, quick=args.quick, recall_texts=heldout,
                                    sizes=sizes, progress="teacher", long_texts=long_texts)
+        for label, baseline in baseline_models(teacher, args.baselines):
+            rows[label] = evaluate(baseline, tokenizer, blocks, quick=args.quick, recall_texts=heldout,
+                                   sizes=sizes, progress=label, long_texts=long_texts)
+            del baseline
         del teacher
     rows[name] = evaluate(model, tokenizer, blocks, quick=args.quick, recall_texts=heldout, sizes=sizes,
                           progress=name, long_texts=long_texts)
@@ -194,6 +200,9 @@ def add_eval(sub: SubParsers) -> None:
     p.add_argument("--block-size", type=int, default=1024, help="tokens per perplexity block")
     p.add_argument("--teacher", default=None, help="also evaluate this teacher on the same tokens")
     p.add_argument("--quick", action="store_true", help="smaller passkey / recall / sample / decode probes")
+    p.add_argument("--baselines", nargs="*", default=list(DEFAULT_BASELINES), metavar="NAME",
+                   help="with --teacher: untrained baselines built from its weights, evaluated beside it (known: "
+                   f"{', '.join(BASELINES)}; default: {' '.join(DEFAULT_BASELINES)}; none: --baselines with no name)")
     for flag, kind, nargs, metavar, help in _PROBE_SIZE_OPTIONS:
         p.add_argument(flag, type=kind, nargs=nargs, default=None, metavar=metavar, help=help)
     p.add_argument("--hybrid-option", action="append", default=None, metavar="KEY=VALUE",

@@ -1,5 +1,6 @@
-"""The conversion's evaluation: the teacher, the student's declared variants (window-only, far-only) and the
-student compared on the same held-out blocks and probes; and the report's sample through the student's cache."""
+"""The conversion's evaluation: the teacher, the untrained baselines (``eval.baselines``: the window of 512 + 4
+sinks), the student's declared variants (window-only, far-only) and the student compared on the same held-out
+blocks and probes; and the report's sample through the student's cache."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .. import evaluation
 from ..data.corpus import long_documents, token_blocks
 from ..modeling.variants import variant_models
 from ..training.forms import fastest_forms
+from .baselines import baseline_models
 from .job import Job, Teacher
 
 
@@ -30,6 +32,10 @@ def compare_models(label: str, job: Job, teacher: Teacher, student: nn.Module,
 
     rows: dict[str, dict[str, Any]] = {}
     rows["teacher"] = evaluate(teacher.model, "teacher")
+    for name, baseline in baseline_models(teacher.model, ev.baseline_names()):
+        with fastest_forms(baseline, ev.block_size):
+            rows[name] = evaluate(baseline, name)
+        del baseline
     models = {**variant_models(student), job.recipe.name: student}
     for name, model in models.items():
         with fastest_forms(model, ev.block_size):  # the perplexity pass; decoding always uses the cache

@@ -129,7 +129,7 @@ _LATER_SETTINGS = {
     "stage1": ("attention_kl", "retrieval_share", "retrieval_kinds", "retention_target"),
     "stage2": ("mixer_lr", "mixer_eps", "retrieval_share", "answer_weight", "retrieval_kinds", "skip_tokens", "method",
                "loss_chunk_size", "gradient_checkpointing", "loss_kernel"),
-    "eval": ("probes",),
+    "eval": ("probes", "baselines"),
 }
 
 

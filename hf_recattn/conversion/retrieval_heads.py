@@ -75,6 +75,10 @@ class _Blend(nn.Module):
         return a * exact.to(own.dtype) + (1 - a) * own, None
 
 
+#: the kinds of prompt ``recall_objective`` alternates when it is given none
+DEFAULT_OBJECTIVE_KINDS = ("passkey", "codes")
+
+
 def recall_objective(tokenizer: Any, texts: Sequence[str], context_length: int, prompts: int = 3,
                      seed: int = 0, kinds: Sequence[str] | None = None) -> list[RecallPrompt]:
     """What the heads are chosen on: ``prompts`` secret numbers hidden in ``texts`` (at depths spread over the
@@ -238,6 +242,37 @@ def _split_parameter(name: str, source: torch.Tensor, target: torch.Tensor, mixe
                      f"dimension {why} (the {heads} part needs {tuple(target.shape)})")
 
 
+def _whole_layer_state(layer: dict[str, torch.Tensor], own: dict[str, torch.Tensor], prefix: str, mixer: nn.Module,
+                       where: str) -> dict[str, torch.Tensor]:
+    """A layer that runs the retrieval spec as a whole: each parameter of its mixer (``own`` keys under ``prefix``)
+    is the layer's own parameter (``layer``) of that name and shape; one without is refused."""
+    out = {}
+    for target in [n for n in own if n.startswith(prefix)]:
+        name = target[len(prefix):]
+        if name not in layer or layer[name].shape != own[target].shape:
+            raise ValueError(f"retrieval heads: {where}: the retrieval spec's {mixer.name} mixer has a parameter "
+                             f"{name!r} that the layer's own mixer does not have in that shape, so nothing would "
+                             "set it")
+        out[target] = layer[name]
+    return out
+
+
+def _split_layer_state(layer: dict[str, torch.Tensor], own: dict[str, torch.Tensor], prefix: str, mixer: nn.Module,
+                       where: str) -> dict[str, torch.Tensor]:
+    """A layer split into retrieval heads and the rest: the rest takes the other heads' rows of every parameter of
+    the layer (``layer``), the retrieval spec's own parameters the listed heads' rows of the layer's parameter of
+    the same name; one the layer lacks is refused."""
+    out = {prefix + REST_PREFIX + name: _split_parameter(name, source, own[prefix + REST_PREFIX + name], mixer, where)
+           for name, source in layer.items()}
+    for target in [n for n in own if n.startswith(prefix + FULL_PREFIX)]:  # a retrieval spec's own parameters
+        name = target[len(prefix + FULL_PREFIX):]
+        if name not in layer:
+            raise ValueError(f"retrieval heads: {where}: the retrieval spec's {mixer.full.name} mixer has a "
+                             f"parameter {name!r} that the layer's own mixer does not, so nothing would set it")
+        out[target] = _split_parameter(name, layer[name], own[target], mixer, where, "full")
+    return out
+
+
 def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, Any] | None = None) -> nn.Module:
     """A copy of ``model`` whose layers in ``heads`` keep exact softmax on those KV heads (their other heads
     keep the layer's own mixer and weights). ``retrieval``: the spec those heads run instead of exact softmax (the
@@ -268,26 +303,9 @@ def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, 
     for layer_idx in heads:
         prefix = f"model.layers.{layer_idx}.self_attn.mixer."
         mixer = student.model.layers[layer_idx].self_attn.mixer
-        where = f"layer {layer_idx}"
         layer = {name[len(prefix):]: state.pop(name) for name in [n for n in state if n.startswith(prefix)]}
-        if layer_idx in whole:
-            for target in [n for n in own if n.startswith(prefix)]:
-                name = target[len(prefix):]
-                if name not in layer or layer[name].shape != own[target].shape:
-                    raise ValueError(f"retrieval heads: {where}: the retrieval spec's {mixer.name} mixer has a "
-                                     f"parameter {name!r} that the layer's own mixer does not have in that shape, "
-                                     "so nothing would set it")
-                state[target] = layer[name]
-            continue
-        for name, source in layer.items():
-            state[prefix + REST_PREFIX + name] = _split_parameter(name, source, own[prefix + REST_PREFIX + name],
-                                                                  mixer, where)
-        for target in [n for n in own if n.startswith(prefix + FULL_PREFIX)]:  # a retrieval spec's own parameters
-            name = target[len(prefix + FULL_PREFIX):]
-            if name not in layer:
-                raise ValueError(f"retrieval heads: {where}: the retrieval spec's {mixer.full.name} mixer has a "
-                                 f"parameter {name!r} that the layer's own mixer does not, so nothing would set it")
-            state[target] = _split_parameter(name, layer[name], own[target], mixer, where, "full")
+        layer_state = _whole_layer_state if layer_idx in whole else _split_layer_state
+        state.update(layer_state(layer, own, prefix, mixer, f"layer {layer_idx}"))
     student.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         student.tie_weights()

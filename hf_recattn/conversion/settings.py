@@ -14,6 +14,7 @@ from ..training.checks import check_schedule, positive
 from ..training.distill_settings import DistillSettings
 from ..training.fused_loss import check_weighted_kl
 from ..training.trainable import ATTENTION_PROJECTIONS
+from .baselines import DEFAULT_BASELINES, check_baseline_names
 
 #: the kinds of retrieval block (``retrieval_data.py``), each in the words of the training templates of its name
 RETRIEVAL_KINDS = ("passkey", "codes", "words", "needles")
@@ -191,6 +192,13 @@ class EvalSettings:
     #: the recall probes' sizes over the quick / full defaults: ``evaluation.RecallSizes`` fields, e.g.
     #: ``{passkey_lengths: [1024, 4096]}``; None: the defaults
     probes: dict | None = None
+    #: the untrained baselines evaluated beside the teacher and the student (``baselines.BASELINES``); None: the
+    #: default (``window``, softmax over 512 tokens + 4 sinks), [] none
+    baselines: tuple[str, ...] | None = None
+
+    def baseline_names(self) -> tuple[str, ...]:
+        """The baselines this evaluation runs: ``baselines``, else the default ones."""
+        return DEFAULT_BASELINES if self.baselines is None else tuple(self.baselines)
 
     def recall_sizes(self) -> RecallSizes:
         """The recall probes this evaluation runs: ``quick``'s or the full ones, with ``probes`` over them."""
@@ -204,6 +212,7 @@ class EvalSettings:
         for key in ("heldout_tokens", "block_size"):
             positive(getattr(self, key), f"{at}.{key}")
         positive(self.sample_tokens, f"{at}.sample_tokens", allow_zero=True)
+        check_baseline_names(self.baseline_names(), f"{at}.baselines")
         known = [f.name for f in dataclasses.fields(RecallSizes)]
         unknown = sorted(set(self.probes or {}) - set(known))
         if unknown:

@@ -22,7 +22,7 @@ from .job import Job, Log, Teacher, read_json
 from .layer_selection import selected_layers
 from .recipe import Recipe
 from .retrieval_data import with_retrieval_blocks
-from .retrieval_heads import recall_objective, select_retrieval_heads, with_retrieval_heads
+from .retrieval_heads import DEFAULT_OBJECTIVE_KINDS, recall_objective, select_retrieval_heads, with_retrieval_heads
 from .teacher_heads import copy_scores, describe, top_heads
 
 
@@ -115,7 +115,7 @@ def keep_retrieval_heads(label: str, job: Job, teacher: Teacher, student: nn.Mod
             raise ValueError(f"{job.recipe.source}: retrieval_heads.context_length: {err}") from None
         log(f"{label} retrieval heads: choosing {'the' if by_teacher else 'at most'} {settings.max_heads} KV heads "
             f"{'the teacher copies with ' if by_teacher else ''}on {len(prompts)} recall prompts of "
-            f"{settings.context_length} tokens ({', '.join(settings.kinds or ('passkey', 'codes'))})")
+            f"{settings.context_length} tokens ({', '.join(settings.kinds or DEFAULT_OBJECTIVE_KINDS)})")
         if by_teacher:
             scores = copy_scores(teacher.model, prompts, log=lambda line: log("  " + line))
             heads = top_heads(scores, settings.max_heads)
