@@ -67,24 +67,41 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
         model.config.max_position_embeddings = args.max_positions
     start = time.perf_counter()
     result = needle_probe(model, tokenizer, natural_haystacks(args.haystacks), tasks=args.tasks,
-                          lengths=args.lengths, prompts=args.prompts, seed=args.seed,
+                          lengths=args.lengths, prompts=args.prompts, seed=args.seed, depths=args.depths,
                           progress=None if args.no_progress else _label(spec, args.hybrid_options))
     return {**result, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def by_depth(rows: list[dict[str, Any]], depths: list[float], length: int) -> str:
+    """A cell's answers per depth set with ``--depths``: ``0.95 (819 back): 2/2`` for each depth, the tokens back
+    counted from the end of the context."""
+    tally: dict[float, list[int]] = {}
+    for t, row in enumerate(rows):
+        counts = tally.setdefault(depths[t % len(depths)], [0, 0])
+        counts[0] += sum(q["correct"] for q in row["queries"])
+        counts[1] += len(row["queries"])
+    return ", ".join(f"{d:g} ({round((1 - d) * length):,} back): {right}/{n}"
+                     for d, (right, n) in sorted(tally.items(), reverse=True))
+
+
 def render_markdown(results: dict[str, Any]) -> str:
-    """One row per model, task, haystack and length: accuracy, its interval, n, and prompts that repeated text."""
-    lines = ["| model | task | haystack | tokens | accuracy | 95% interval | n | repeated text |",
-             "|---|---|---|---:|---:|---|---:|---:|"]
+    """One row per model, task, haystack and length: accuracy, its interval, n, prompts that repeated text and,
+    with ``--depths``, the answers per depth."""
+    depths = (results.get("settings") or {}).get("depths")
+    lines = ["| model | task | haystack | tokens | accuracy | 95% interval | n | repeated text |"
+             + (" by depth |" if depths else ""), "|---|---|---|---:|---:|---|---:|---:|" + ("---|" if depths else "")]
     for name, result in results["models"].items():
         for task, per_haystack in result["cells"].items():
             for haystack, per_length in per_haystack.items():
                 for length, cell in per_length.items():
                     low, high = cell["interval"]
+                    extra = (f" {by_depth(result['answers'][task][haystack][length], depths, int(length))} |"
+                             if depths else "")
                     lines.append(f"| {name} | {task} | {haystack} | {length} | {cell['accuracy']:.0%} | "
-                                 f"{low:.0%}-{high:.0%} | {cell['n']} | {cell['repeated']} |")
+                                 f"{low:.0%}-{high:.0%} | {cell['n']} | {cell['repeated']} |{extra}")
         if result["skipped"]:
-            lines.append(f"| {name} | skipped | | {', '.join(map(str, result['skipped']))} | | | | |")
+            lines.append(f"| {name} | skipped | | {', '.join(map(str, result['skipped']))} | | | | |"
+                         + (" |" if depths else ""))
     return "\n".join(lines) + "\n\n" + "\n".join(results["notes"])
 
 
@@ -103,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                         "\"clamp\"}'")
     parser.add_argument("--max-positions", type=int, default=None, metavar="N",
                         help="raise each model's max_position_embeddings to N where it is lower")
+    parser.add_argument("--depths", type=float, nargs="+", default=None, metavar="D",
+                        help="prompt t's asked needle at depth D[t %% len(D)] (default: spread evenly); the table "
+                        "then counts answers per depth")
     add_out_argument(parser, "needles_cpu.json")
     args = parser.parse_args(argv)
     if args.threads:
@@ -110,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     record = run_record()
     settings = {key: getattr(args, key) for key in ("tasks", "lengths", "prompts", "haystacks", "seed",
                                                    "hybrid_options", "max_positions")}
+    if args.depths is not None:  # set later than the others: files measured without it keep their settings
+        settings["depths"] = args.depths
     models: dict[str, Any] = {}
     if args.out.is_file():  # a rerun with the same settings keeps the models measured before it stopped
         earlier = json.loads(args.out.read_text())

@@ -378,3 +378,31 @@ def test_the_benchmark_renders_every_cell_with_its_interval(tok: Any, monkeypatc
     assert table[2] == "| reader | single_number | heldout | 1000 | 100% | 34%-100% | 2 | 0 |"
     assert table[5] == "| reader | multi_query | ood | 1000 | 100% | 68%-100% | 8 | 0 |"
     assert table[6] == "| reader | skipped | | 2048 | | | | |" and table[-1] == bench.NOTE
+
+
+def test_depths_place_each_prompts_needle_and_the_benchmark_counts_them(tok: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``depths`` puts prompt t's asked needle at depths[t % len(depths)] (the table then counts the answers per
+    depth); a depth outside [0, 1] is refused."""
+    from script_modules import load_script
+
+    bench = load_script("benchmarks", "needles")
+    latest = _fake(lambda text: " " + re.findall(r"\d{7}", text)[-1] + ".")  # right only when nothing follows
+    monkeypatch.setattr(needles_module, "greedy_continuation", latest)
+    result = needle_probe(Stub(), tok, {"heldout": HELDOUT}, ("single_number", "multi_key"), (1200,), prompts=4,
+                          depths=[0.9, 0.2])
+    assert result["depths"] == [0.9, 0.2, 0.9, 0.2]
+    asked = [row["needles"][0]["depth"] for row in result["answers"]["single_number"]["heldout"]["1200"]]
+    assert asked == pytest.approx([0.9, 0.2, 0.9, 0.2], abs=0.05)  # at a sentence start near the depth
+    rows = result["answers"]["multi_key"]["heldout"]["1200"]  # its asked needle at 0.05 + 0.8 * depth
+    assert [next(n["depth"] for n in row["needles"] if n["asked"]) for row in rows] == pytest.approx(
+        [0.77, 0.21, 0.77, 0.21], abs=0.05)
+    table = bench.render_markdown({"settings": {"depths": [0.9, 0.2]}, "models": {"latest": result},
+                                   "notes": [bench.NOTE]}).splitlines()
+    assert table[0].endswith("| repeated text | by depth |")
+    assert table[2].endswith("| 0.9 (120 back): 2/2, 0.2 (960 back): 2/2 |")  # single_number: one needle
+    multi_key = [sum(q["correct"] for q in row["queries"]) for row in rows]
+    assert table[3].endswith(f"| 0.9 (120 back): {multi_key[0] + multi_key[2]}/2, 0.2 (960 back): "
+                             f"{multi_key[1] + multi_key[3]}/2 |")
+    with pytest.raises(ValueError, match="depths must be a non-empty list in"):
+        needle_probe(Stub(), tok, {"heldout": HELDOUT}, lengths=(1200,), prompts=2, depths=[1.5])

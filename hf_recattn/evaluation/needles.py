@@ -174,16 +174,22 @@ def needle_probe(
     prompts: int = NEEDLE_PROMPTS,
     seed: int = 0,
     progress: str | None = None,
+    depths: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """Recall of needles in natural text per task, haystack and length.
 
     ``haystacks``: documents by name (or a function reading them, called only when a prompt needs them; see
     ``natural_haystacks``). Each (task, haystack, length) cell runs ``prompts`` prompts, prompt t with its asked
-    needle at depth (t + 0.5) / prompts, seeded by ``(seed, haystack, task, length, t)``. Returns ``cells``
-    ``{task: {haystack: {length: cell_summary}}}``, ``accuracy`` ``{haystack: mean over its cells}`` and every
-    trial under ``answers``; lengths beyond the model's ``max_position_embeddings`` are listed under
-    ``skipped``. ``progress``: the label of a progress bar over the prompts (None: no bar)."""
+    needle at depth (t + 0.5) / prompts (with ``depths``: ``depths[t % len(depths)]``, e.g. 0.95 for a fact in the
+    last 5% of the context), seeded by ``(seed, haystack, task, length, t)``. Returns ``cells``
+    ``{task: {haystack: {length: cell_summary}}}``, the depth of each prompt t (``depths``), ``accuracy``
+    ``{haystack: mean over its cells}`` and every trial under ``answers``; lengths beyond the model's
+    ``max_position_embeddings`` are listed under ``skipped``. ``progress``: the label of a progress bar over the
+    prompts (None: no bar)."""
     check_needle_args(tasks, lengths, prompts)
+    if depths is not None and (not depths or any(not 0.0 <= d <= 1.0 for d in depths)):
+        raise ValueError(f"needles: depths must be a non-empty list in [0, 1], got {list(depths)}")
+    placed = [(t + 0.5) / prompts if depths is None else float(depths[t % len(depths)]) for t in range(prompts)]
     limit = max_positions(model)
     runs = [n for n in lengths if limit is None or n <= limit]
     cells: dict[str, dict[str, dict[str, Any]]] = {}
@@ -203,13 +209,13 @@ def needle_probe(
                     rows = []
                     for t in range(prompts):
                         prompt = needle_prompt(tokenizer, haystack, task, length, f"{seed}:{name}:{task}:{length}:{t}",
-                                               depth=(t + 0.5) / prompts)
+                                               depth=placed[t])
                         rows.append(score_needle_prompt(model, tokenizer, prompt))
                         bar.update()
                     cells.setdefault(task, {}).setdefault(name, {})[str(length)] = cell_summary(rows)
                     answers.setdefault(task, {}).setdefault(name, {})[str(length)] = rows
     return {"accuracy": _haystack_means(cells), "cells": cells, "tasks": list(tasks), "haystacks": documents,
-            "lengths": list(lengths), "prompts": prompts, "seed": seed,
+            "lengths": list(lengths), "prompts": prompts, "seed": seed, "depths": placed,
             "skipped": [n for n in lengths if n not in runs], "answers": answers}
 
 
