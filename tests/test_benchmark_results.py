@@ -63,3 +63,22 @@ def test_write_results_adds_the_name_and_provenance(tmp_path: Path) -> None:
     written = results_file.write_results(out, "x", record, {"rows": [1, 2]})
     assert json.loads(out.read_text()) == written == {"benchmark": "x", "provenance": record, "rows": [1, 2]}
     assert [p.name for p in out.parent.iterdir()] == ["x.json"]  # nothing half-written left beside it
+
+
+#: where a run's own working folders live: a result file that names one would point at a machine, not the project
+MACHINE_FOLDERS = ("/tmp/", "/work/", "/home/", "/root/")
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in _strings(item)]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings(item)]
+    return [value] if isinstance(value, str) else []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.json")), ids=lambda p: p.name)
+def test_no_result_file_names_a_working_folder(path: Path) -> None:
+    """Paths in a committed result file are the repository's (``runs/...``, ``hf_recattn/recipes/...``)."""
+    found = [s for s in _strings(json.loads(path.read_text())) if any(folder in s for folder in MACHINE_FOLDERS)]
+    assert not found, found[:3]
