@@ -407,3 +407,11 @@ def test_cache_recipes_keep_a_constant_state(name: str) -> None:
     assert len(set(states.values())) == 1, states
     kv = sum(r.kv_cache_elements for r in state_size_report(config, 8192))
     assert states[8192] / kv <= CACHED[name]
+
+
+def test_a_packaged_recipe_is_named_by_its_place_in_the_package(tmp_path: Path) -> None:
+    """Reports and messages name a packaged recipe ``hf_recattn/recipes/NAME.yaml``, not this machine's path; a
+    file given by path keeps that path."""
+    assert load_recipe("gdn").source == "hf_recattn/recipes/gdn.yaml"
+    own = write_recipe(tmp_path / "mine.yaml", tiny_recipe_dict())
+    assert load_recipe(own).source == str(own)

@@ -198,10 +198,18 @@ def read_recipe_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def recipe_source(path: Path) -> str:
+    """How a recipe's file is named in messages and reports: a packaged one as ``hf_recattn/recipes/NAME.yaml``
+    (where it sits in the package, not on this machine), any other by the path given."""
+    if path.resolve().parent == recipes_folder().resolve():
+        return f"hf_recattn/recipes/{path.name}"
+    return str(path)
+
+
 def load_recipe(name_or_path: str | Path, budget: str = "quick", seed: int | None = None) -> Recipe:
     """Read, merge (base settings + ``budgets[budget]``) and validate a recipe."""
     path = find_recipe(name_or_path)
-    return recipe_from_dict(read_recipe_yaml(path), budget, source=str(path)).with_seed(seed)
+    return recipe_from_dict(read_recipe_yaml(path), budget, source=recipe_source(path)).with_seed(seed)
 
 
 def budgets_of(name_or_path: str | Path) -> list[str]:
