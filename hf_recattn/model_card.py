@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_text
-from .conversion.baselines import BASELINES
+from .conversion.baselines import WINDOW_LABEL
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .modeling.cache_scores import CACHE_SCORES
@@ -135,10 +135,6 @@ def _eval_results(report: dict[str, Any], model_name: str) -> list[Any]:
 def _corpus_name(report: dict[str, Any]) -> str:
     data = (report.get("identity") or {}).get("data") or report.get("data") or "embedded"
     return "embedded corpus (Python documentation)" if data == "embedded" else str(data)
-
-
-#: the row of the untrained window baseline in a conversion's comparison
-WINDOW_LABEL = BASELINES["window"][0]
 
 
 def _evaluation(report: dict[str, Any] | None) -> str:

@@ -18,13 +18,12 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
-from hf_recattn.conversion.baselines import BASELINES
+from hf_recattn.conversion.baselines import WINDOW_LABEL
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 from hf_recattn.training import attention_objective as objective
 from hf_recattn.training.distill import finetune as distill_finetune
 from hf_recattn.training.parallel import local_share
 
-WINDOW_LABEL = BASELINES["window"][0]
 HYBRID = {"mixer": "hybrid", "window": 8, "far": {"mixer": "linear", "feature_map": "hedgehog"}}
 #: window + sinks + a gated delta far part (the hybrid-w64-sink4-gdn recipe in miniature)
 HYBRID_DELTA = {"mixer": "hybrid", "window": 8, "sink_tokens": 2, "combine": "sum", "mix_init": 0.9,

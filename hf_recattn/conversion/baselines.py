@@ -16,6 +16,8 @@ BASELINES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: the baselines an evaluation measures when it names none
 DEFAULT_BASELINES = ("window",)
+#: the window baseline's row label in reports and tables
+WINDOW_LABEL = BASELINES["window"][0]
 
 
 def check_baseline_names(names: Sequence[str], option: str) -> None:
@@ -23,12 +25,6 @@ def check_baseline_names(names: Sequence[str], option: str) -> None:
     unknown = [name for name in names if name not in BASELINES]
     if unknown:
         raise ValueError(f"{option}: unknown baseline(s) {unknown}; known: {list(BASELINES)}")
-
-
-def baseline_label(name: str) -> str:
-    """The row label of baseline ``name`` (e.g. ``window 512 + 4 sinks``)."""
-    check_baseline_names([name], "baseline")
-    return BASELINES[name][0]
 
 
 def baseline_models(teacher: nn.Module, names: Sequence[str]) -> Iterator[tuple[str, nn.Module]]:
