@@ -16,7 +16,7 @@ from hf_recattn.conversion.recipe import (
     load_recipe,
     recipe_from_dict,
 )
-from hf_recattn.conversion.settings import Stage2Settings
+from hf_recattn.conversion.settings import RETRIEVAL_KINDS, Stage2Settings
 from hf_recattn.evaluation import RecallSizes
 from hf_recattn.state_size import state_size_report
 from hf_recattn.training.checks import build_settings
@@ -274,7 +274,8 @@ def test_retrieval_kinds_setting(tmp_path: Path, section: str) -> None:
     spelled = recipe_from_dict(tiny_recipe_dict(**{section: {"retrieval_share": 0.25,
                                                              "retrieval_kinds": ["passkey", "codes", "words"]}}))
     assert spelled.fingerprint() == base.fingerprint()
-    listed = "['passkey', 'codes', 'words', 'needles']"
+    listed = str(list(RETRIEVAL_KINDS))
+    assert listed.startswith("['passkey', 'codes', 'words', 'needles', 'single_number'") and "'multi_key'" in listed
     for kinds, says in ((["needle"], f"{section}.retrieval_kinds: unknown kind(s) ['needle']; name some of {listed}"),
                         ([], f"{section}.retrieval_kinds: an empty list; name some of {listed}"),
                         ([3], f"{section}.retrieval_kinds must be a list of strings")):

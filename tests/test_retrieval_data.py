@@ -243,10 +243,30 @@ def test_default_kinds_keep_their_blocks_and_mix_with_needles(texts_and_tokenize
     assert block_weights is not None
 
 
+def test_a_needle_task_named_as_kind_builds_that_task_every_time(prose: tuple) -> None:
+    """``multi_key`` as a kind: every block the asked fact among 3 distractors of other keys, never the most recent
+    one, in the training templates' words; the other kinds' blocks at their indices unchanged."""
+    texts, tok = prose
+    haystack = Haystack(tok, texts)
+    for i in range(6):
+        prompt = retrieval_prompt(tok, haystack, 1024, i, 3, kinds=("multi_key",))
+        assert len(prompt.facts) == 4 and len({f.name for f in prompt.facts}) == 4 and len(prompt.queries) == 1
+        (asked,) = prompt.queries
+        assert prompt.positions[asked] < max(prompt.positions)  # a distractor comes after the asked fact
+        text = tok.decode(prompt.ids()[0].tolist())
+        assert [p for p in _pieces("heldout") if p in text] == [] and any(p in text for p in _pieces("train"))
+    drawn = [len(retrieval_prompt(tok, haystack, 1024, i, 3, kinds=NEEDLES).facts) for i in range(6)]
+    assert drawn != [4] * 6  # the needles kind draws other tasks as well
+    both, _ = retrieval_blocks(tok, texts, 4, 1024, seed=3, kinds=("passkey", "multi_key"))
+    alone, _ = retrieval_blocks(tok, texts, 4, 1024, seed=3, kinds=("passkey",))
+    assert torch.equal(both[0::2], alone[0::2]) and not torch.equal(both[1], alone[1])
+
+
 def test_a_bad_kind_is_refused(texts_and_tokenizer: tuple) -> None:
     texts, tokenizer = texts_and_tokenizer
     for kinds in (("needle",), ()):
-        with pytest.raises(ValueError, match=r"kinds must be some of \['passkey', 'codes', 'words', 'needles'\]"):
+        with pytest.raises(ValueError, match=r"kinds must be some of \['passkey', 'codes', 'words', 'needles', "
+                                             r"'single_number', .*'multi_key'"):
             retrieval_blocks(tokenizer, texts, 2, 512, kinds=kinds)
 
 

@@ -8,7 +8,8 @@ and asked for at the end (``passkey``: the passkey probe's kind of task), one to
 numbers (``codes``) or with words (``words``), planted and asked for in any order (the associative recall probe's
 kind of task), and, opted into by name, ``needles``: the needle probe's tasks (one fact of a number, a word or a
 phrase; the asked fact among distractors; one key with several values; several keys asked in turn; a fact in
-prose asked in other words) at distances up to the block's length. Each block takes its wording (and its word
+prose asked in other words) at distances up to the block's length, one drawn per block, or one of them always when
+the kind is the task's name (``multi_key``, ...). Each block takes its wording (and its word
 values) from a ``train`` template of its kind (``hf_recattn/templates/retrieval``, ``prompting/templates.py``) and
 its text from the training texts given, so that the probes, which use the ``heldout`` templates and held-out text,
 ask in words and about text training never showed. With ``min_distance`` (both stages pass the recipe's longest
@@ -69,11 +70,11 @@ def needle_prompt(tokenizer: Any, haystack: Haystack, context_length: int, depth
 def retrieval_prompt(tokenizer: Any, haystack: Haystack, block_size: int, index: int, seed: int,
                      min_distance: int = 0, kinds: Sequence[str] = KINDS) -> RecallPrompt:
     """Block ``index`` of the set: of kind ``kinds[index % len(kinds)]``, in the words of a training template of it
-    (``needles``: a needle task drawn, then a training template of its form)."""
+    (``needles``: a needle task drawn, then a training template of its form; a needle task's name: that task)."""
     rng = random.Random(f"stage2-retrieval-{seed}-{index}")
     kind = kinds[index % len(kinds)]
-    if kind == "needles":
-        task = rng.choice(NEEDLE_TASKS)
+    if kind == "needles" or kind in NEEDLE_TASKS:
+        task = rng.choice(NEEDLE_TASKS) if kind == "needles" else kind
         return needle_training_prompt(tokenizer, haystack, task, block_size, f"stage2-needles-{seed}-{index}",
                                       rng.choice(needle_templates(task, "train")), min_distance)
     template = rng.choice(templates(kind, "train"))

@@ -10,14 +10,16 @@ import math
 from dataclasses import dataclass
 
 from ..evaluation import RecallSizes
+from ..prompting.needles import NEEDLE_TASKS
 from ..training.checks import check_schedule, positive
 from ..training.distill_settings import DistillSettings
 from ..training.fused_loss import check_weighted_kl
 from ..training.trainable import ATTENTION_PROJECTIONS
 from .baselines import DEFAULT_BASELINES, check_baseline_names
 
-#: the kinds of retrieval block (``retrieval_data.py``), each in the words of the training templates of its name
-RETRIEVAL_KINDS = ("passkey", "codes", "words", "needles")
+#: the kinds of retrieval block (``retrieval_data.py``), each in the words of the training templates of its name;
+#: ``needles`` draws one of the needle tasks per block, a task's own name (``multi_key``, ...) always builds that one
+RETRIEVAL_KINDS = ("passkey", "codes", "words", "needles", *NEEDLE_TASKS)
 #: the kinds a recipe takes in turn when it names none (``retrieval_kinds`` None)
 DEFAULT_RETRIEVAL_KINDS = ("passkey", "codes", "words")
 
