@@ -9,8 +9,8 @@ numbers (``codes``) or with words (``words``), planted and asked for in any orde
 kind of task), and, opted into by name, ``needles``: the needle probe's tasks (one fact of a number, a word or a
 phrase; the asked fact among distractors; one key with several values; several keys asked in turn; a fact in
 prose asked in other words) at distances up to the block's length, one drawn per block, or one of them always when
-the kind is the task's name (``multi_key``, ...). Each block takes its wording (and its word
-values) from a ``train`` template of its kind (``hf_recattn/templates/retrieval``, ``prompting/templates.py``) and
+the kind is the task's name (``multi_key``, ...). Each block takes its wording (and its word values) from a
+``train`` template of its kind (``hf_recattn/templates/retrieval``, ``prompting/templates.py``) and
 its text from the training texts given, so that the probes, which use the ``heldout`` templates and held-out text,
 ask in words and about text training never showed. With ``min_distance`` (both stages pass the recipe's longest
 attention window) every fact stays at least that many tokens of text before its question when the block has room.
