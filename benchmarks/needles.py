@@ -12,6 +12,8 @@ Past the teacher's context (docs/recall.md): ``--hybrid-options '{"distant_posit
 every hybrid layer of an hf_recattn checkpoint (``modeling.hybrid_options``; the label names them), and
 ``--max-positions N`` raises a model's ``max_position_embeddings`` to N where it is lower, so that a teacher runs
 past its context with its own rotary (changing nothing else for a rotary that does not read it, SmolLM2's).
+``--hybrid-layers 0-10`` sets the options on those layers only (which layers' windows a task needs, say); runs
+that differ only in it add their rows to the same file.
 
     python benchmarks/needles.py --models runs/hybrid-w64-sink4-gdn-learned64-long/model --tasks single_number \
         --lengths 16384 32768 --prompts 2 --hybrid-options '{"distant_positions": "clamp"}' --threads 2 \
@@ -46,12 +48,38 @@ NOTE = ("n counts the queries of a cell (multi_query asks 4 per prompt, multi_va
         "the interval is Wilson's at 95%")
 
 
-def _label(spec: str, options: dict[str, Any] | None = None) -> str:
+def parse_layers(items: list[str] | None) -> list[int] | None:
+    """``["0-10", "14"]`` -> ``[0, 1, ..., 10, 14]`` (each item a layer index or an inclusive range); None stays
+    None. ValueError naming the item when it is neither."""
+    if items is None:
+        return None
+    layers: list[int] = []
+    for item in items:
+        first, _, last = item.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+            raise ValueError(f"--hybrid-layers: {item!r} is not a layer index or a range such as 0-10")
+        layers.extend(range(int(first), int(last or first) + 1))
+    return sorted(set(layers))
+
+
+def _label(spec: str, options: dict[str, Any] | None = None, layers: list[int] | None = None) -> str:
     path = Path(spec)
     name = path.resolve().name if path.exists() else spec
     if name == "model" and path.exists():  # a conversion's output folder holds its model under model/
         name = path.resolve().parent.name
-    return name + "".join(f", {key}={value}" for key, value in (options or {}).items())
+    where = f" on layers {_ranges(layers)}" if layers is not None else ""
+    return name + "".join(f", {key}={value}" for key, value in (options or {}).items()) + where
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 7]`` -> ``0-2, 7``."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -62,13 +90,14 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.hybrid_options:
         from hf_recattn.modeling.hybrid_options import with_hybrid_options
 
-        model = with_hybrid_options(model, args.hybrid_options)
+        model = with_hybrid_options(model, args.hybrid_options, args.hybrid_layers)
     if args.max_positions and model.config.max_position_embeddings < args.max_positions:
         model.config.max_position_embeddings = args.max_positions
     start = time.perf_counter()
     result = needle_probe(model, tokenizer, natural_haystacks(args.haystacks), tasks=args.tasks,
                           lengths=args.lengths, prompts=args.prompts, seed=args.seed, depths=args.depths,
-                          progress=None if args.no_progress else _label(spec, args.hybrid_options))
+                          progress=None if args.no_progress else _label(spec, args.hybrid_options,
+                                                                        args.hybrid_layers))
     return {**result, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -118,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hybrid-options", type=json.loads, default=None, metavar="JSON",
                         help="options set on every hybrid layer of an hf_recattn model, e.g. '{\"distant_positions\": "
                         "\"clamp\"}'")
+    parser.add_argument("--hybrid-layers", nargs="+", default=None, metavar="LAYERS",
+                        help="set --hybrid-options on these layers only: indices or inclusive ranges, e.g. 0-10 14")
     parser.add_argument("--max-positions", type=int, default=None, metavar="N",
                         help="raise each model's max_position_embeddings to N where it is lower")
     parser.add_argument("--depths", type=float, nargs="+", default=None, metavar="D",
@@ -125,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                         "then counts answers per depth")
     add_out_argument(parser, "needles_cpu.json")
     args = parser.parse_args(argv)
+    try:
+        args.hybrid_layers = parse_layers(args.hybrid_layers)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.hybrid_layers is not None and not args.hybrid_options:
+        parser.error("--hybrid-layers needs --hybrid-options (the options to set on those layers)")
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
@@ -139,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
             models = earlier.get("models", {})
     results: dict[str, Any] = {}
     for spec in args.models:
-        label = _label(spec, args.hybrid_options)
+        label = _label(spec, args.hybrid_options, args.hybrid_layers)
         if label in models:
             print(f"{label}: measured earlier", flush=True)
             continue
         models[label] = measure(spec, args)
+        if args.hybrid_layers is not None:  # a row per layer choice in one file: the label and the row name them
+            models[label]["hybrid_layers"] = args.hybrid_layers
         results = write_results(args.out, "needles", record, {"settings": settings, "models": models,
                                                               "notes": [NOTE]})
     if not results:

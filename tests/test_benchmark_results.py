@@ -32,6 +32,7 @@ RESULTS = {
     "recall_by_distance_cpu.json": "recall_by_distance",
     "needles_past_context_retrieval9_cpu.json": "needles",
     "needles_past_context_near_cpu.json": "needles",
+    "needles_multikey_windows_cpu.json": "needles",
     "loss_by_position_cpu.json": "loss_by_position",
 }
 

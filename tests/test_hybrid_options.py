@@ -51,6 +51,22 @@ def test_only_the_hybrid_layers_change_nested_ones_included() -> None:
     assert specs[1]["heads"] == [1]
 
 
+def test_options_on_chosen_layers_only() -> None:
+    """``layers``: the hybrids of those layers take the options (nested ones included), the others stay as they
+    were; an index out of range or a choice without a hybrid is refused, naming the layers."""
+    nested = {"mixer": "retrieval_heads", "heads": [1], "others": HYBRID}
+    model = tiny_perturbed_model(HYBRID, overrides={"1": nested})
+    specs = with_hybrid_options(model, {"window": 5}, layers=[1]).config.layer_specs()
+    assert specs[0] == model.config.layer_spec(0) and specs[0]["window"] == 3
+    assert specs[1]["others"]["window"] == 5 and specs[1]["heads"] == [1]
+    assert [s["window"] for s in with_hybrid_options(model, {"window": 5}).config.layer_specs()[:1]] == [5]
+    with pytest.raises(ValueError, match=r"layers \[2\] out of range; the model has layers 0-1"):
+        with_hybrid_options(model, {"window": 5}, layers=[0, 2])
+    mixed = tiny_perturbed_model(HYBRID, overrides={"0": {"mixer": "softmax"}})
+    with pytest.raises(ValueError, match=r"no hybrid layer among layers \[0\]"):
+        with_hybrid_options(mixed, {"window": 5}, layers=[0])
+
+
 @pytest.mark.parametrize(("attention", "options", "message"), [
     (HYBRID, {"slots": 4}, r"hybrid options \['slots'\]: unknown"),
     ({"mixer": "softmax"}, {"cache_slots": 4}, "no hybrid layer"),

@@ -5,7 +5,7 @@ to a hybrid trained without it): options that add no parameters, so the trained 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from .configuration import RecAttnConfig
@@ -54,30 +54,38 @@ def hybrid_cache_slots(config: RecAttnConfig) -> int:
     return max((int(h["cache_slots"]) for h in _cached(config)), default=0)
 
 
-def config_with_hybrid_options(config: RecAttnConfig, options: dict[str, Any]) -> RecAttnConfig:
-    """A copy of ``config`` whose hybrid layers take ``options``; ValueError when an option is unknown or bad (named
-    with its layer) or no layer is a hybrid."""
+def config_with_hybrid_options(config: RecAttnConfig, options: dict[str, Any],
+                               layers: Collection[int] | None = None) -> RecAttnConfig:
+    """A copy of ``config`` whose hybrid layers (only those among ``layers``, layer indices, when given) take
+    ``options``; ValueError when an option is unknown or bad (named with its layer), a layer index is out of range
+    or no chosen layer is a hybrid."""
     unknown = sorted(set(options) - set(HybridMixer.options))
     if unknown:
         raise ValueError(f"hybrid options {unknown}: unknown; the hybrid's options are {sorted(HybridMixer.options)}")
+    current = config.layer_specs()
+    outside = sorted(i for i in (layers or ()) if not 0 <= i < len(current))
+    if outside:
+        raise ValueError(f"hybrid options: layers {outside} out of range; the model has layers 0-{len(current) - 1}")
     specs, found = [], False
-    for spec in config.layer_specs():
-        new, hit = _respec(spec, options)
+    for i, spec in enumerate(current):
+        new, hit = _respec(spec, options) if layers is None or i in layers else (spec, False)
         specs.append(new)
         found = found or hit
     if not found:
-        raise ValueError(f"hybrid options {options}: the model has no hybrid layer to set them on")
+        among = "" if layers is None else f" among layers {sorted(layers)}"
+        raise ValueError(f"hybrid options {options}: the model has no hybrid layer{among} to set them on")
     changed = copy.deepcopy(config)
     changed.attention, changed.attention_overrides = specs, None
     changed.layer_specs()  # validate now
     return changed
 
 
-def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any]) -> RecAttnForCausalLM:
-    """A copy of ``model`` (in eval mode) whose hybrid layers take ``options`` (``{"cache_slots": 64}``), with the
-    same weights. ValueError as ``config_with_hybrid_options`` says, or when the change adds or drops parameters
-    (named), since the trained weights would then not be the whole model."""
-    config = config_with_hybrid_options(model.config, options)
+def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any],
+                        layers: Collection[int] | None = None) -> RecAttnForCausalLM:
+    """A copy of ``model`` (in eval mode) whose hybrid layers (those among ``layers`` when given) take ``options``
+    (``{"cache_slots": 64}``), with the same weights. ValueError as ``config_with_hybrid_options`` says, or when the
+    change adds or drops parameters (named), since the trained weights would then not be the whole model."""
+    config = config_with_hybrid_options(model.config, options, layers)
     changed = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
     result = changed.load_state_dict(model.state_dict(), strict=False)
     missing = [k for k in result.missing_keys if k != "lm_head.weight"]
