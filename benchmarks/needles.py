@@ -55,8 +55,8 @@ def parse_layers(items: list[str] | None) -> list[int] | None:
         return None
     layers: list[int] = []
     for item in items:
-        first, _, last = item.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+        first, dash, last = item.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
             raise ValueError(f"--hybrid-layers: {item!r} is not a layer index or a range such as 0-10")
         layers.extend(range(int(first), int(last or first) + 1))
     return sorted(set(layers))

@@ -48,7 +48,7 @@ def test_hybrid_layers_are_parsed_labelled_and_kept_in_the_settings(tmp_path: Pa
     assert needles.parse_layers(["7", "0-2", "2"]) == [0, 1, 2, 7]
     assert needles._label("m", {"window": 9}, [0, 1, 2, 7]) == "m, window=9 on layers 0-2, 7"
     assert needles._label("m", {"window": 9}) == "m, window=9"
-    for bad in (["a"], ["3-1"], ["1-x"]):
+    for bad in (["a"], ["3-1"], ["1-x"], ["0-"]):
         with pytest.raises(ValueError, match=f"--hybrid-layers: {bad[0]!r}"):
             needles.parse_layers(bad)
     monkeypatch.setattr(needles, "measure", lambda spec, args: {
