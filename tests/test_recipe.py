@@ -16,8 +16,10 @@ from hf_recattn.conversion.recipe import (
     load_recipe,
     recipe_from_dict,
 )
+from hf_recattn.conversion.retrieval_heads import config_with_retrieval_heads
 from hf_recattn.conversion.settings import RETRIEVAL_KINDS, Stage2Settings
 from hf_recattn.evaluation import RecallSizes
+from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.state_size import state_size_report
 from hf_recattn.training.checks import build_settings
 from hf_recattn.training.distill_settings import DistillSettings
@@ -408,6 +410,35 @@ def test_cache_recipes_keep_a_constant_state(name: str) -> None:
     assert len(set(states.values())) == 1, states
     kv = sum(r.kv_cache_elements for r in state_size_report(config, 8192))
     assert states[8192] / kv <= CACHED[name]
+
+
+def _costliest_heads(config: RecAttnConfig, count: int) -> dict[int, list[int]]:
+    """``count`` KV heads placed where a retrieval head adds the most bytes: the layers whose own heads keep the
+    smallest state, at most all but one KV head per layer."""
+    rows = state_size_report(config, 8192)
+    layers = sorted(range(len(rows)), key=lambda i: (rows[i].state_elements, i))
+    heads: dict[int, list[int]] = {}
+    for layer in layers:
+        take = min(count - sum(map(len, heads.values())), config.num_key_value_heads - 1)
+        if take <= 0:
+            break
+        heads[layer] = list(range(take))
+    return heads
+
+
+@pytest.mark.parametrize("name", sorted(name for name in available_recipes() if name.startswith("retrieval")))
+def test_retrieval_head_recipes_fit_a_sixteenth_of_the_kv_cache(name: str) -> None:
+    """The bounded retrieval-head recipes keep a state that is the same at 1k, 8k and 32k tokens and at most 1/16 of
+    SmolLM2's KV cache at 8k, wherever their heads land (placed here where they cost the most)."""
+    recipe = load_recipe(name, "full")
+    settings = recipe.retrieval_heads
+    assert settings.max_heads and settings.method == "teacher" and settings.retrieval is not None
+    config = check_against_teacher(recipe, smollm2_config())
+    config, _ = config_with_retrieval_heads(config, _costliest_heads(config, settings.max_heads), settings.retrieval)
+    states = {n: sum(r.state_elements for r in state_size_report(config, n)) for n in (1024, 8192, 32768)}
+    assert len(set(states.values())) == 1, states
+    kv = sum(r.kv_cache_elements for r in state_size_report(config, 8192))
+    assert states[8192] * 16 <= kv, (states[8192] * 4 / 2**20, kv * 4 / 2**20 / 16)
 
 
 def test_a_packaged_recipe_is_named_by_its_place_in_the_package(tmp_path: Path) -> None:

@@ -273,13 +273,12 @@ def _split_layer_state(layer: dict[str, torch.Tensor], own: dict[str, torch.Tens
     return out
 
 
-def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, Any] | None = None) -> nn.Module:
-    """A copy of ``model`` whose layers in ``heads`` keep exact softmax on those KV heads (their other heads
-    keep the layer's own mixer and weights). ``retrieval``: the spec those heads run instead of exact softmax (the
-    mixer's option of that name); its parameters take those heads' rows of the layer's parameters of the same
-    name (e.g. a hybrid's mixing weight), and a parameter the layer lacks is refused. A layer whose every KV head
-    is listed runs ``retrieval`` (or softmax) as a whole, with the layer's parameters of the same names."""
-    config = copy.deepcopy(model.config)
+def config_with_retrieval_heads(config: Any, heads: HeadSet,
+                                retrieval: dict[str, Any] | None = None) -> tuple[Any, set[int]]:
+    """A copy of ``config`` whose layers in ``heads`` keep ``retrieval`` (exact softmax when None) on those KV heads
+    and their own spec on the others, and the layers whose every KV head is listed (they run ``retrieval`` whole).
+    ValueError for a layer out of range or one that already keeps retrieval heads."""
+    config = copy.deepcopy(config)
     specs = config.layer_specs()
     count = len(specs)
     overrides = {}
@@ -297,6 +296,16 @@ def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, 
                                      "others": specs[layer_idx], "retrieval": retrieval}
     config.attention = specs
     config.attention_overrides = overrides or None
+    return config, whole
+
+
+def with_retrieval_heads(model: nn.Module, heads: HeadSet, retrieval: dict[str, Any] | None = None) -> nn.Module:
+    """A copy of ``model`` whose layers in ``heads`` keep exact softmax on those KV heads (their other heads
+    keep the layer's own mixer and weights). ``retrieval``: the spec those heads run instead of exact softmax (the
+    mixer's option of that name); its parameters take those heads' rows of the layer's parameters of the same
+    name (e.g. a hybrid's mixing weight), and a parameter the layer lacks is refused. A layer whose every KV head
+    is listed runs ``retrieval`` (or softmax) as a whole, with the layer's parameters of the same names."""
+    config, whole = config_with_retrieval_heads(model.config, heads, retrieval)
     student = type(model)(config).to(next(model.parameters()).dtype)
     state = model.state_dict()
     own = student.state_dict()
