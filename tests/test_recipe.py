@@ -399,6 +399,13 @@ def test_eval_probe_sizes(tmp_path: Path) -> None:
         assert says in message, message
 
 
+def _states_and_kv_cache(config: RecAttnConfig) -> tuple[dict[int, int], int]:
+    """The model's state elements at 1k, 8k and 32k tokens, and its teacher's KV-cache elements at 8k."""
+    reports = {n: state_size_report(config, n) for n in (1024, 8192, 32768)}
+    states = {n: sum(r.state_elements for r in rows) for n, rows in reports.items()}
+    return states, sum(r.kv_cache_elements for r in reports[8192])
+
+
 @pytest.mark.parametrize("name", sorted(CACHED))
 def test_cache_recipes_keep_a_constant_state(name: str) -> None:
     """The recipes with the exact cache: every converted layer has it, and the whole state is the same at 1k, 8k
@@ -406,9 +413,8 @@ def test_cache_recipes_keep_a_constant_state(name: str) -> None:
     recipe = load_recipe(name, "quick")
     config = check_against_teacher(recipe, smollm2_config())
     assert all(spec["cache_slots"] == 64 for spec in config.layer_specs())
-    states = {n: sum(r.state_elements for r in state_size_report(config, n)) for n in (1024, 8192, 32768)}
+    states, kv = _states_and_kv_cache(config)
     assert len(set(states.values())) == 1, states
-    kv = sum(r.kv_cache_elements for r in state_size_report(config, 8192))
     assert states[8192] / kv <= CACHED[name]
 
 
@@ -435,9 +441,8 @@ def test_retrieval_head_recipes_fit_a_sixteenth_of_the_kv_cache(name: str) -> No
     assert settings.max_heads and settings.method == "teacher" and settings.retrieval is not None
     config = check_against_teacher(recipe, smollm2_config())
     config, _ = config_with_retrieval_heads(config, _costliest_heads(config, settings.max_heads), settings.retrieval)
-    states = {n: sum(r.state_elements for r in state_size_report(config, n)) for n in (1024, 8192, 32768)}
+    states, kv = _states_and_kv_cache(config)
     assert len(set(states.values())) == 1, states
-    kv = sum(r.kv_cache_elements for r in state_size_report(config, 8192))
     assert states[8192] * 16 <= kv, (states[8192] * 4 / 2**20, kv * 4 / 2**20 / 16)
 
 
