@@ -167,6 +167,20 @@ def test_the_clamp_lifts_the_length_limit() -> None:
     assert mixed.length_limit() == 12
 
 
+def test_a_saved_clamped_model_loads_with_its_frequencies(tmp_path) -> None:
+    """``from_pretrained`` builds the layers on the meta device: the clamp's rotary frequencies, which are no weights,
+    must come back real and the reloaded model give the saved one's logits, past the clamp distance included."""
+    spec = {"mixer": "hybrid", "window": 2, "sink_tokens": 1, "cache_slots": 2, "far": "none",
+            "cache_score": "keydiff", "distant_positions": "clamp", "clamp_distance": 4}
+    model = tiny_model(Case("clamped", spec)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    assert loaded.model.layers[0].self_attn.mixer.distance.inv_freq.device.type == "cpu"
+    ids = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("options", "pattern"), [
     ({"clamp_distance": 8}, "option 'clamp_distance'=8 needs distant_positions='clamp'"),
     ({"distant_positions": "clamp", "clamp_distance": 1}, "'clamp_distance'=1 is below the 2 tokens back"),

@@ -62,7 +62,8 @@ def rope_frequencies(config: Any, layer_idx: int, where: str) -> torch.Tensor:
     if kind in LENGTH_DEPENDENT_ROPE:
         raise ValueError(f"{where}: option 'distant_positions'='clamp' cannot turn keys back under rope_type "
                          f"{kind!r}, whose frequencies change with the sequence length")
-    return RecAttnRotaryEmbedding(config=flat).inv_freq.to(torch.float64)
+    with torch.device("cpu"):  # from_pretrained builds layers on the meta device; these are no weights to load
+        return RecAttnRotaryEmbedding(config=flat).inv_freq.to(torch.float64)
 
 
 def key_distance(spec: dict[str, Any], shape: MixerShape, config: Any) -> KeyDistance | None:
