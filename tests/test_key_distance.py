@@ -2,7 +2,8 @@
 back scored as if exactly D back. Every form (parallel, chunked, token steps, cached prefill + steps; left padding)
 against the float64 reference of tests/reference_key_distance.py at D = 8, under the default rotary and a scaled,
 partial one; the cache's positions following its keys through evictions; within D the model equal, bit for bit, to
-``absolute``; generation with and without the cache equal; the length limit lifted; bad specs refused.
+``absolute``; generation with and without the cache equal; the length limit lifted; a saved model reloaded with its
+clamp; bad specs refused.
 
 Tolerances: float64 forms within 1e-10 relative of each other and 1e-7 of the reference (the layer turns keys back
 by its rotary's own frequencies, float32 numbers, where the reference takes them exact); fp32 generation logits
@@ -11,6 +12,7 @@ within 1e-4 (as tests/test_hybrid_cache.py).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mixer_checks as checks
@@ -167,7 +169,7 @@ def test_the_clamp_lifts_the_length_limit() -> None:
     assert mixed.length_limit() == 12
 
 
-def test_a_saved_clamped_model_loads_with_its_frequencies(tmp_path) -> None:
+def test_a_saved_clamped_model_loads_with_its_frequencies(tmp_path: Path) -> None:
     """``from_pretrained`` builds the layers on the meta device: the clamp's rotary frequencies, which are no weights,
     must come back real and the reloaded model give the saved one's logits, past the clamp distance included."""
     spec = {"mixer": "hybrid", "window": 2, "sink_tokens": 1, "cache_slots": 2, "far": "none",
