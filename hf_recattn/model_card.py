@@ -19,9 +19,10 @@ from .atomic import write_text
 from .conversion.baselines import WINDOW_LABEL
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
+from .modeling.cache_precision import INT8
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
-from .modeling.hybrid_options import hybrid_cache_scores, hybrid_cache_slots
+from .modeling.hybrid_options import hybrid_cache_dtypes, hybrid_cache_scores, hybrid_cache_slots
 from .state_size import exact_cache_elements, state_size_report
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
@@ -93,8 +94,10 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
     if slots:
         cache = exact_cache_elements(config, contexts[-1]) * BYTES_PER_ELEMENT
         keeps = "; ".join(CACHE_SCORES[score].keeps for score in hybrid_cache_scores(config))
+        int8 = INT8 in hybrid_cache_dtypes(config)
+        held = ", its slots holding int8 codes with a float32 scale per key and per value" if int8 else ""
         lines += ["", f"Of this model's state, the exact cache of its hybrid layers (`cache_slots` {slots}: {keeps}, "
-                  f"and the buffer of those waiting to be ranked) takes {human_bytes(cache)} at every context."]
+                  f"and the buffer of those waiting to be ranked) takes {human_bytes(cache)} at every context{held}."]
     return "\n".join(lines)
 
 

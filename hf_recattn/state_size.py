@@ -8,7 +8,12 @@ from typing import Any
 import torch
 
 from .modeling.configuration import RecAttnConfig
-from .modeling.hybrid_options import DEFAULT_CACHE_SCORE, config_with_hybrid_options, hybrid_cache_slots
+from .modeling.hybrid_options import (
+    DEFAULT_CACHE_DTYPE,
+    DEFAULT_CACHE_SCORE,
+    config_with_hybrid_options,
+    hybrid_cache_slots,
+)
 from .modeling.mixer_base import MixerShape
 from .modeling.mixers import build_mixer
 
@@ -70,7 +75,8 @@ def exact_cache_elements(config: RecAttnConfig, context_length: int) -> int:
     sequence: the state less that of the same model without the cache; 0 without one."""
     if not hybrid_cache_slots(config):
         return 0
-    plain = config_with_hybrid_options(config, {"cache_slots": 0, "cache_score": DEFAULT_CACHE_SCORE})
+    plain = config_with_hybrid_options(config, {"cache_slots": 0, "cache_score": DEFAULT_CACHE_SCORE,
+                                                "cache_dtype": DEFAULT_CACHE_DTYPE})
     return sum(r.state_elements for r in state_size_report(config, context_length)) - sum(
         r.state_elements for r in state_size_report(plain, context_length))
 

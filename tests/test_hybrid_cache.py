@@ -195,14 +195,25 @@ def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, 
     return float(torch.linalg.vector_norm(value - num / den).detach())
 
 
+def int8_held(x: torch.Tensor) -> torch.Tensor:
+    """A vector as an int8 cache slot holds it: round(x / s) s with s its largest magnitude over 127 (the gradient
+    straight through the rounding)."""
+    scale = x.detach().abs().max() / 127
+    held = x.detach() if float(scale) == 0 else torch.round(x.detach() / scale).clamp(-127, 127) * scale
+    return x + (held - x).detach()
+
+
 def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mixer: Mixer,
                      far: Leaving | Arriving | None) -> torch.Tensor:
     """The hybrid with the cache, token by token, one row and key head at a time: lists of token positions for the
-    sinks, the cache, the pending buffer and the evicted pairs."""
+    sinks, the cache, the pending buffer and the evicted pairs. With ``cache_dtype: int8`` a decision scores and
+    keeps the pending pairs as int8 holds them (``int8_held``, once); a pending pair evicted at once leaves as
+    computed, a cached one as it was held."""
     q, k, v = q.double(), k.double(), v.double()
     bsz, heads, seq, _ = q.shape
     groups, window, slots = heads // HK, mixer.window, mixer.cache_slots
     share = torch.sigmoid(mixer.mix_logit.double())
+    hold = int8_held if mixer.spec.get("cache_dtype") == "int8" else (lambda x: x)
     rows: dict[tuple[int, int, int], torch.Tensor] = {}
     for b in range(bsz):
         real = [t for t in range(seq) if bool(mask[b, t])]
@@ -210,33 +221,40 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         for hk in range(HK):
             cache: list[int] = []
             pending: list[int] = []
-            evicted: list[int] = []
+            evicted: list[tuple[torch.Tensor, torch.Tensor]] = []  # in the order they left
+            held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the pairs decided on, as the cache holds them
+
+            def pair(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return held.get(s, (k[b, hk, s], v[b, hk, s]))  # noqa: B023 (read at once, in this row and head)
+
             for t in range(seq):
                 if t - window in real and t - window not in sinks:
                     pending.append(t - window)
                 if t in real:
                     win = [s for s in range(t - window + 1, t + 1) if s in real and s not in sinks]
                     near = [s for s in sinks if s <= t] + cache + pending + win
-                    pairs = [(k[b, hk, s], v[b, hk, s]) for s in evicted]
+                    pairs = evicted
                     for h in range(hk * groups, (hk + 1) * groups):
-                        terms = _near_terms(q[b, h, t], [k[b, hk, s] for s in near], [v[b, hk, s] for s in near])
+                        terms = _near_terms(q[b, h, t], [pair(s)[0] for s in near], [pair(s)[1] for s in near])
                         rows[(b, t, h)] = _output(far, share, mixer.combine, b, t, h, hk, q[b, h, t], terms, pairs)
                 if len(pending) == window:
+                    leaving = {s: pair(s) for s in cache + pending}  # before the pending ones are rounded
+                    held.update({s: (hold(k[b, hk, s]), hold(v[b, hk, s])) for s in pending})
                     candidates = cache + pending
-                    pairs = [(k[b, hk, s], v[b, hk, s]) for s in evicted]
+                    pairs = evicted
                     if mixer.spec["cache_score"] == "novelty":
                         after = [v[b, hk, s] for s in range(t - window + 1, t + 1) if s in real and s not in sinks]
-                        scores = [_novelty(v[b, hk, s], after) for s in candidates]
+                        scores = [_novelty(pair(s)[1], after) for s in candidates]
                     elif mixer.spec["cache_score"] == "keydiff":
-                        keys = [k[b, hk, s] for s in candidates]
+                        keys = [pair(s)[0] for s in candidates]
                         scores = [_key_diversity(key, keys) for key in keys]
                     elif mixer.spec["cache_score"] == "learned":
-                        scores = [retention_score(mixer.retention, hk, k[b, hk, s], v[b, hk, s]) for s in candidates]
+                        scores = [retention_score(mixer.retention, hk, *pair(s)) for s in candidates]
                     else:
-                        scores = [_score(far, b, t, hk, k[b, hk, s], v[b, hk, s], pairs) for s in candidates]
+                        scores = [_score(far, b, t, hk, *pair(s), pairs) for s in candidates]
                     ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])  # stable: the older first
                     cache = sorted(candidates[i] for i in ranked[:slots])
-                    evicted += [s for s in candidates if s not in cache]
+                    evicted += [leaving[s] for s in candidates if s not in cache]
                     pending = []
     zero = torch.zeros(v.shape[-1], dtype=torch.float64)
     return torch.stack([torch.stack([torch.stack([rows.get((b, t, h), zero) for h in range(heads)])

@@ -6,7 +6,9 @@ slices of a block's inputs) are here too.
 A decision scores the cache's pairs and the pending ones with the layer's ``cache_score`` (cache_scores.py), which
 reads the layer's ``ScoreParts``: its far part and, for ``learned``, its retention head (retention_head.py). Without
 a far part (``far: none``, a score that reads no far state) the evicted pairs are dropped and the queries see only
-the sinks, the cache and the tokens not decided yet: a learned-eviction softmax cache.
+the sinks, the cache and the tokens not decided yet: a learned-eviction softmax cache. The cache's options
+(``CACHE_OPTIONS``), their checks and its share of the state size are here; ``cache_dtype: int8`` holds its pairs as
+cache_precision.py says.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cache_scores import Decision, ScoreParts
+from .cache_precision import CACHE_DTYPES, MODEL, codes_of, dequantize, round_trip, scale_dtype, slot_elements
+from .cache_scores import CACHE_SCORES, Decision, ScoreParts
 from .far_part import ARRIVING, FarTerms
 from .hybrid_cache import (
     Timing,
@@ -31,10 +34,54 @@ from .hybrid_cache import (
 )
 from .key_distance import KeyDistance, query_positions
 from .mixer_base import MixerInputs, State, group_queries, ungroup_output
+from .options import Option
 
 FAR_PREFIX = "far."
+#: the hybrid's options of the exact cache
+CACHE_OPTIONS = {
+    "cache_slots": Option(
+        (int,), 0, "exact key/value slots per KV head, filled as 'cache_score' says (0: none)", minimum=0,
+    ),
+    "cache_score": Option(
+        (str,), "far", "what the exact cache keeps: the pairs the far state recalls worst ('far'), the values "
+        "least like any in the window ('novelty') or what a retention head trained on the teacher's attention "
+        "predicts later queries need ('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
+    ),
+    "cache_dtype": Option(
+        (str,), MODEL, "how the exact cache holds its keys and values: as the model computes them ('model') or "
+        "as int8 codes with a float32 scale per key and per value ('int8', about a quarter of float32's bytes; "
+        "modeling/cache_precision.py)", choices=CACHE_DTYPES,
+    ),
+}
+#: what each cache option does, for the error when it is set with the cache off
+CACHE_OPTION_ROLES = {"cache_score": "scores the exact cache",
+                      "cache_dtype": "sets how the exact cache holds its pairs"}
 #: the far part's terms of the queries over the keys it reads, and its next state (None in the parallel form)
 FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[FarTerms, State | None]]
+
+
+class Cache(NamedTuple):
+    """The exact cache as the forms carry it: keys and values [B, Hkv, G, D] as its queries read them (dequantized
+    with ``cache_dtype: int8``), the filled slots [B, G], their positions [B, Hkv, G] with the clamp (else None) and,
+    for int8, the keys' and values' scales [B, Hkv, G, 1] (else None)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor | None
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+
+
+def check_cache_spec(spec: dict[str, Any], where: str, has_far: bool) -> None:
+    """Raise when a cache option is set with the cache off, or a score reading the far state has none to read."""
+    for name, role in CACHE_OPTION_ROLES.items():
+        if spec[name] != CACHE_OPTIONS[name].default and not spec["cache_slots"]:
+            raise ValueError(f"{where}: option {name!r}={spec[name]!r} {role}, which is off (cache_slots: 0)")
+    if not has_far and spec["cache_slots"] and CACHE_SCORES[spec["cache_score"]].reads_far:
+        raise ValueError(f"{where}: option 'cache_slots' with cache_score={spec['cache_score']!r} needs a far "
+                         "part (its state scores the pairs), got far='none'; a score that reads no far state "
+                         "('novelty', 'learned') drops the evicted pairs instead")
 
 
 def far_state(state: State) -> State:
@@ -91,6 +138,7 @@ class ExactCacheForms:
     window: int
     sink_tokens: int
     cache_slots: int
+    cache_dtype: str
     cache_score: Callable[[ScoreParts, Decision], torch.Tensor]
     far: Any
     retention: Any
@@ -123,7 +171,7 @@ class ExactCacheForms:
             positions = torch.cat([state["ppos"], state["wpos"], new_pos], dim=1)
         blk = CacheBlock(q, k, v, inputs, torch.cat([state["pk"], state["wk"], k], dim=2),
                          torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks, positions)
-        cache, far = (state["ck"], state["cv"], state["cmask"], state.get("cpos")), far_state(state)
+        cache, far = self._cache_in(state), far_state(state)
         outs = []
         for start, stop, decides in decision_spans(timing.decide):
             out, far = self._cached_span(blk, start, stop, cache, far, far_form)
@@ -136,22 +184,22 @@ class ExactCacheForms:
             "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": real[:, -w:],
             "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
             "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
-            "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2],
+            "pmask": pmask, **self._cache_out(cache),
         })
         if positions is not None:
             new_state.update({"ppos": torch.where(pmask, positions.gather(1, slots), 0), "wpos": positions[:, -w:],
-                              "cpos": cache[3]})
+                              "cpos": cache.positions})
         new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
         return torch.cat(outs, dim=1), new_state
 
     def _cached_span(
-        self, blk: CacheBlock, start: int, stop: int, cache: tuple[torch.Tensor, ...], far: State, far_form: FarForm
+        self, blk: CacheBlock, start: int, stop: int, cache: Cache, far: State, far_form: FarForm
     ) -> tuple[torch.Tensor, State]:
         """The outputs of queries start..stop-1 over the sinks, the cache, the tokens not decided yet and the far
         state, and the far state after them (one reading arriving tokens has read theirs)."""
         q = blk.q[:, :, start:stop]
         inputs = slice_inputs(blk.inputs, start, stop)
-        ck, cv, cmask, cpos = cache
+        ck, cv, cmask, cpos = cache[:4]
         columns = 2 * self.window + stop
         keys, values = [ck, blk.keys[:, :, :columns]], [cv, blk.values[:, :, :columns]]
         new_sink = None if blk.sinks is None else blk.sinks[3]
@@ -191,8 +239,8 @@ class ExactCacheForms:
         return self._combine(terms, inputs, scores, values), far
 
     def _decide(
-        self, blk: CacheBlock, j: int, cache: tuple[torch.Tensor, ...], far: State
-    ) -> tuple[tuple[torch.Tensor, ...], State]:
+        self, blk: CacheBlock, j: int, cache: Cache, far: State
+    ) -> tuple[Cache, State]:
         """The decision after query j in the rows whose pending buffer is then full (see ``_evict``)."""
         w = self.window
         pending = pending_pairs(blk.timing, j, w)
@@ -204,28 +252,42 @@ class ExactCacheForms:
 
     def _evict(
         self, rows: torch.Tensor, pending: tuple[torch.Tensor, ...], window: tuple[torch.Tensor, torch.Tensor],
-        cache: tuple[torch.Tensor, ...], far: State,
-    ) -> tuple[tuple[torch.Tensor, ...], State]:
+        cache: Cache, far: State,
+    ) -> tuple[Cache, State]:
         """The decision in the ``rows`` [B] marked: the cache's pairs and the W ``pending`` ones (keys and values
         [B, Hkv, W, D], in token order, and their positions [B, W] or None; meaningful in those rows) scored by
         ``cache_score`` (against the far state or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after
         the deciding query), the G highest kept (with their positions), the others added to the far state in token
-        order (a far part reading leaving keys) or dropped. The other rows keep their cache and far state."""
-        ck, cv, cmask, cpos = cache
-        keys = torch.cat([ck, pending[0]], dim=2)
-        values = torch.cat([cv, pending[1]], dim=2)
+        order (a far part reading leaving keys) or dropped. The other rows keep their cache and far state. With
+        ``cache_dtype: int8`` the pending pairs are scored and kept as int8 holds them; the far state takes them
+        as computed."""
+        ck, cv, cmask, cpos, key_scales, value_scales = cache
+        pending_keys, pending_values = pending[0], pending[1]
+        if key_scales is not None:
+            (pending_keys, pending_key_scales), (pending_values, pending_value_scales) = map(round_trip, pending[:2])
+        keys = torch.cat([ck, pending_keys], dim=2)
+        values = torch.cat([cv, pending_values], dim=2)
         filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
         # the choice is discrete: no gradient
         decision = Decision(keys, values, far, *window, filled)
         score = self.cache_score(ScoreParts(self.far, self.retention), decision).detach()
         keep, evicted, new_mask = keep_slots(score, filled, self.cache_slots)
-        cache = (
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if key_scales is not None:
+            scales = tuple(  # type: ignore[assignment]
+                where_rows(rows, gather_heads(torch.cat([old, new], dim=2), keep), old)
+                for old, new in ((key_scales, pending_key_scales), (value_scales, pending_value_scales))
+            )
+        cache = Cache(
             where_rows(rows, gather_heads(keys, keep), ck),
             where_rows(rows, gather_heads(values, keep), cv),
             where_rows(rows, new_mask, cmask),
             None if cpos is None else where_rows(rows, KeyDistance.kept_positions(cpos, pending[2], keep), cpos),
+            *scales,
         )
         if self.far is not None and self.far.far_reads != ARRIVING:
+            if key_scales is not None:
+                keys, values = torch.cat([ck, pending[0]], dim=2), torch.cat([cv, pending[1]], dim=2)
             added = self.far.far_add(keys, values, evicted.to(values.dtype), far)
             far = {name: where_rows(rows, added[name], x) for name, x in far.items()}
         return cache, far
@@ -245,8 +307,9 @@ class ExactCacheForms:
         itself = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
         new_real = itself if mask is None else mask.bool()
         sink_k, sink_v = ([state["sk"], k], [state["sv"], v]) if n else ([], [])
-        keys = torch.cat([*sink_k, state["ck"], state["pk"], state["wk"], k], dim=2)  # [B, Hkv, N' + G + 2W + 1, D]
-        values = torch.cat([*sink_v, state["cv"], state["pv"], state["wv"], v], dim=2)
+        cache = self._cache_in(state)
+        keys = torch.cat([*sink_k, cache.keys, state["pk"], state["wk"], k], dim=2)  # [B, Hkv, N' + G + 2W + 1, D]
+        values = torch.cat([*sink_v, cache.values, state["pv"], state["wv"], v], dim=2)
         real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # [B, 2W + 1]: pending, window, new
         sinks = [state["smask"], ~itself] if n else []  # settled: every sink visible, the new token not a sink
         visible = torch.cat([*sinks, state["cmask"], real[:, :-1], itself], dim=1)  # a padded query sees itself
@@ -260,11 +323,11 @@ class ExactCacheForms:
         new_state: State = {"wk": keys[:, :, -w:], "wv": values[:, :, -w:], "wmask": real[:, -w:]}
         if n:
             new_state.update({"sk": state["sk"], "sv": state["sv"], "smask": state["smask"]})
-        new_state.update(self._pending_after_step(keys, values, real, state, far, positions))
+        new_state.update(self._pending_after_step(keys, values, real, state, cache, far, positions))
         return out, new_state
 
     def _pending_after_step(
-        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, far: State,
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, state: State, cache: Cache, far: State,
         positions: torch.Tensor | None = None,
     ) -> State:
         """The pending buffer, cache and far state after a one-token step (``keys`` / ``values``: its buffer, ending
@@ -280,26 +343,56 @@ class ExactCacheForms:
             pv = torch.where(leaves[:, :, None, None], pv, state["pv"])
         ppos = None if positions is None else torch.where(leaves, positions[:, 1 : w + 1], state["ppos"])
         full = pmask.all(1)  # [B]: fewer than W wait between steps, so only a leaving token fills it
-        cache = (state["ck"], state["cv"], state["cmask"], state.get("cpos"))
         ((_, _, decides),) = decision_spans(full[:, None])
         if decides:
             cache, far = self._evict(full, (pk, pv, ppos), (values[:, :, s - w :], real[:, -w:]), cache, far)
             empty = full[:, None, None, None]
             pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
-        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, "ck": cache[0], "cv": cache[1], "cmask": cache[2]}
+        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, **self._cache_out(cache)}
         if positions is not None:
-            new_state.update({"ppos": torch.where(pmask, ppos, 0), "wpos": positions[:, -w:], "cpos": cache[3]})
+            new_state.update({"ppos": torch.where(pmask, ppos, 0), "wpos": positions[:, -w:],
+                              "cpos": cache.positions})
         new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
         return new_state
 
+    def _cache_size(self) -> int:
+        """The pending buffer and the cache in state elements (keys, values, masks; an int8 cache's bytes over
+        four, cache_precision.slot_elements); 0 without a cache."""
+        if not self.cache_slots:
+            return 0
+        hk, d, w = self.shape.num_kv_heads, self.shape.head_dim, self.window
+        return 2 * hk * d * w + w + slot_elements(hk, d, self.cache_slots, self.cache_dtype) + self.cache_slots
+
+    def _cache_in(self, state: State) -> Cache:
+        """The cache of a state as the forms carry it (int8 codes dequantized to the window's dtype)."""
+        if self.cache_dtype == MODEL:
+            return Cache(state["ck"], state["cv"], state["cmask"], state.get("cpos"))
+        key_scales, value_scales, dtype = state["cks"], state["cvs"], state["wk"].dtype
+        return Cache(dequantize(state["ck"], key_scales, dtype), dequantize(state["cv"], value_scales, dtype),
+                     state["cmask"], state.get("cpos"), key_scales, value_scales)
+
+    def _cache_out(self, cache: Cache) -> State:
+        """The state's entries of the cache (its positions aside): keys, values (int8 codes and scales) and mask."""
+        if cache.key_scales is None:
+            return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
+        return {"ck": codes_of(cache.keys, cache.key_scales), "cv": codes_of(cache.values, cache.value_scales),
+                "cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
+
     def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
-        """The pending buffer (W slots) and the cache (G slots per KV head), empty."""
+        """The pending buffer (W slots) and the cache (G slots per KV head), empty; int8 codes with float32 scales
+        for ``cache_dtype: int8``."""
         hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
-        return {
+        held = dtype if self.cache_dtype == MODEL else torch.int8
+        state = {
             "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
-            "ck": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
-            "cv": torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype),
+            "ck": torch.zeros(batch_size, hk, slots, d, device=device, dtype=held),
+            "cv": torch.zeros(batch_size, hk, slots, d, device=device, dtype=held),
             "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
         }
+        if self.cache_dtype != MODEL:
+            scales = (batch_size, hk, slots, 1)
+            state["cks"] = torch.zeros(scales, device=device, dtype=scale_dtype(dtype))
+            state["cvs"] = torch.zeros(scales, device=device, dtype=scale_dtype(dtype))
+        return state

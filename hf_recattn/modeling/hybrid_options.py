@@ -14,6 +14,8 @@ from .modeling import RecAttnForCausalLM
 
 #: the hybrid's ``cache_score`` when a spec does not set it
 DEFAULT_CACHE_SCORE: str = HybridMixer.options["cache_score"].default
+#: how the hybrid's exact cache holds its pairs when a spec does not say (``cache_dtype``)
+DEFAULT_CACHE_DTYPE: str = HybridMixer.options["cache_dtype"].default
 
 
 def _respec(spec: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -47,6 +49,11 @@ def _cached(config: RecAttnConfig) -> Iterator[dict[str, Any]]:
 def hybrid_cache_scores(config: RecAttnConfig) -> list[str]:
     """The ``cache_score`` of the model's hybrid layers with an exact cache, each once, in layer order."""
     return list(dict.fromkeys(h.get("cache_score", DEFAULT_CACHE_SCORE) for h in _cached(config)))
+
+
+def hybrid_cache_dtypes(config: RecAttnConfig) -> list[str]:
+    """How the model's hybrid layers with an exact cache hold its pairs (``cache_dtype``), each once, in layer order."""
+    return list(dict.fromkeys(h.get("cache_dtype", DEFAULT_CACHE_DTYPE) for h in _cached(config)))
 
 
 def hybrid_cache_slots(config: RecAttnConfig) -> int:

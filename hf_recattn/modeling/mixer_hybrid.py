@@ -63,7 +63,16 @@ from torch import nn
 from .cache_scores import CACHE_SCORES
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
 from .gated_parts import logit
-from .hybrid_cached import FAR_PREFIX, ExactCacheForms, FarForm, far_state, real_tokens, slice_inputs
+from .hybrid_cached import (
+    CACHE_OPTIONS,
+    FAR_PREFIX,
+    ExactCacheForms,
+    FarForm,
+    check_cache_spec,
+    far_state,
+    real_tokens,
+    slice_inputs,
+)
 from .key_distance import ABSOLUTE, CLAMP, DISTANT_POSITIONS, KeyDistance, check_distance_spec, key_distance
 from .mixer_base import KeyMap, Mixer, MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option, check_open_unit
@@ -149,15 +158,7 @@ class HybridMixer(ExactCacheForms, Mixer):
         ),
         "mix_init": Option((float,), 0.5, "initial window weight g = sigmoid(lambda), in (0, 1)"),
         "chunk_size": Option((int,), 64, "tokens per chunk in the chunked form", minimum=1),
-        "cache_slots": Option(
-            (int,), 0, "exact key/value slots per KV head, filled as 'cache_score' says (0: none)",
-            minimum=0,
-        ),
-        "cache_score": Option(
-            (str,), "far", "what the exact cache keeps: the pairs the far state recalls worst ('far'), the values "
-            "least like any in the window ('novelty') or what a retention head trained on the teacher's attention "
-            "predicts later queries need ('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
-        ),
+        **CACHE_OPTIONS,
         "distant_positions": Option(
             (str,), ABSOLUTE, "sinks and cache slots farther back than 'clamp_distance': scored at their own RoPE "
             "distance ('absolute') or as if at that distance ('clamp': the layer then runs past the teacher's "
@@ -188,14 +189,8 @@ class HybridMixer(ExactCacheForms, Mixer):
     def check_spec(cls, spec: dict[str, Any], where: str) -> None:
         check_open_unit(spec, where, "mix_init")
         check_distance_spec(spec, where)
-        if spec["cache_score"] != cls.options["cache_score"].default and not spec["cache_slots"]:
-            raise ValueError(f"{where}: option 'cache_score'={spec['cache_score']!r} scores the exact cache, which "
-                             "is off (cache_slots: 0)")
+        check_cache_spec(spec, where, has_far=spec["far"] != NO_FAR)
         if spec["far"] == NO_FAR:
-            if spec["cache_slots"] and CACHE_SCORES[spec["cache_score"]].reads_far:
-                raise ValueError(f"{where}: option 'cache_slots' with cache_score={spec['cache_score']!r} needs a far "
-                                 "part (its state scores the pairs), got far='none'; a score that reads no far state "
-                                 "('novelty', 'learned') drops the evicted pairs instead")
             return
         far = {"mixer": spec["far"]} if isinstance(spec["far"], str) else dict(spec["far"])
         far = validate_spec(far, f"{where}: option 'far'")
@@ -231,6 +226,7 @@ class HybridMixer(ExactCacheForms, Mixer):
         self.mix_init = float(spec["mix_init"])
         self.sink_tokens = int(spec["sink_tokens"])
         self.cache_slots = int(spec["cache_slots"])
+        self.cache_dtype = spec["cache_dtype"]
         chosen = CACHE_SCORES[spec["cache_score"]]
         self.cache_score = chosen.score
         # the learned score's parameters (retention_head.py); only with the cache on, which is what they score
@@ -503,6 +499,6 @@ class HybridMixer(ExactCacheForms, Mixer):
 
     def state_size(self, context_length: int) -> int:
         """Window, sinks, pending buffer and cache (keys, values and masks) and the far state: fixed."""
-        kept = self.window + self.sink_tokens + (self.window + self.cache_slots if self.cache_slots else 0)
-        buffers = 2 * self.shape.num_kv_heads * self.shape.head_dim * kept + kept
+        kept = self.window + self.sink_tokens
+        buffers = 2 * self.shape.num_kv_heads * self.shape.head_dim * kept + kept + self._cache_size()
         return buffers + (0 if self.far is None else self.far.state_size(context_length))
