@@ -1,7 +1,8 @@
 """The hybrid's exact cache held as int8 (``cache_dtype: int8``, modeling/cache_precision.py): every form against the
 float64 per-token reference of test_hybrid_cache.py, which rounds a pair to int8 once, when a decision first scores
-it (``int8_held``); decisions bit for bit across forms; the codes never rounded twice; the state's bytes; generation;
-bad specs. Tolerances as there: fp32 within 1e-5 relative, float64 within 1e-10, float64 gradients within 1e-9.
+it (``int8_held``): fp32 forms there (``test_options_match_the_reference``), float64 forms and gradients here;
+decisions bit for bit across forms; the codes never rounded twice; the state's bytes; generation; bad specs.
+Tolerances as there: fp32 within 1e-5 relative, float64 within 1e-10, float64 gradients within 1e-9.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import pytest
 import torch
 from generation_cases import Case, one_thread, tiny_model
 from mixer_checks import PAD, SHAPE
-from mixer_steps import left_padded, run_chunked, run_steps
+from mixer_steps import left_padded, run_steps
 from reference import real_rows, rel_err
 from test_hybrid_cache import (
-    FP32,
     FP64,
     GRAD,
     MODEL_SPECS,
     assert_cached_generation_equals_uncached,
+    assert_chunks_end_as_steps,
     make,
     reference_of,
 )
@@ -35,27 +36,6 @@ INT8 = {"cache_dtype": "int8"}
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     one_thread()
-
-
-@pytest.mark.parametrize(("far", "score", "sinks"), [("linear-hedgehog", "far", 1), ("delta", "far", 0),
-                                                     ("delta", "novelty", 1), ("none", "keydiff", 1),
-                                                     ("linear-relu-l2", "far", 0)])
-def test_int8_forms_match_the_reference(far: str, score: str, sinks: int) -> None:
-    """fp32: parallel, chunked, token steps and prefill + steps agree and equal the reference that holds cached pairs
-    as int8; the model-dtype reference is measurably off (the rounding is really there)."""
-    mixer = make(far, sink_tokens=sinks, cache_score=score, **INT8)
-    inputs = checks.random_inputs(SHAPE, 14, seed=21)
-    mask = left_padded(14, PAD)
-    with torch.no_grad():
-        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
-        expected = reference_of(mixer)(inputs, mask)
-        as_computed = make(far, sink_tokens=sinks, cache_score=score)
-        as_computed.load_state_dict(mixer.state_dict())
-        unrounded = reference_of(as_computed)(inputs, mask)
-    assert rel_err(real_rows(parallel, mask), expected) < FP32
-    assert rel_err(real_rows(parallel, mask), unrounded) > 1e-4
-    assert state["cmask"].all() and state["ck"].dtype == state["cv"].dtype == torch.int8
-    assert state["cks"].dtype == state["cvs"].dtype == torch.float32
 
 
 @pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("delta", "novelty"), ("none", "keydiff")])
@@ -82,19 +62,9 @@ def test_int8_gradients_pass_straight_through(far: str, score: str) -> None:
 def test_int8_decisions_equal_across_forms_and_chunk_sizes(far: str) -> None:
     """Chunks of any size and token steps end in the same codes, scales, mask, pending buffer and window, bit for
     bit; the one-token step's shortcut equals the general block over 40 tokens."""
-    q, k, v, x = checks.random_inputs(SHAPE, 17, seed=23)
-    mask = left_padded(17, PAD)
     mixer = make(far, window=3, slots=2, **INT8)
+    assert_chunks_end_as_steps(mixer, seed=23, sizes=(1, 3, 5, 17))
     with torch.no_grad():
-        _, want = run_steps(mixer, q, k, v, x, mask)
-        for size in (1, 3, 5, 17):
-            mixer.chunk_size = size
-            _, got = run_chunked(mixer, q, k, v, x, mask)
-            for name in want:
-                if name.startswith("far.") and far == "delta":
-                    assert rel_err(got[name], want[name]) < FP32, (size, name)
-                else:
-                    assert torch.equal(got[name], want[name]), (size, name)
         general = make(far, window=3, slots=2, **INT8)
         general.load_state_dict(mixer.state_dict())
         general.step = lambda q, k, v, inputs, state: general._block(  # type: ignore[method-assign]
@@ -137,6 +107,8 @@ def test_int8_state_counts_its_bytes() -> None:
     assert slot_elements(HK, D, slots, "int8") == cache_bytes // 4
     assert mixer.state_size(7) == mixer.state_size(10**6) == plain.state_size(1) - 2 * HK * D * slots + cache_bytes // 4
     state = mixer.init_state(1, torch.device("cpu"), torch.float32)
+    assert state["ck"].dtype == state["cv"].dtype == torch.int8
+    assert state["cks"].dtype == state["cvs"].dtype == torch.float32
     real_bytes = sum(t.numel() * (4 if t.dtype == torch.bool else t.element_size()) for t in state.values())
     assert real_bytes == 4 * mixer.state_size(1)
 

@@ -334,30 +334,38 @@ def test_forms_match_the_reference(far: str, sinks: int) -> None:
     assert rel_err(real_rows(plain, mask), expected) > 1e-3  # the cache matters
 
 
-#: (score, another score to tell it from, far part, sinks, seed) of the scores that read no far state
-OTHER_SCORES = [("novelty", "far", far, sinks, 11) for far in ("linear-hedgehog", "toy", "delta") for sinks in (0, 1)]
-OTHER_SCORES += [("keydiff", "novelty", far, sinks, 12) for far, sinks in (("linear-hedgehog", 1), ("delta", 0),
-                                                                          ("none", 1))]
+#: (options, other options to tell them from, far part, sinks, seed): the scores that read no far state, and the
+#: cache held as int8 (``cache_dtype``, test_cache_precision.py) told from the same cache as computed
+Options = dict[str, Any]
+OTHER_OPTIONS: list[tuple[Options, Options, str, int, int]] = [
+    ({"cache_score": "novelty"}, {"cache_score": "far"}, far, sinks, 11)
+    for far in ("linear-hedgehog", "toy", "delta") for sinks in (0, 1)]
+OTHER_OPTIONS += [({"cache_score": "keydiff"}, {"cache_score": "novelty"}, far, sinks, 12)
+                  for far, sinks in (("linear-hedgehog", 1), ("delta", 0), ("none", 1))]
+OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int8"}, {"cache_score": score}, far, sinks, 21)
+                  for far, score, sinks in (("linear-hedgehog", "far", 1), ("delta", "far", 0), ("delta", "novelty", 1),
+                                            ("none", "keydiff", 1), ("linear-relu-l2", "far", 0), ("toy", "far", 0))]
 
 
-@pytest.mark.parametrize(("score", "other_score", "far", "sinks", "seed"), OTHER_SCORES)
-def test_window_and_key_scores_match_the_reference(score: str, other_score: str, far: str, sinks: int,
-                                                   seed: int) -> None:
+@pytest.mark.parametrize(("options", "other_options", "far", "sinks", "seed"), OTHER_OPTIONS)
+def test_options_match_the_reference(options: Options, other_options: Options, far: str, sinks: int,
+                                     seed: int) -> None:
     """cache_score 'novelty' (by the window's values) and 'keydiff' (by how far each candidate's key points from the
-    candidates' mean unit key), fp32 as above: the same forms, with a far part and without one; another score
-    decides otherwise on the same inputs."""
-    mixer = make(far, sink_tokens=sinks, cache_score=score)
+    candidates' mean unit key), and cache_dtype 'int8' (pairs rounded once, when first scored), fp32 as above: the
+    same forms, with a far part and without one; the other options decide otherwise on the same inputs (for int8:
+    the rounding is really there)."""
+    mixer = make(far, sink_tokens=sinks, **options)
     inputs = checks.random_inputs(SHAPE, 14, seed=seed)
     mask = left_padded(14, PAD)
     with torch.no_grad():
         parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
         expected = reference_of(mixer)(inputs, mask)
-        by_other = make(far, sink_tokens=sinks, cache_score=other_score)
+        by_other = make(far, sink_tokens=sinks, **other_options)
         by_other.load_state_dict(mixer.state_dict())
         other = by_other.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
     assert rel_err(real_rows(parallel, mask), expected) < FP32
     assert state["cmask"].all()
-    assert rel_err(real_rows(other, mask), expected) > 1e-4  # the score decides something here
+    assert rel_err(real_rows(other, mask), expected) > 1e-4  # the other options decide something here
 
 
 @pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("linear-relu-l2", "far"), ("taylor2", "far"),
@@ -388,16 +396,20 @@ def test_parallel_gradients_match_the_reference(far: str, score: str) -> None:
 def test_decisions_equal_across_forms_and_chunk_sizes(far: str, score: str) -> None:
     """Chunks of any size (those not dividing the 17 tokens included) and token steps end in the same cache,
     pending buffer and window, bit for bit; the far state too for a far part reading leaving keys."""
-    q, k, v, x = checks.random_inputs(SHAPE, 17, seed=3)
+    assert_chunks_end_as_steps(make(far, window=3, slots=2, cache_score=score), seed=3, sizes=(1, 2, 3, 5, 7, 17, 64))
+
+
+def assert_chunks_end_as_steps(mixer: Mixer, seed: int, sizes: tuple[int, ...]) -> None:
+    """``test_decisions_equal_across_forms_and_chunk_sizes``'s check on ``mixer``, over 17 left-padded tokens."""
+    q, k, v, x = checks.random_inputs(SHAPE, 17, seed=seed)
     mask = left_padded(17, PAD)
-    mixer = make(far, window=3, slots=2, cache_score=score)
     with torch.no_grad():
         _, want = run_steps(mixer, q, k, v, x, mask)
-        for size in (1, 2, 3, 5, 7, 17, 64):
+        for size in sizes:
             mixer.chunk_size = size
             _, got = run_chunked(mixer, q, k, v, x, mask)
             for name in want:
-                if name.startswith("far.") and far == "delta":
+                if name.startswith("far.") and mixer.far.name == "delta":
                     assert rel_err(got[name], want[name]) < FP32, (size, name)
                 else:
                     assert torch.equal(got[name], want[name]), (size, name)

@@ -133,7 +133,8 @@ class CacheBlock(NamedTuple):
 
 class ExactCacheForms:
     """The hybrid's forms with the exact cache on (mixed into ``HybridMixer``, whose attributes they read: ``window``,
-    ``sink_tokens``, ``cache_slots``, ``cache_score``, ``far``, ``retention``, ``shape``, ``_sinks``, ``_combine``)."""
+    ``sink_tokens``, ``cache_slots``, ``cache_dtype``, ``cache_score``, ``far``, ``retention``, ``shape``, ``_sinks``,
+    ``_combine``)."""
 
     window: int
     sink_tokens: int
