@@ -349,7 +349,9 @@ class ExactCacheForms:
             cache, far = self._evict(full, (pk, pv, ppos), (values[:, :, s - w :], real[:, -w:]), cache, far)
             empty = full[:, None, None, None]
             pk, pv, pmask = torch.where(empty, 0.0, pk), torch.where(empty, 0.0, pv), pmask & ~full[:, None]
-        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, **self._cache_out(cache)}
+        # without a decision the cache is the state's own: its entries pass through, not re-encoded
+        held = self._cache_out(cache) if decides else {n: state[n] for n in self._cache_out_names()}
+        new_state: State = {"pk": pk, "pv": pv, "pmask": pmask, **held}
         if positions is not None:
             new_state.update({"ppos": torch.where(pmask, ppos, 0), "wpos": positions[:, -w:],
                               "cpos": cache.positions})
@@ -378,6 +380,10 @@ class ExactCacheForms:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
         return {"ck": codes_of(cache.keys, cache.key_scales), "cv": codes_of(cache.values, cache.value_scales),
                 "cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
+
+    def _cache_out_names(self) -> tuple[str, ...]:
+        """The state's entries ``_cache_out`` writes."""
+        return ("ck", "cv", "cmask") if self.cache_dtype == MODEL else ("ck", "cv", "cks", "cvs", "cmask")
 
     def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
         """The pending buffer (W slots) and the cache (G slots per KV head), empty; int8 codes with float32 scales
