@@ -47,7 +47,7 @@ from hf_recattn.evaluation.recall import associative_recall_probe
 from hf_recattn.modeling.configuration import RecAttnConfig
 from hf_recattn.modeling.modeling import RecAttnForCausalLM
 from hf_recattn.provenance import provenance
-from hf_recattn.state_size import state_size_report
+from hf_recattn.state_size import state_bytes, state_size_report
 from hf_recattn.training.forms import fastest_forms
 
 BYTES_PER_ELEMENT = 4
@@ -95,7 +95,7 @@ def converted_folder(path: str) -> tuple[str, Path, dict[str, Any]]:
 
 def cache_mib(config: RecAttnConfig, context: int) -> float:
     """Every layer's cache per sequence at ``context`` tokens, MiB at BYTES_PER_ELEMENT."""
-    return sum(r.state_elements for r in state_size_report(config, context)) * BYTES_PER_ELEMENT / 2**20
+    return state_bytes(state_size_report(config, context), BYTES_PER_ELEMENT) / 2**20
 
 
 # ----- measuring --------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .modeling.cache_precision import INT8
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_dtypes, hybrid_cache_scores, hybrid_cache_slots
-from .state_size import exact_cache_elements, state_size_report
+from .state_size import exact_cache_bytes, state_bytes, state_size_report
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 STATE_CONTEXTS = (1024, 8192, 32768)
@@ -67,7 +67,7 @@ def human_bytes(n: float) -> str:
 def attention_table(config: RecAttnConfig, context: int = STATE_CONTEXTS[-1]) -> str:
     """One row per run of consecutive layers with the same spec, with each such layer's decode state at
     ``context`` tokens (a KV cache grows with the context; a window or a recurrent state stops growing)."""
-    state = [row.state_elements * BYTES_PER_ELEMENT for row in state_size_report(config, context)]
+    state = [row.state_bytes(BYTES_PER_ELEMENT) for row in state_size_report(config, context)]
     runs: list[tuple[int, int, dict[str, Any]]] = []
     for i, spec in enumerate(config.layer_specs()):
         if runs and runs[-1][2] == spec:
@@ -87,12 +87,12 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
     lines = ["| context | this model | teacher's KV cache | ratio |", "|---:|---:|---:|---:|"]
     for context in contexts:
         rows = state_size_report(config, context)
-        state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
+        state = state_bytes(rows, BYTES_PER_ELEMENT)
         kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
         lines.append(f"| {context:,} | {human_bytes(state)} | {human_bytes(kv)} | {state / kv:.4f} |")
     slots = hybrid_cache_slots(config)
     if slots:
-        cache = exact_cache_elements(config, contexts[-1]) * BYTES_PER_ELEMENT
+        cache = exact_cache_bytes(config, contexts[-1], BYTES_PER_ELEMENT)
         keeps = "; ".join(CACHE_SCORES[score].keeps for score in hybrid_cache_scores(config))
         int8 = INT8 in hybrid_cache_dtypes(config)
         held = ", its slots holding int8 codes with a float32 scale per key and per value" if int8 else ""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .modeling.configuration import RecAttnConfig
+from .modeling.hybrid_cached import ExactCacheForms
 from .modeling.hybrid_options import (
     DEFAULT_CACHE_DTYPE,
     DEFAULT_CACHE_SCORE,
@@ -27,14 +28,30 @@ class LayerStateSize:
     kv_cache_elements: int  # what softmax attention would hold at that context
     break_even_context: int | None  # first context where a KV cache is at least as large; None: never smaller
     window: int | None = None  # a sliding window's visible keys (a teacher's window layer kept as it is)
+    int8_bytes: int = 0  # of the state, the bytes held as int8 codes and their scales (counted at a quarter above)
 
     @property
     def label(self) -> str:
         """The mixer, with its window when it has one: ``sliding_window(512)``."""
         return self.mixer if self.window is None else f"{self.mixer}({self.window})"
 
+    def state_bytes(self, bytes_per_element: int) -> int:
+        """The state's bytes with its floating-point elements at ``bytes_per_element`` and its int8 codes at one."""
+        int8_elements = -(-self.int8_bytes // 4)
+        return (self.state_elements - int8_elements) * bytes_per_element + self.int8_bytes
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def state_bytes(rows: list[LayerStateSize], bytes_per_element: int) -> int:
+    """The rows' states in bytes (``LayerStateSize.state_bytes``)."""
+    return sum(r.state_bytes(bytes_per_element) for r in rows)
+
+
+def _int8_bytes(mixer: torch.nn.Module) -> int:
+    """The bytes a mixer's exact caches (its own or its parts') hold as int8."""
+    return sum(m.int8_bytes() for m in mixer.modules() if isinstance(m, ExactCacheForms))
 
 
 def _break_even(mixer: Any, kv_per_token: int) -> int | None:
@@ -65,20 +82,21 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
                     kv_cache_elements=kv_per_token * context_length,
                     break_even_context=_break_even(mixer, kv_per_token),
                     window=spec.get("window") if isinstance(spec.get("window"), int) else None,
+                    int8_bytes=_int8_bytes(mixer),
                 )
             )
     return rows
 
 
-def exact_cache_elements(config: RecAttnConfig, context_length: int) -> int:
+def exact_cache_bytes(config: RecAttnConfig, context_length: int, bytes_per_element: int) -> int:
     """What the hybrid layers' exact cache (``cache_slots``, its pending buffer included) adds to the state per
-    sequence: the state less that of the same model without the cache; 0 without one."""
+    sequence in bytes (``state_bytes``): the state less that of the same model without the cache; 0 without one."""
     if not hybrid_cache_slots(config):
         return 0
     plain = config_with_hybrid_options(config, {"cache_slots": 0, "cache_score": DEFAULT_CACHE_SCORE,
                                                 "cache_dtype": DEFAULT_CACHE_DTYPE})
-    return sum(r.state_elements for r in state_size_report(config, context_length)) - sum(
-        r.state_elements for r in state_size_report(plain, context_length))
+    return state_bytes(state_size_report(config, context_length), bytes_per_element) - state_bytes(
+        state_size_report(plain, context_length), bytes_per_element)
 
 
 def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str:
@@ -89,7 +107,7 @@ def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str
         lines.append(
             f"{r.layer:>5} {r.label:<20} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}"
         )
-    total_state = sum(r.state_elements for r in rows) * bytes_per_element / 2**20
+    total_state = state_bytes(rows, bytes_per_element) / 2**20
     total_kv = sum(r.kv_cache_elements for r in rows) * bytes_per_element / 2**20
     lines.append(
         f"total per sequence: state {total_state:.2f} MiB, kv cache {total_kv:.2f} MiB "

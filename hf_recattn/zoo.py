@@ -20,7 +20,7 @@ from .model_card import BYTES_PER_ELEMENT, build_model_card
 from .modeling.configuration import read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_slots
 from .provenance import provenance_line
-from .state_size import exact_cache_elements, state_size_report
+from .state_size import exact_cache_bytes, state_bytes, state_size_report
 
 ZOO_FILE = Path(__file__).parent / "zoo.json"
 STATE_CONTEXT = 8192
@@ -55,7 +55,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{report_path}: no provenance record (written by an older hf_recattn); rerun the conversion")
     config = read_checkpoint_config(run / "model")
     rows = state_size_report(config, STATE_CONTEXT)
-    state = sum(r.state_elements for r in rows) * BYTES_PER_ELEMENT
+    state = state_bytes(rows, BYTES_PER_ELEMENT)
     kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
     recipe = report["recipe"]
     student, teacher = report["student"], report["comparison"]["teacher"]
@@ -72,7 +72,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "teacher_kv_mib_at_8k": round(kv / 2**20, 3),
         "state_fraction_at_8k": round(state / kv, 4),
         "cache_slots": hybrid_cache_slots(config),
-        "exact_cache_mib_at_8k": round(exact_cache_elements(config, STATE_CONTEXT) * BYTES_PER_ELEMENT / 2**20, 3),
+        "exact_cache_mib_at_8k": round(exact_cache_bytes(config, STATE_CONTEXT, BYTES_PER_ELEMENT) / 2**20, 3),
         "perplexity": round(student["perplexity"], 3),
         "teacher_perplexity": round(teacher["perplexity"], 3),
         "perplexity_ratio": round(student["perplexity"] / teacher["perplexity"], 4),
@@ -181,7 +181,8 @@ def build_zoo(
         "",
         "Shipped recipes applied to the embedded teachers (SmolLM2-135M-Instruct, Gemma 3 270M) on the embedded "
         "corpus, as each run's "
-        "conversion report measured it: state per sequence at 8k tokens (bf16) against the teacher's KV "
+        "conversion report measured it: state per sequence at 8k tokens (bf16 elements at 2 bytes, int8 cache "
+        "codes at 1) against the teacher's KV "
         "cache, held-out perplexity against the teacher's on the same tokens, and passkey retrieval. Each entry's "
         "card is beside this file; its `command` (in `zoo.json`) reproduces it. In Python: "
         "`hf_recattn.zoo.zoo_entries()`; on the command line: `hf-recattn zoo`.",

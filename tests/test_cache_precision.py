@@ -27,7 +27,7 @@ from test_hybrid_cache import (
 from hf_recattn.model_card import state_table
 from hf_recattn.modeling.cache_precision import codes_of, dequantize, quantize, round_trip, slot_elements
 from hf_recattn.modeling.hybrid_options import with_hybrid_options
-from hf_recattn.state_size import exact_cache_elements
+from hf_recattn.state_size import exact_cache_bytes, state_size_report
 
 HK, D = SHAPE.num_kv_heads, SHAPE.head_dim
 INT8 = {"cache_dtype": "int8"}
@@ -111,6 +111,26 @@ def test_int8_state_counts_its_bytes() -> None:
     assert state["cks"].dtype == state["cvs"].dtype == torch.float32
     real_bytes = sum(t.numel() * (4 if t.dtype == torch.bool else t.element_size()) for t in state.values())
     assert real_bytes == 4 * mixer.state_size(1)
+    assert mixer.int8_bytes() == cache_bytes and plain.int8_bytes() == 0
+
+
+@pytest.mark.parametrize("bytes_per_element", [2, 4])
+def test_reported_bytes_count_int8_codes_at_one_byte(bytes_per_element: int) -> None:
+    """The state-size report (cards, zoo, ``hf-recattn state-size``) counts a model's floating-point elements at the
+    width asked for and its int8 codes and scales at their own bytes: at bf16's two bytes an int8 cache is half its
+    bf16 size, not the quarter that its float32 element count would make it."""
+    model = tiny_model(Case("delta-novelty", MODEL_SPECS["delta-novelty"]))
+    int8 = with_hybrid_options(model, INT8)
+    rows, plain_rows = state_size_report(int8.config, 64), state_size_report(model.config, 64)
+    config = model.config
+    slots = MODEL_SPECS["delta-novelty"]["cache_slots"]
+    cache_bytes = 2 * config.num_key_value_heads * slots * (config.head_dim + 4)
+    for row, plain in zip(rows, plain_rows, strict=True):
+        assert row.int8_bytes == cache_bytes and plain.int8_bytes == 0
+        float_slots = 2 * config.num_key_value_heads * slots * config.head_dim
+        expected = plain.state_bytes(bytes_per_element) - float_slots * bytes_per_element + cache_bytes
+        assert row.state_bytes(bytes_per_element) == expected
+        assert plain.state_bytes(bytes_per_element) == plain.state_elements * bytes_per_element
 
 
 def test_a_trained_model_runs_with_an_int8_cache() -> None:
@@ -119,7 +139,7 @@ def test_a_trained_model_runs_with_an_int8_cache() -> None:
     model = tiny_model(Case("delta-novelty", MODEL_SPECS["delta-novelty"]))
     int8 = with_hybrid_options(model, INT8)
     assert int8.config.layer_spec(0)["cache_dtype"] == "int8"
-    ratio = exact_cache_elements(int8.config, 64) / exact_cache_elements(model.config, 64)
+    ratio = exact_cache_bytes(int8.config, 64, 4) / exact_cache_bytes(model.config, 64, 4)
     assert 0.6 < ratio < 1.0  # the pending buffer (as computed) and masks stay; only the slots shrink
     assert_cached_generation_equals_uncached(int8)
     ids = torch.randint(1, 60, (1, 12), generator=torch.Generator().manual_seed(5))

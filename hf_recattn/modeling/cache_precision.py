@@ -54,9 +54,14 @@ def codes_of(held: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(held.detach().to(scale.dtype) / safe).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
 
 
+def int8_slot_bytes(num_kv_heads: int, head_dim: int, slots: int) -> int:
+    """The bytes of an int8 cache's keys and values: one per code, plus a float32 scale per key and per value."""
+    return 2 * num_kv_heads * slots * (head_dim + SCALE_BYTES)
+
+
 def slot_elements(num_kv_heads: int, head_dim: int, slots: int, cache_dtype: str) -> int:
     """The cache's keys and values (not its mask) in float32 elements: 2 G Hkv D as computed; for int8 their bytes
-    (one per code, plus a float32 scale per key and per value) over four."""
+    (``int8_slot_bytes``) over four, rounded up."""
     if cache_dtype == MODEL:
         return 2 * num_kv_heads * head_dim * slots
-    return -(-2 * num_kv_heads * slots * (head_dim + SCALE_BYTES) // 4)
+    return -(-int8_slot_bytes(num_kv_heads, head_dim, slots) // 4)

@@ -18,7 +18,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cache_precision import CACHE_DTYPES, MODEL, codes_of, dequantize, round_trip, scale_dtype, slot_elements
+from .cache_precision import (
+    CACHE_DTYPES,
+    MODEL,
+    codes_of,
+    dequantize,
+    int8_slot_bytes,
+    round_trip,
+    scale_dtype,
+    slot_elements,
+)
 from .cache_scores import CACHE_SCORES, Decision, ScoreParts
 from .far_part import ARRIVING, FarTerms
 from .hybrid_cache import (
@@ -365,6 +374,13 @@ class ExactCacheForms:
             return 0
         hk, d, w = self.shape.num_kv_heads, self.shape.head_dim, self.window
         return 2 * hk * d * w + w + slot_elements(hk, d, self.cache_slots, self.cache_dtype) + self.cache_slots
+
+    def int8_bytes(self) -> int:
+        """The bytes of the cache held as int8 codes and their scales, which ``_cache_size`` counts at a quarter
+        (float32 elements); 0 unless ``cache_dtype`` is int8."""
+        if not self.cache_slots or self.cache_dtype == MODEL:
+            return 0
+        return int8_slot_bytes(self.shape.num_kv_heads, self.shape.head_dim, self.cache_slots)
 
     def _cache_in(self, state: State) -> Cache:
         """The cache of a state as the forms carry it (int8 codes dequantized to the window's dtype)."""
