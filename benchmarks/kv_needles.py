@@ -17,6 +17,10 @@ press replayed on it; the first ``--verify`` prompts of the first cell measured 
 prefill). Results go to ``--out`` after every cell; a rerun with the same settings measures only the (run, cell)
 pairs missing (``--modes question-agnostic`` on a rerun leaves the question-aware rows' missing cells out).
 
+``--cache-dtype int8`` holds what the presses keep (and, in the row without a press, the teacher's whole cache) as
+int8 codes with a float32 scale per key and per value, the rounding of the students' ``cache_dtype: int8``: a
+budget then buys about four times the tokens, so eviction rules compare at the precision of an int8 student.
+
     nice python benchmarks/kv_compression.py --probe needles --threads 2 \\
         --recall benchmarks/results/natural_recall_single_cpu.json --out benchmarks/results/kv_needles_cpu.json
 """
@@ -41,6 +45,7 @@ from hf_recattn.evaluation.needles import (
     needle_template,
     wilson_interval,
 )
+from hf_recattn.modeling.cache_precision import INT8, SCALE_BYTES
 from hf_recattn.prompting.haystack import Haystack
 from hf_recattn.provenance import provenance
 
@@ -92,9 +97,10 @@ def compressed_lengths(cells: list[dict[str, Any]], mode: str) -> list[int]:
 
 
 def plan_needle_runs(presses: list[str], modes: list[str], kept: dict[int, list[str]],
-                     cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                     cells: list[dict[str, Any]], cache_dtype: str = "model") -> list[dict[str, Any]]:
     """The teacher without a press, then every press in every mode at every budget, with kvpress's compression
-    ratio for each length it compresses (presses of ``AWARE_ONLY`` question-aware only)."""
+    ratio for each length it compresses (presses of ``AWARE_ONLY`` question-aware only); every run holds its cache
+    as ``cache_dtype`` says."""
     runs = [{"name": kv.NO_PRESS, "press": None, "mode": AGNOSTIC, "kept": None, "budget_of": [], "ratios": {}}]
     for tokens, names in kept.items():
         for mode in modes:
@@ -102,7 +108,14 @@ def plan_needle_runs(presses: list[str], modes: list[str], kept: dict[int, list[
             runs += [{"name": f"{press} {mode} {tokens}", "press": press, "mode": mode, "kept": tokens,
                       "budget_of": names, "ratios": {str(n): kv.compression_ratio(tokens, n) for n in lengths}}
                      for press in presses if mode == AWARE or press not in AWARE_ONLY]
-    return runs
+    return [run | {"cache_dtype": cache_dtype} for run in runs]
+
+
+def int8_bytes_per_token(per_token: int, head_dim: int) -> int:
+    """A teacher's KV cache per token held as int8 (a byte per code, a float32 scale per key and per value), from its
+    float32 bytes per token and its heads' dimension."""
+    vectors = per_token // (4 * head_dim)  # the keys and values of every layer and KV head
+    return vectors * (head_dim + SCALE_BYTES)
 
 
 def recall_budgets(recall: dict[str, Any] | None) -> dict[str, float]:
@@ -165,7 +178,9 @@ def add_record(results: dict[str, Any], record: dict[str, Any], cells: dict[str,
 # ----- the run ----------------------------------------------------------------------------------------------
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("teacher", "tasks", "haystacks", "lengths", "prompts", "seed")
-    return {"probe": "needles", "corpus": CORPUS_SHA256, "pins": list(kv.PINS)} | {k: getattr(args, k) for k in keys}
+    held = {"cache_dtype": INT8} if args.cache_dtype == INT8 else {}  # files measured as computed keep their settings
+    fixed = {"probe": "needles", "corpus": CORPUS_SHA256, "pins": list(kv.PINS)}
+    return fixed | {k: getattr(args, k) for k in keys} | held
 
 
 def start_results(args: argparse.Namespace) -> dict[str, Any]:
@@ -192,7 +207,8 @@ def probe_file(args: argparse.Namespace, results: dict[str, Any], teacher: Any, 
         raise SystemExit("kv_compression.py --probe needles: give budgets with --recall JSON or --bytes MIB ...")
     cells = [cell for task in args.tasks for cell in needle_cells(
         tokenizer, natural_haystacks(args.haystacks), task, args.lengths, args.prompts, args.seed)]
-    runs = plan_needle_runs(args.presses or list(NEEDLE_PRESSES), args.modes, kept_by_budget(named, per_token), cells)
+    runs = plan_needle_runs(args.presses or list(NEEDLE_PRESSES), args.modes, kept_by_budget(named, per_token), cells,
+                            args.cache_dtype)
     for run in runs:
         results["rows"].setdefault(run["name"], new_row(run, per_token))
     for cell in cells:
@@ -209,6 +225,9 @@ def run(args: argparse.Namespace, python: Any) -> int:
     results = start_results(args)
     teacher, tokenizer = load_teacher(args.teacher)
     results["bytes_per_token"] = kv.bytes_per_token(teacher)
+    if args.cache_dtype == INT8:
+        head_dim = kv.recattn_config_from(teacher.config, {"mixer": "softmax"}).head_dim
+        results["bytes_per_token"] = int8_bytes_per_token(results["bytes_per_token"], head_dim)
     probes = probe_file(args, results, teacher, tokenizer)
     del teacher
     args.work.mkdir(parents=True, exist_ok=True)
@@ -272,9 +291,11 @@ def notes(results: dict[str, Any]) -> list[str]:
     checked = [cell["verified"] for row in results["rows"].values() for per_h in row["cells"].values()
                for per_n in per_h.values() for cell in per_n.values() if "verified" in cell]
     budgets = {row["kept_tokens"]: row["budget_of"] for row in results["rows"].values() if row["budget_of"]}
+    held = ("int8 codes and a float32 scale per key and per value, the press's choice and the unpressed teacher's "
+            "cache alike" if results["settings"].get("cache_dtype") == INT8 else "fp32")
     out = ["A cell: the share of the prompts answered, with its Wilson 95% interval. Kept tokens: the bytes of "
            + "; ".join(f"{', '.join(names)} ({kept})" for kept, names in sorted(budgets.items(), reverse=True)) + ".",
-           f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token (fp32)."]
+           f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token ({held})."]
     if checked:
         same = sum(c["same_answers"] for c in checked)
         total = sum(c["prompts"] for c in checked)

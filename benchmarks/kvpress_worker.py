@@ -18,7 +18,10 @@ context and the question, as kvpress's ``query_aware`` evaluation puts it (the a
 answers are greedy as kvpress's ``generate_answer`` decodes them, the caches of runs that compress the same tokens
 to the same length decoded as one batch. The first ``verify`` prompts of a cell also run each press inside a real
 prefill, answered by ``generate_answer`` itself: its cache and answer must match. One JSON line per run and cell,
-then one for the cell.
+then one for the cell. A run with ``cache_dtype: int8`` holds what it keeps (the press's choice, or the whole cache
+without a press) as int8 codes with a float32 scale per key and per value, rounded as hf_recattn's
+``cache_dtype: int8`` rounds (symmetric, the largest magnitude to 127); what follows the compressed part is not
+rounded.
 """
 
 from __future__ import annotations
@@ -175,6 +178,22 @@ def hooked_cache(model: Any, press: Any, ids: torch.Tensor) -> DynamicCache:
     return cache
 
 
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """Each vector of x [..., D] as int8 codes with a float32 scale hold it: symmetric, its largest magnitude -> 127."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    scale = x32.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(x32 / safe).clamp(-127, 127) * scale).to(x.dtype)
+
+
+def held_as(cache: DynamicCache, cache_dtype: str) -> DynamicCache:
+    """The cache as the run holds it: its keys and values rounded to int8 in place for ``int8``."""
+    if cache_dtype == "int8":
+        for layer in cache.layers:
+            layer.keys, layer.values = int8_round_trip(layer.keys), int8_round_trip(layer.values)
+    return cache
+
+
 def cache_difference(one: DynamicCache, other: DynamicCache) -> float:
     """The largest difference between a kept token of ``one`` and its nearest kept token of ``other`` in the same
     head (keys by Euclidean distance, then the values of the pair): a press may keep its tokens in the order of
@@ -207,11 +226,13 @@ def compressed(pipe: Any, run: dict[str, Any], case: dict[str, Any], recorded: t
     press = make_press(run, n)
     cache = replayed_cache(pipe.model, press, full, seen, n)
     out: dict[str, Any] = {"cache_tokens": cache.get_seq_length()}
+    held = run.get("cache_dtype", "model")
     if verify and press is not None:
         real = hooked_cache(pipe.model, make_press(run, n), ids[:, :n])
         out["difference"] = cache_difference(cache, real)
+        real = held_as(real, held)
         out["hooked_answer"] = pipe.generate_answer(torch.tensor([follow]), real, n, case["max_new_tokens"])
-    return cache, out
+    return held_as(cache, held), out
 
 
 @torch.no_grad()

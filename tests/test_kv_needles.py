@@ -5,6 +5,7 @@ records are written by hand. Exact comparisons throughout (token ids, counts, re
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 from pathlib import Path
 from types import ModuleType
@@ -18,6 +19,7 @@ from script_modules import load_script
 from hf_recattn.evaluation import Continuation, needle_probe
 from hf_recattn.evaluation import needles as needles_module
 from hf_recattn.evaluation.needles import needle_template
+from hf_recattn.modeling.cache_precision import dequantize, quantize
 
 PER_TOKEN = 46_080  # SmolLM2-135M: 30 layers x (keys + values) x 3 heads x 64 dims x 4 bytes
 
@@ -152,11 +154,35 @@ def test_scoring_the_table_and_resuming(kn: ModuleType) -> None:
 
 def test_results_of_other_settings_are_not_resumed(kn: ModuleType, tmp_path: Path) -> None:
     args = argparse.Namespace(teacher="embedded", tasks=["single_number"], haystacks=["heldout"], lengths=[1024],
-                              prompts=2, seed=0, out=tmp_path / "r.json")
+                              prompts=2, seed=0, cache_dtype="model", out=tmp_path / "r.json")
     args.out.write_text(json.dumps({"settings": kn.settings(args), "rows": {"x": {}}, "seconds": {"c": 1}}))
+    assert "cache_dtype" not in kn.settings(args)  # files measured before the option keep their settings
     assert kn.start_results(args)["rows"] == {"x": {}}
-    args.prompts = 3
+    args.cache_dtype = "int8"
+    assert kn.start_results(args)["rows"] == {}  # presses held as int8 are other measurements
+    args.cache_dtype, args.prompts = "model", 3
     assert kn.start_results(args)["rows"] == {} and kn.start_results(args)["benchmark"] == "kv_needles"
+
+
+def test_int8_presses_keep_four_times_the_tokens_rounded_as_the_students_round(kn: ModuleType) -> None:
+    """``--cache-dtype int8``: a teacher token's keys and values cost a byte per code and a float32 scale per vector
+    (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes), every run is marked to hold its cache so, and the
+    worker's rounding is hf_recattn's ``cache_dtype: int8`` rounding, bit for bit (the worker imports no hf_recattn:
+    its function is read from its source)."""
+    per_token = kn.int8_bytes_per_token(PER_TOKEN, 64)
+    assert per_token == 12_240
+    assert kn.kept_by_budget({"student": 22.45}, per_token) == {1923: ["student"]}
+    runs = kn.plan_needle_runs(["KeyDiff"], [kn.AGNOSTIC], {1923: ["student"]}, cells_of({"a": [(4000, 20)]}), "int8")
+    assert [r["cache_dtype"] for r in runs] == ["int8", "int8"]  # the teacher without a press too
+    source = (Path(__file__).parents[1] / "benchmarks" / "kvpress_worker.py").read_text()
+    tree = ast.parse(source)
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "int8_round_trip"]
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(ast.Module([node], type_ignores=[]), "kvpress_worker.py", "exec"), namespace)
+    x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 0] = 0.0
+    codes, scale = quantize(x)
+    assert torch.equal(namespace["int8_round_trip"](x), dequantize(codes, scale, x.dtype))
 
 
 def test_the_figure_puts_every_row_and_press_at_its_bytes(kn: ModuleType, tmp_path: Path) -> None:
