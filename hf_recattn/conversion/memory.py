@@ -4,7 +4,8 @@ chosen from the arithmetic of docs/conversion.md ("Scale"), so that a teacher sm
 
 The estimate of stage 2's bytes with given options (``Stage2Shape.terms``): both models' weights, the optimizer's
 state of what trains, the activations the backward keeps (every decoder layer's saved tensors, L (6h + 2 n_q d +
-2 n_kv d + 4I) numbers per token; with checkpointing each layer's input plus one layer's) and the loss's logits
+2 n_kv d + 4I) numbers per token, and what each mixer's form keeps beyond them, ``Mixer.backward_numbers``; with
+checkpointing each layer's input plus one layer's) and the loss's logits
 (``LOSS_COPIES`` float32 tensors of V per predicted position: the micro-batch's, one chunk's with
 ``loss_chunk_size``, none on Liger's fused ops). The budget is half the machine's memory (available RAM on the CPU,
 the device's free memory on a GPU) counted up to ``REFERENCE_MEMORY``: 8 GiB on every machine with 16 GiB free,
@@ -28,6 +29,7 @@ from torch import nn
 from ..atomic import write_json
 from ..training import parallel
 from ..training.distill_settings import DistillSettings
+from ..training.forms import decoder_layers
 from ..training.fused_loss import liger_misfit, liger_unavailable
 from .job import Log, read_json
 
@@ -64,11 +66,15 @@ class Stage2Shape:
     teacher_bytes: int
     tokens: int
     fused_loss: bool = False
+    mixer_numbers: tuple[int, ...] = ()  # per layer: what its mixer keeps beyond ``per_layer`` for the micro-batch
 
     def terms(self, chunk: int | None, checkpointing: bool) -> dict[str, int]:
         """Bytes of each term with ``loss_chunk_size`` ``chunk`` (None: the whole micro-batch's logits) and
         ``checkpointing``."""
-        kept = self.hidden * self.layers + self.per_layer if checkpointing else self.per_layer * self.layers
+        if checkpointing:
+            kept = (self.hidden * self.layers + self.per_layer) * self.tokens + max(self.mixer_numbers, default=0)
+        else:
+            kept = self.per_layer * self.layers * self.tokens + sum(self.mixer_numbers)
         final_hidden = self.hidden * (self.student_bytes + self.teacher_bytes) * self.tokens
         if self.fused_loss:  # no logits kept: the final hidden states and their gradient
             loss = final_hidden + self.hidden * FP32 * self.tokens
@@ -77,7 +83,7 @@ class Stage2Shape:
         else:
             loss = LOSS_COPIES * self.vocab * FP32 * self.tokens
         return {"weights": self.weights, "optimizer": self.optimizer,
-                "activations": kept * self.student_bytes * self.tokens, "logits": loss}
+                "activations": kept * self.student_bytes, "logits": loss}
 
     def total(self, chunk: int | None, checkpointing: bool) -> int:
         return sum(self.terms(chunk, checkpointing).values())
@@ -120,7 +126,13 @@ class MemoryChoice:
         return (f"stage 2 memory: {', '.join(runs)} ({'; '.join(how)}{loss}): estimated {sum(unset.values()) / GIB:.2f}"
                 f" GiB with the recipe's settings ({parts}), {self.estimate / GIB:.2f} GiB as run; budget "
                 f"{self.budget / GIB:.2f} GiB = {BUDGET_SHARE:g} x min({self.memory / GIB:.2f} GiB {self.memory_kind}, "
-                f"{REFERENCE_MEMORY / GIB:g} GiB)")
+                f"{REFERENCE_MEMORY / GIB:g} GiB){self._over()}")
+
+    def _over(self) -> str:
+        if self.estimate <= self.budget:
+            return ""
+        return ("; OVER THE BUDGET as run: the recipe's own settings are kept (leave loss_chunk_size and "
+                "gradient_checkpointing unset, or set them on, or shorten stage2.block_size)")
 
 
 def choose_memory_options(settings: DistillSettings, shape: Stage2Shape, memory: int,
@@ -174,10 +186,12 @@ def stage2_shape(teacher: nn.Module, student: nn.Module, settings: DistillSettin
     else:
         optimizer = ADAPTER_BYTES * adapter_parameters(student, settings)
     config = student.config
-    tokens = settings.block_size * parallel.local_share(settings.batch_size, "stage2.batch_size")
+    sequences = parallel.local_share(settings.batch_size, "stage2.batch_size")
+    mixers = tuple(sequences * layer.self_attn.mixer.backward_numbers(settings.block_size)
+                   for layer in decoder_layers(student))
     return Stage2Shape(weights, optimizer, config.num_hidden_layers, layer_numbers(config), config.hidden_size,
-                       config.vocab_size, student_bytes, next(teacher.parameters()).element_size(), tokens,
-                       fused_loss)
+                       config.vocab_size, student_bytes, next(teacher.parameters()).element_size(),
+                       settings.block_size * sequences, fused_loss, mixers)
 
 
 def training_device() -> torch.device:

@@ -97,7 +97,8 @@ def pending_pairs(timing: Timing, j: int, window: int) -> torch.Tensor:
     row's last decision, in token order; meaningful in the rows deciding there)."""
     low = (window * timing.done[:, j])[:, None]
     chosen = (timing.rank > low) & (timing.rank <= low + window)
-    return torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :window]
+    # a copy: a view would keep the whole [B, U] order alive for the backward of each decision's gathers
+    return torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :window].clone()
 
 
 def keep_slots(

@@ -122,6 +122,18 @@ def where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torc
     return torch.where(rows.view(-1, *(1,) * (old.dim() - 1)), new, old)
 
 
+def sink_reach(new_sink: torch.Tensor, sinks: int) -> int:
+    """How many sink candidates (the N slots, then a block's T tokens) any row can see: the slots and the block's
+    tokens up to its last new sink in any row; the later candidates are never sinks."""
+    seen = new_sink.any(0).nonzero()
+    return sinks + (int(seen.max()) + 1 if seen.numel() else 0)
+
+
+def first_seen(visible: torch.Tensor) -> int:
+    """The first column [..., C] of a visibility mask that any row or query sees."""
+    return int(visible.flatten(0, -2).any(0).to(torch.int8).argmax())
+
+
 class CacheBlock(NamedTuple):
     """A block of new tokens with the cache on: the queries, keys and values and their inputs, U's keys, values
     and real tokens (pending, window, new: see hybrid_cache.py), the decisions' timing and the sinks (their keys,
@@ -142,10 +154,11 @@ class CacheBlock(NamedTuple):
 
 class ExactCacheForms:
     """The hybrid's forms with the exact cache on (mixed into ``HybridMixer``, whose attributes they read: ``window``,
-    ``sink_tokens``, ``cache_slots``, ``cache_dtype``, ``cache_score``, ``far``, ``retention``, ``shape``, ``_sinks``,
-    ``_combine``)."""
+    ``chunk_size``, ``sink_tokens``, ``cache_slots``, ``cache_dtype``, ``cache_score``, ``far``, ``retention``,
+    ``shape``, ``_sinks``, ``_combine``)."""
 
     window: int
+    chunk_size: int
     sink_tokens: int
     cache_slots: int
     cache_dtype: str
@@ -172,7 +185,8 @@ class ExactCacheForms:
             sink_keys, sink_values, new_sink, sink_visible, sink_state = self._sinks(k, v, new_real, state)
             new_state.update(sink_state)
             new_real = new_real & ~new_sink
-            sinks = (sink_keys, sink_values, sink_visible, new_sink)
+            reach = sink_reach(new_sink, self.sink_tokens) if q.shape[2] > 1 else sink_keys.shape[2]
+            sinks = (sink_keys[:, :, :reach], sink_values[:, :, :reach], sink_visible[..., :reach], new_sink)
         real = torch.cat([state["pmask"], state["wmask"], new_real], dim=1)  # U: pending, window, new
         timing = block_timing(state["pmask"], state["wmask"], new_real, w)
         positions = None
@@ -211,12 +225,11 @@ class ExactCacheForms:
         inputs = slice_inputs(blk.inputs, start, stop)
         ck, cv, cmask, cpos = cache[:4]
         columns = 2 * self.window + stop
-        keys, values = [ck, blk.keys[:, :, :columns]], [cv, blk.values[:, :, :columns]]
         new_sink = None if blk.sinks is None else blk.sinks[3]
-        visible = [
-            cmask[:, None, None, None, :].expand(-1, 1, 1, stop - start, -1),
-            undecided_visible(blk.timing, blk.real, self.window, start, stop, new_sink),
-        ]
+        undecided = undecided_visible(blk.timing, blk.real, self.window, start, stop, new_sink)
+        first = first_seen(undecided) if blk.q.shape[2] > 1 else 0  # a longer block: tokens decided before are out
+        keys, values = [ck, blk.keys[:, :, first:columns]], [cv, blk.values[:, :, first:columns]]
+        visible = [cmask[:, None, None, None, :].expand(-1, 1, 1, stop - start, -1), undecided[..., first:]]
         if blk.sinks is not None:
             keys.insert(0, blk.sinks[0])
             values.insert(0, blk.sinks[1])
@@ -227,6 +240,7 @@ class ExactCacheForms:
         if self.distance is not None:
             new_pos = blk.positions[:, 2 * self.window :]
             sink_pos = None if blk.sinks is None else KeyDistance.sink_positions(self.sink_tokens, new_pos)
+            sink_pos = None if sink_pos is None else sink_pos[..., : blk.sinks[0].shape[2]]
             key_pos = KeyDistance.exact_positions(sink_pos, cpos)
             scores = self.distance.clamp(scores, qg, keys, key_pos, new_pos[:, start:stop], self.scale)
         scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
@@ -374,6 +388,19 @@ class ExactCacheForms:
             return 0
         hk, d, w = self.shape.num_kv_heads, self.shape.head_dim, self.window
         return 2 * hk * d * w + w + slot_elements(hk, d, self.cache_slots, self.cache_dtype) + self.cache_slots
+
+    def backward_numbers(self, tokens: int) -> int:
+        """An estimate of what the chunked form with the cache keeps for the backward over ``tokens`` tokens: each
+        query's attention weights over its span's columns (the sinks and their candidates, the cache, the pending
+        buffer, the window and the chunk), the keys and values each span concatenates and those each decision scores
+        and gathers; 0 without a cache (then of the order of the layer's own activations)."""
+        if not self.cache_slots:
+            return 0
+        hk, d, w, c = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.chunk_size
+        columns = self.sink_tokens + c + self.cache_slots + 2 * w + c
+        spans, decisions = -(-tokens // c) + -(-tokens // w), -(-tokens // w)
+        weights = self.shape.num_heads * tokens * columns
+        return weights + 2 * spans * hk * d * columns + 4 * decisions * hk * d * (self.cache_slots + w)
 
     def int8_bytes(self) -> int:
         """The bytes of the cache held as int8 codes and their scales, which ``_cache_size`` counts at a quarter

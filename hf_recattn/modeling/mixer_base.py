@@ -188,6 +188,12 @@ class Mixer(nn.Module):
         """Number of state elements per sequence held after `context_length` tokens."""
         raise NotImplementedError
 
+    def backward_numbers(self, tokens: int) -> int:
+        """Numbers per sequence of ``tokens`` that the training form keeps for the backward beyond the layer's q, k,
+        v and output (stage 2's memory estimate, conversion/memory.py): none by default, where they are of that
+        order."""
+        return 0
+
     def input_weights(self) -> dict[str, nn.Parameter]:
         """Weights [out, hidden] this mixer multiplies the layer input by (bias-free, read through
         ``MixerInputs.linear`` under these names): the decode layout computes them in the layer's q/k/v product.

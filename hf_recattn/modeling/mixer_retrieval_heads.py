@@ -247,3 +247,7 @@ class RetrievalHeadsMixer(Mixer):
     def state_size(self, context_length: int) -> int:
         full = self.full.state_size(context_length) if self.full is not None else 0
         return full + self.rest.state_size(context_length)
+
+    def backward_numbers(self, tokens: int) -> int:
+        full = self.full.backward_numbers(tokens) if self.full is not None else 0
+        return full + self.rest.backward_numbers(tokens)
