@@ -49,13 +49,15 @@ def test_int8_float64_forms_match_the_reference_closely(far: str, score: str) ->
             assert rel_err(real_rows(checks.outputs_of(mixer, form, inputs, mask), mask), expected) < FP64, form
 
 
-@pytest.mark.parametrize(("far", "score"), [("linear-hedgehog", "far"), ("delta", "novelty")])
-def test_int8_gradients_pass_straight_through(far: str, score: str) -> None:
-    """float64 gradients of q, k, v, x and every parameter through the parallel form equal the reference's, whose
-    rounding passes gradients straight through: a cached key or value still learns."""
+@pytest.mark.parametrize(("far", "score"), [("linear-hedgehog", "far"), ("delta", "novelty"), ("none", "keydiff")])
+@pytest.mark.parametrize("form", ["parallel", "chunked"])
+def test_int8_gradients_pass_straight_through(far: str, score: str, form: str) -> None:
+    """float64 gradients of q, k, v, x and every parameter through either training form equal the reference's,
+    whose rounding passes gradients straight through: a cached key or value still learns, also when it was cached
+    in an earlier chunk (the state between chunks then carries the cache as its queries read it, not as codes)."""
     mixer = make(far, torch.float64, window=2, slots=2, sink_tokens=1, cache_score=score, **INT8)
-    unused = () if far == "delta" else ("x",)
-    checks.assert_gradients_match(mixer, reference_of(mixer), 11, GRAD, unused=unused)
+    unused = {"delta": (), "none": ("x", "mix_logit")}.get(far, ("x",))
+    checks.assert_gradients_match(mixer, reference_of(mixer), 11, GRAD, form=form, unused=unused)
 
 
 @pytest.mark.parametrize("far", ["linear-hedgehog", "delta"])

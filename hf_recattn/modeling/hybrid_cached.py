@@ -410,19 +410,27 @@ class ExactCacheForms:
         return int8_slot_bytes(self.shape.num_kv_heads, self.shape.head_dim, self.cache_slots)
 
     def _cache_in(self, state: State) -> Cache:
-        """The cache of a state as the forms carry it (int8 codes dequantized to the window's dtype)."""
+        """The cache of a state as the forms carry it (int8 codes dequantized to the window's dtype; a state that
+        carries it dequantized, ``_cache_out`` under autograd, as it is)."""
         if self.cache_dtype == MODEL:
             return Cache(state["ck"], state["cv"], state["cmask"], state.get("cpos"))
         key_scales, value_scales, dtype = state["cks"], state["cvs"], state["wk"].dtype
-        return Cache(dequantize(state["ck"], key_scales, dtype), dequantize(state["cv"], value_scales, dtype),
-                     state["cmask"], state.get("cpos"), key_scales, value_scales)
+        keys, values = state["ck"], state["cv"]
+        if keys.dtype == torch.int8:
+            keys, values = dequantize(keys, key_scales, dtype), dequantize(values, value_scales, dtype)
+        return Cache(keys, values, state["cmask"], state.get("cpos"), key_scales, value_scales)
 
     def _cache_out(self, cache: Cache) -> State:
-        """The state's entries of the cache (its positions aside): keys, values (int8 codes and scales) and mask."""
+        """The state's entries of the cache (its positions aside): keys, values (int8 codes and scales) and mask.
+        While autograd records through the cache (a chunked training forward), int8 keys and values stay as the
+        queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
         if cache.key_scales is None:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
+        scales = {"cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
+        if torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
+            return {"ck": cache.keys, "cv": cache.values, **scales}
         return {"ck": codes_of(cache.keys, cache.key_scales), "cv": codes_of(cache.values, cache.value_scales),
-                "cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
+                **scales}
 
     def _cache_out_names(self) -> tuple[str, ...]:
         """The state's entries ``_cache_out`` writes."""
