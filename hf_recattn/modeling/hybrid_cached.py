@@ -426,11 +426,11 @@ class ExactCacheForms:
         queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
         if cache.key_scales is None:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
-        scales = {"cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
+        scales_and_mask = {"cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
         if torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
-            return {"ck": cache.keys, "cv": cache.values, **scales}
+            return {"ck": cache.keys, "cv": cache.values, **scales_and_mask}
         return {"ck": codes_of(cache.keys, cache.key_scales), "cv": codes_of(cache.values, cache.value_scales),
-                **scales}
+                **scales_and_mask}
 
     def _cache_out_names(self) -> tuple[str, ...]:
         """The state's entries ``_cache_out`` writes."""
