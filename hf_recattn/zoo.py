@@ -160,7 +160,7 @@ def build_zoo(
     """Entries, cards and index for ``run_dirs``, written into ``out_dir``; ``command`` is printed in the index.
 
     ``add``: keep the entries (and cards) already in ``out_dir/zoo.json`` that these runs do not rebuild; the
-    index then lists the earlier command before this one.
+    index then lists the earlier commands before this one (once: rerunning the last one does not repeat it).
     """
     out = Path(out_dir)
     pairs = [(entry_from_run(run), Path(run)) for run in run_dirs]
@@ -171,7 +171,10 @@ def build_zoo(
         earlier = json.loads((out / "zoo.json").read_text())
         rebuilt = {entry["name"] for entry in entries}
         entries += [entry for entry in earlier["entries"] if entry["name"] not in rebuilt]
-        command = f"{earlier['command']}\n{command}"
+        if earlier["command"].splitlines()[-1] != command:  # a rerun of the last command does not list it twice
+            command = f"{earlier['command']}\n{command}"
+        else:
+            command = earlier["command"]
     entries.sort(key=lambda entry: (entry["teacher"] or "", entry["state_fraction_at_8k"]))
     record = common_provenance(entries)
     index_data = {"command": command, "provenance": record, "entries": entries}
