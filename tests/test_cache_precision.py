@@ -11,15 +11,14 @@ import mixer_checks as checks
 import pytest
 import torch
 from generation_cases import Case, one_thread, tiny_model
-from mixer_checks import PAD, SHAPE
+from mixer_checks import SHAPE
 from mixer_steps import left_padded, run_steps
-from reference import real_rows, rel_err
 from test_hybrid_cache import (
-    FP64,
     GRAD,
     MODEL_SPECS,
     assert_cached_generation_equals_uncached,
     assert_chunks_end_as_steps,
+    assert_float64_forms_match,
     make,
     reference_of,
 )
@@ -40,13 +39,8 @@ def _one_thread() -> None:
 
 @pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("delta", "novelty"), ("none", "keydiff")])
 def test_int8_float64_forms_match_the_reference_closely(far: str, score: str) -> None:
-    mixer = make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score, **INT8)
-    inputs = checks.random_inputs(SHAPE, 13, torch.float64, seed=22)
-    mask = left_padded(13, PAD)
-    with torch.no_grad():
-        expected = reference_of(mixer)(inputs, mask)
-        for form in ("parallel", "chunked"):
-            assert rel_err(real_rows(checks.outputs_of(mixer, form, inputs, mask), mask), expected) < FP64, form
+    assert_float64_forms_match(make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score, **INT8),
+                               seed=22)
 
 
 @pytest.mark.parametrize(("far", "score"), [("linear-hedgehog", "far"), ("delta", "novelty"), ("none", "keydiff")])

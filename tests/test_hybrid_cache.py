@@ -372,8 +372,13 @@ def test_options_match_the_reference(options: Options, other_options: Options, f
                                             ("toy", "far"), ("delta", "far"), ("linear-elu", "novelty"),
                                             ("delta", "novelty")])
 def test_float64_forms_match_the_reference_closely(far: str, score: str) -> None:
-    mixer = make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score)
-    inputs = checks.random_inputs(SHAPE, 13, torch.float64, seed=2)
+    assert_float64_forms_match(make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score), seed=2)
+
+
+def assert_float64_forms_match(mixer: Mixer, seed: int) -> None:
+    """The parallel and chunked forms of a float64 ``mixer`` against the reference within FP64, on 13 left-padded
+    tokens drawn with ``seed``."""
+    inputs = checks.random_inputs(SHAPE, 13, torch.float64, seed=seed)
     mask = left_padded(13, PAD)
     with torch.no_grad():
         expected = reference_of(mixer)(inputs, mask)

@@ -6,6 +6,7 @@ Saved bytes are measured by autograd's saved-tensor hooks, each storage once."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -93,14 +94,8 @@ def test_stage2_counts_the_caches_and_turns_checkpointing_on() -> None:
     assert shape.terms(512, True)["activations"] < 1 * GIB  # one layer's caches, every layer's input
     choice = choose_memory_options(full.stage2, shape, 16 * GIB)
     assert choice.gradient_checkpointing and choice.estimate < choice.budget
-    unset = dataclasses_replace(full.stage2, gradient_checkpointing=None)
+    unset = dataclasses.replace(full.stage2, gradient_checkpointing=None)
     assert choose_memory_options(unset, shape, 16 * GIB).chosen == ("gradient_checkpointing",)
     quick = load_recipe("retrieval9-int8keydiff", "quick")
     line = choose_memory_options(quick.stage2, stage2_shape(teacher, student, quick.stage2, False), 16 * GIB).line()
     assert "OVER THE BUDGET" in line and "gradient_checkpointing off" in line
-
-
-def dataclasses_replace(obj: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)

@@ -21,6 +21,7 @@ from test_hybrid_cache import (  # noqa: F401 (toys: the toy far parts)
     FP64,
     GRAD,
     assert_cached_generation_equals_uncached,
+    assert_float64_forms_match,
     make,
     reference_of,
     toys,
@@ -134,13 +135,7 @@ def test_learned_forms_match_the_reference(far: str, sinks: int) -> None:
 
 @pytest.mark.parametrize("far", ["linear-elu", "delta", "none"])
 def test_learned_float64_forms_match_the_reference_closely(far: str) -> None:
-    mixer = make_learned(far, torch.float64, window=2, slots=3, sink_tokens=1)
-    inputs = checks.random_inputs(SHAPE, 13, torch.float64, seed=2)
-    mask = left_padded(13, PAD)
-    with torch.no_grad():
-        expected = reference_of(mixer)(inputs, mask)
-        for form in ("parallel", "chunked"):
-            assert rel_err(real_rows(checks.outputs_of(mixer, form, inputs, mask), mask), expected) < FP64, form
+    assert_float64_forms_match(make_learned(far, torch.float64, window=2, slots=3, sink_tokens=1), seed=2)
 
 
 @pytest.mark.parametrize("far", ["linear-hedgehog", "none"])
