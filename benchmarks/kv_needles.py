@@ -19,7 +19,8 @@ pairs missing (``--modes question-agnostic`` on a rerun leaves the question-awar
 
 ``--cache-dtype int8`` holds what the presses keep (and, in the row without a press, the teacher's whole cache) as
 int8 codes with a float32 scale per key and per value, the rounding of the students' ``cache_dtype: int8``: a
-budget then buys about four times the tokens, so eviction rules compare at the precision of an int8 student.
+budget then buys about four times the tokens, so eviction rules compare at the precision of an int8 student;
+``--cache-dtype int4`` likewise at ``cache_dtype: int4``'s (a float32 scale per 32 dimensions).
 
     nice python benchmarks/kv_compression.py --probe needles --threads 2 \\
         --recall benchmarks/results/natural_recall_single_cpu.json --out benchmarks/results/kv_needles_cpu.json
@@ -45,7 +46,7 @@ from hf_recattn.evaluation.needles import (
     needle_template,
     wilson_interval,
 )
-from hf_recattn.modeling.cache_precision import INT8, SCALE_BYTES
+from hf_recattn.modeling.cache_precision import CODE_DESCRIPTIONS, MODEL, code_format
 from hf_recattn.prompting.haystack import Haystack
 from hf_recattn.provenance import provenance
 
@@ -111,11 +112,11 @@ def plan_needle_runs(presses: list[str], modes: list[str], kept: dict[int, list[
     return [run | {"cache_dtype": cache_dtype} for run in runs]
 
 
-def int8_bytes_per_token(per_token: int, head_dim: int) -> int:
-    """A teacher's KV cache per token held as int8 (a byte per code, a float32 scale per key and per value), from its
-    float32 bytes per token and its heads' dimension."""
+def coded_bytes_per_token(per_token: int, head_dim: int, cache_dtype: str) -> int:
+    """A teacher's KV cache per token held as a coded ``cache_dtype`` (its codes and float32 scales per key and per
+    value, cache_precision.CodeFormat), from its float32 bytes per token and its heads' dimension."""
     vectors = per_token // (4 * head_dim)  # the keys and values of every layer and KV head
-    return vectors * (head_dim + SCALE_BYTES)
+    return vectors * code_format(cache_dtype).vector_bytes(head_dim)
 
 
 def recall_budgets(recall: dict[str, Any] | None) -> dict[str, float]:
@@ -178,7 +179,8 @@ def add_record(results: dict[str, Any], record: dict[str, Any], cells: dict[str,
 # ----- the run ----------------------------------------------------------------------------------------------
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("teacher", "tasks", "haystacks", "lengths", "prompts", "seed")
-    held = {"cache_dtype": INT8} if args.cache_dtype == INT8 else {}  # files measured as computed keep their settings
+    # files measured as computed keep their settings
+    held = {"cache_dtype": args.cache_dtype} if args.cache_dtype != MODEL else {}
     fixed = {"probe": "needles", "corpus": CORPUS_SHA256, "pins": list(kv.PINS)}
     return fixed | {k: getattr(args, k) for k in keys} | held
 
@@ -225,9 +227,9 @@ def run(args: argparse.Namespace, python: Any) -> int:
     results = start_results(args)
     teacher, tokenizer = load_teacher(args.teacher)
     results["bytes_per_token"] = kv.bytes_per_token(teacher)
-    if args.cache_dtype == INT8:
+    if args.cache_dtype != MODEL:
         head_dim = kv.recattn_config_from(teacher.config, {"mixer": "softmax"}).head_dim
-        results["bytes_per_token"] = int8_bytes_per_token(results["bytes_per_token"], head_dim)
+        results["bytes_per_token"] = coded_bytes_per_token(results["bytes_per_token"], head_dim, args.cache_dtype)
     probes = probe_file(args, results, teacher, tokenizer)
     del teacher
     args.work.mkdir(parents=True, exist_ok=True)
@@ -291,8 +293,9 @@ def notes(results: dict[str, Any]) -> list[str]:
     checked = [cell["verified"] for row in results["rows"].values() for per_h in row["cells"].values()
                for per_n in per_h.values() for cell in per_n.values() if "verified" in cell]
     budgets = {row["kept_tokens"]: row["budget_of"] for row in results["rows"].values() if row["budget_of"]}
-    held = ("int8 codes and a float32 scale per key and per value, the press's choice and the unpressed teacher's "
-            "cache alike" if results["settings"].get("cache_dtype") == INT8 else "fp32")
+    coded = results["settings"].get("cache_dtype")
+    held = f"{CODE_DESCRIPTIONS[coded]}, the press's choice and the unpressed teacher's cache alike" if coded else (
+        "fp32")
     out = ["A cell: the share of the prompts answered, with its Wilson 95% interval. Kept tokens: the bytes of "
            + "; ".join(f"{', '.join(names)} ({kept})" for kept, names in sorted(budgets.items(), reverse=True)) + ".",
            f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token ({held})."]

@@ -20,8 +20,8 @@ to the same length decoded as one batch. The first ``verify`` prompts of a cell 
 prefill, answered by ``generate_answer`` itself: its cache and answer must match. One JSON line per run and cell,
 then one for the cell. A run with ``cache_dtype: int8`` holds what it keeps (the press's choice, or the whole cache
 without a press) as int8 codes with a float32 scale per key and per value, rounded as hf_recattn's
-``cache_dtype: int8`` rounds (symmetric, the largest magnitude to 127); what follows the compressed part is not
-rounded.
+``cache_dtype: int8`` rounds (symmetric, the largest magnitude to 127); ``int4`` as its ``cache_dtype: int4`` does
+(a scale per 32 dimensions, the largest magnitude to 7); what follows the compressed part is not rounded.
 """
 
 from __future__ import annotations
@@ -178,19 +178,27 @@ def hooked_cache(model: Any, press: Any, ids: torch.Tensor) -> DynamicCache:
     return cache
 
 
-def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """Each vector of x [..., D] as int8 codes with a float32 scale hold it: symmetric, its largest magnitude -> 127."""
+def coded_round_trip(x: torch.Tensor, levels: int, group: int | None) -> torch.Tensor:
+    """Each group of ``group`` dimensions of x [..., D] (None, or a vector shorter than that: the whole vector) as
+    symmetric integer codes with a float32 scale hold it: its largest magnitude -> ``levels``."""
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    scale = x32.abs().amax(-1, keepdim=True) / 127
+    grouped = x32.unflatten(-1, (-1, min(group or x.shape[-1], x.shape[-1])))
+    scale = grouped.abs().amax(-1, keepdim=True) / levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (torch.round(x32 / safe).clamp(-127, 127) * scale).to(x.dtype)
+    return (torch.round(grouped / safe).clamp(-levels, levels) * scale).flatten(-2).to(x.dtype)
+
+
+#: (levels, dimensions per scale) of each coded cache_dtype, as hf_recattn's modeling/cache_precision.py codes them
+CODES: dict[str, tuple[int, int | None]] = {"int8": (127, None), "int4": (7, 32)}
 
 
 def held_as(cache: DynamicCache, cache_dtype: str) -> DynamicCache:
-    """The cache as the run holds it: its keys and values rounded to int8 in place for ``int8``."""
-    if cache_dtype == "int8":
+    """The cache as the run holds it: its keys and values rounded in place to a coded ``cache_dtype``."""
+    if cache_dtype in CODES:
+        levels, group = CODES[cache_dtype]
         for layer in cache.layers:
-            layer.keys, layer.values = int8_round_trip(layer.keys), int8_round_trip(layer.values)
+            layer.keys = coded_round_trip(layer.keys, levels, group)
+            layer.values = coded_round_trip(layer.values, levels, group)
     return cache
 
 

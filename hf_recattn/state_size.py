@@ -28,7 +28,7 @@ class LayerStateSize:
     kv_cache_elements: int  # what softmax attention would hold at that context
     break_even_context: int | None  # first context where a KV cache is at least as large; None: never smaller
     window: int | None = None  # a sliding window's visible keys (a teacher's window layer kept as it is)
-    int8_bytes: int = 0  # of the state, the bytes held as int8 codes and their scales (counted at a quarter above)
+    code_bytes: int = 0  # of the state, the bytes held as integer codes and their scales (counted at a quarter above)
 
     @property
     def label(self) -> str:
@@ -36,9 +36,10 @@ class LayerStateSize:
         return self.mixer if self.window is None else f"{self.mixer}({self.window})"
 
     def state_bytes(self, bytes_per_element: int) -> int:
-        """The state's bytes with its floating-point elements at ``bytes_per_element`` and its int8 codes at one."""
-        int8_elements = -(-self.int8_bytes // 4)
-        return (self.state_elements - int8_elements) * bytes_per_element + self.int8_bytes
+        """The state's bytes with its floating-point elements at ``bytes_per_element`` and its integer codes and their
+        scales at their own bytes."""
+        coded_elements = -(-self.code_bytes // 4)
+        return (self.state_elements - coded_elements) * bytes_per_element + self.code_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,9 +50,9 @@ def state_bytes(rows: list[LayerStateSize], bytes_per_element: int) -> int:
     return sum(r.state_bytes(bytes_per_element) for r in rows)
 
 
-def _int8_bytes(mixer: torch.nn.Module) -> int:
-    """The bytes a mixer's exact caches (its own or its parts') hold as int8."""
-    return sum(m.int8_bytes() for m in mixer.modules() if isinstance(m, ExactCacheForms))
+def _code_bytes(mixer: torch.nn.Module) -> int:
+    """The bytes a mixer's exact caches (its own or its parts') hold as integer codes and scales."""
+    return sum(m.code_bytes() for m in mixer.modules() if isinstance(m, ExactCacheForms))
 
 
 def _break_even(mixer: Any, kv_per_token: int) -> int | None:
@@ -82,7 +83,7 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
                     kv_cache_elements=kv_per_token * context_length,
                     break_even_context=_break_even(mixer, kv_per_token),
                     window=spec.get("window") if isinstance(spec.get("window"), int) else None,
-                    int8_bytes=_int8_bytes(mixer),
+                    code_bytes=_code_bytes(mixer),
                 )
             )
     return rows

@@ -195,25 +195,36 @@ def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, 
     return float(torch.linalg.vector_norm(value - num / den).detach())
 
 
-def int8_held(x: torch.Tensor) -> torch.Tensor:
-    """A vector as an int8 cache slot holds it: round(x / s) s with s its largest magnitude over 127 (the gradient
-    straight through the rounding)."""
-    scale = x.detach().abs().max() / 127
-    held = x.detach() if float(scale) == 0 else torch.round(x.detach() / scale).clamp(-127, 127) * scale
-    return x + (held - x).detach()
+def coded_held(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """A vector as a coded cache slot holds it: each group of ``group`` dimensions round(x / s) s with s its largest
+    magnitude over 2^(bits - 1) - 1 (127 for int8, 7 for int4); the gradient straight through the rounding."""
+    levels = 2 ** (bits - 1) - 1
+    parts = []
+    for part in x.detach().split(group):
+        scale = part.abs().max() / levels
+        parts.append(part if float(scale) == 0 else torch.round(part / scale).clamp(-levels, levels) * scale)
+    return x + (torch.cat(parts) - x).detach()
+
+
+#: how each ``cache_dtype`` holds a vector: int8 with one scale per vector, int4 with one per 32 dimensions
+HOLDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "model": lambda x: x,
+    "int8": lambda x: coded_held(x, 8, len(x)),
+    "int4": lambda x: coded_held(x, 4, min(32, len(x))),
+}
 
 
 def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mixer: Mixer,
                      far: Leaving | Arriving | None) -> torch.Tensor:
     """The hybrid with the cache, token by token, one row and key head at a time: lists of token positions for the
-    sinks, the cache, the pending buffer and the evicted pairs. With ``cache_dtype: int8`` a decision scores and
-    keeps the pending pairs as int8 holds them (``int8_held``, once); a pending pair evicted at once leaves as
+    sinks, the cache, the pending buffer and the evicted pairs. With a coded ``cache_dtype`` a decision scores and
+    keeps the pending pairs as the codes hold them (``HOLDS``, once); a pending pair evicted at once leaves as
     computed, a cached one as it was held."""
     q, k, v = q.double(), k.double(), v.double()
     bsz, heads, seq, _ = q.shape
     groups, window, slots = heads // HK, mixer.window, mixer.cache_slots
     share = torch.sigmoid(mixer.mix_logit.double())
-    hold = int8_held if mixer.spec.get("cache_dtype") == "int8" else (lambda x: x)
+    hold = HOLDS[mixer.spec.get("cache_dtype", "model")]
     rows: dict[tuple[int, int, int], torch.Tensor] = {}
     for b in range(bsz):
         real = [t for t in range(seq) if bool(mask[b, t])]
@@ -335,7 +346,8 @@ def test_forms_match_the_reference(far: str, sinks: int) -> None:
 
 
 #: (options, other options to tell them from, far part, sinks, seed): the scores that read no far state, and the
-#: cache held as int8 (``cache_dtype``, test_cache_precision.py) told from the same cache as computed
+#: cache held as int8 (``cache_dtype``, test_cache_precision.py) told from the same cache as computed, and int4 from
+#: int8
 Options = dict[str, Any]
 OTHER_OPTIONS: list[tuple[Options, Options, str, int, int]] = [
     ({"cache_score": "novelty"}, {"cache_score": "far"}, far, sinks, 11)
@@ -345,15 +357,19 @@ OTHER_OPTIONS += [({"cache_score": "keydiff"}, {"cache_score": "novelty"}, far, 
 OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int8"}, {"cache_score": score}, far, sinks, 21)
                   for far, score, sinks in (("linear-hedgehog", "far", 1), ("delta", "far", 0), ("delta", "novelty", 1),
                                             ("none", "keydiff", 1), ("linear-relu-l2", "far", 0), ("toy", "far", 0))]
+OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int4"}, {"cache_score": score, "cache_dtype": "int8"}, far,
+                   sinks, 24)
+                  for far, score, sinks in (("linear-hedgehog", "far", 1), ("delta", "novelty", 0),
+                                            ("none", "keydiff", 1))]
 
 
 @pytest.mark.parametrize(("options", "other_options", "far", "sinks", "seed"), OTHER_OPTIONS)
 def test_options_match_the_reference(options: Options, other_options: Options, far: str, sinks: int,
                                      seed: int) -> None:
     """cache_score 'novelty' (by the window's values) and 'keydiff' (by how far each candidate's key points from the
-    candidates' mean unit key), and cache_dtype 'int8' (pairs rounded once, when first scored), fp32 as above: the
-    same forms, with a far part and without one; the other options decide otherwise on the same inputs (for int8:
-    the rounding is really there)."""
+    candidates' mean unit key), and cache_dtype 'int8' and 'int4' (pairs rounded once, when first scored), fp32 as
+    above: the same forms, with a far part and without one; the other options decide otherwise on the same inputs
+    (for the codes: the rounding is really there, and int4's is not int8's)."""
     mixer = make(far, sink_tokens=sinks, **options)
     inputs = checks.random_inputs(SHAPE, 14, seed=seed)
     mask = left_padded(14, PAD)

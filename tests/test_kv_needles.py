@@ -19,7 +19,7 @@ from script_modules import load_script
 from hf_recattn.evaluation import Continuation, needle_probe
 from hf_recattn.evaluation import needles as needles_module
 from hf_recattn.evaluation.needles import needle_template
-from hf_recattn.modeling.cache_precision import dequantize, quantize
+from hf_recattn.modeling.cache_precision import code_format
 
 PER_TOKEN = 46_080  # SmolLM2-135M: 30 layers x (keys + values) x 3 heads x 64 dims x 4 bytes
 
@@ -164,25 +164,30 @@ def test_results_of_other_settings_are_not_resumed(kn: ModuleType, tmp_path: Pat
     assert kn.start_results(args)["rows"] == {} and kn.start_results(args)["benchmark"] == "kv_needles"
 
 
-def test_int8_presses_keep_four_times_the_tokens_rounded_as_the_students_round(kn: ModuleType) -> None:
-    """``--cache-dtype int8``: a teacher token's keys and values cost a byte per code and a float32 scale per vector
-    (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes), every run is marked to hold its cache so, and the
-    worker's rounding is hf_recattn's ``cache_dtype: int8`` rounding, bit for bit (the worker imports no hf_recattn:
-    its function is read from its source)."""
-    per_token = kn.int8_bytes_per_token(PER_TOKEN, 64)
-    assert per_token == 12_240
-    assert kn.kept_by_budget({"student": 22.45}, per_token) == {1923: ["student"]}
-    runs = kn.plan_needle_runs(["KeyDiff"], [kn.AGNOSTIC], {1923: ["student"]}, cells_of({"a": [(4000, 20)]}), "int8")
-    assert [r["cache_dtype"] for r in runs] == ["int8", "int8"]  # the teacher without a press too
+@pytest.mark.parametrize(("cache_dtype", "per_token", "kept"), [("int8", 12_240, 1923), ("int4", 7_200, 3269)])
+def test_coded_presses_keep_more_tokens_rounded_as_the_students_round(kn: ModuleType, cache_dtype: str,
+                                                                      per_token: int, kept: int) -> None:
+    """``--cache-dtype int8`` / ``int4``: a teacher token's keys and values cost their codes and float32 scales
+    (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes for int8, x (32 + 2 x 4) = 7,200 for int4), every
+    run is marked to hold its cache so, and the worker's rounding is hf_recattn's ``cache_dtype`` rounding, bit for
+    bit (the worker imports no hf_recattn: its functions are read from its source)."""
+    assert kn.coded_bytes_per_token(PER_TOKEN, 64, cache_dtype) == per_token
+    assert kn.kept_by_budget({"student": 22.45}, per_token) == {kept: ["student"]}
+    runs = kn.plan_needle_runs(["KeyDiff"], [kn.AGNOSTIC], {kept: ["student"]}, cells_of({"a": [(4000, 20)]}),
+                               cache_dtype)
+    assert [r["cache_dtype"] for r in runs] == [cache_dtype, cache_dtype]  # the teacher without a press too
     source = (Path(__file__).parents[1] / "benchmarks" / "kvpress_worker.py").read_text()
     tree = ast.parse(source)
-    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "int8_round_trip"]
+    nodes = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "coded_round_trip")
+             or (isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "CODES")]
     namespace: dict[str, Any] = {"torch": torch}
-    exec(compile(ast.Module([node], type_ignores=[]), "kvpress_worker.py", "exec"), namespace)
-    x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(0))
+    exec(compile(ast.Module(nodes, type_ignores=[]), "kvpress_worker.py", "exec"), namespace)
+    x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 64)
     x[0, 0, 0] = 0.0
-    codes, scale = quantize(x)
-    assert torch.equal(namespace["int8_round_trip"](x), dequantize(codes, scale, x.dtype))
+    x[0, 0, 1, :32] = 0.0  # a zero group beside a filled one
+    codes, scale = code_format(cache_dtype).quantize(x)
+    held = namespace["coded_round_trip"](x, *namespace["CODES"][cache_dtype])
+    assert torch.equal(held, code_format(cache_dtype).dequantize(codes, scale, x.dtype))
 
 
 def test_the_figure_puts_every_row_and_press_at_its_bytes(kn: ModuleType, tmp_path: Path) -> None:

@@ -1,21 +1,25 @@
 """How the hybrid's exact cache holds its pairs (option ``cache_dtype``): as the model computes them (``model``), or
-each key and each value as 8-bit integers with one scale (``int8``: symmetric, the vector's largest magnitude maps
-to 127; the scale in float32, float64 in a float64 model), about four times as many pairs per byte as float32.
+each key and each value as symmetric integer codes with float32 scales (float64 in a float64 model):
+
+- ``int8``: one scale per vector (its largest magnitude maps to 127), a byte per code: about four times as many
+  pairs per byte as float32.
+- ``int4``: one scale per group of 32 dimensions (per vector when it has fewer; its largest magnitude maps to 7), two
+  codes per byte: about 6.4 times as many pairs per byte as float32 for 64 dimensions, 1.7 times int8's.
 
 A pair is quantized once, when a decision first keeps it; the forms carry it dequantized beside its scales, so a
-pair that stays cached is never rounded twice and every form reads the same numbers. The state holds the integers
-and the scales. Training passes gradients straight through the rounding (the straight-through estimator).
+pair that stays cached is never rounded twice and every form reads the same numbers. The state holds the codes and
+the scales. Training passes gradients straight through the rounding (the straight-through estimator).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 MODEL = "model"
 INT8 = "int8"
-CACHE_DTYPES = (MODEL, INT8)
-#: the integer range of a symmetric int8 code (-127..127: zero stays exact and the range is symmetric)
-INT8_LEVELS = 127
+INT4 = "int4"
 #: bytes of one stored scale (float32)
 SCALE_BYTES = 4
 
@@ -25,43 +29,108 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> its int8 codes [..., D] and scales [..., 1] (``scale_dtype``; a zero vector: scale 0, codes
-    0)."""
-    x32 = x.detach().to(scale_dtype(x.dtype))
-    scale = x32.abs().amax(-1, keepdim=True) / INT8_LEVELS
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(x32 / safe).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return codes, scale
+@dataclass(frozen=True)
+class CodeFormat:
+    """Symmetric integer codes of ``bits`` bits (-levels..levels) with one scale per ``group`` dimensions (None: per
+    vector; a vector of fewer dimensions has one), packed ``8 // bits`` codes per byte."""
+
+    bits: int
+    group: int | None
+
+    @property
+    def levels(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def codes_dtype(self) -> torch.dtype:
+        """How the state stores the codes: int8 as they are, narrower codes packed into bytes."""
+        return torch.int8 if self.bits == 8 else torch.uint8
+
+    def group_size(self, head_dim: int) -> int:
+        return head_dim if self.group is None else min(self.group, head_dim)
+
+    def groups(self, head_dim: int) -> int:
+        """Scales per vector."""
+        return head_dim // self.group_size(head_dim)
+
+    def stored_dims(self, head_dim: int) -> int:
+        """The last dimension of a vector's stored codes: its bytes."""
+        return head_dim * self.bits // 8
+
+    def vector_bytes(self, head_dim: int) -> int:
+        """The bytes of one coded vector: its codes and its scales."""
+        return self.stored_dims(head_dim) + SCALE_BYTES * self.groups(head_dim)
+
+    def unfit(self, head_dim: int) -> str | None:
+        """Why vectors of ``head_dim`` dimensions cannot take these codes, or None."""
+        per_byte, size = 8 // self.bits, self.group_size(head_dim)
+        if head_dim % per_byte or head_dim % size:
+            return (f"packs {per_byte} codes per byte with a scale per {size} dimensions, which head_dim "
+                    f"{head_dim} does not divide into")
+        return None
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.groups(x.shape[-1]), -1))
+
+    def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The stored codes of ``x`` [..., D] (in the scales' dtype) at its ``scale`` [..., groups]."""
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(self._grouped(x) / safe[..., None]).clamp(-self.levels, self.levels).flatten(-2)
+        if self.bits == 8:
+            return codes.to(torch.int8)
+        biased = (codes + self.levels + 1).to(torch.uint8)  # 1..15: a code and its neighbour share a byte
+        return biased[..., 0::2] | (biased[..., 1::2] << 4)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D] -> its stored codes [..., ``stored_dims``] and scales [..., ``groups``] (``scale_dtype``; a zero
+        group: scale 0, codes 0)."""
+        x32 = x.detach().to(scale_dtype(x.dtype))
+        scale = self._grouped(x32).abs().amax(-1) / self.levels
+        return self._codes(x32, scale), scale
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The vectors [..., D] in ``dtype`` that stored ``codes`` and their ``scale`` [..., groups] stand for."""
+        if self.bits == 8:
+            values = codes.to(scale.dtype)
+        else:
+            nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+            values = nibbles.to(scale.dtype) - (self.levels + 1)
+        return (self._grouped(values) * scale[..., None]).flatten(-2).to(dtype)
+
+    def round_trip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x as the codes would hold it (dequantized, in x's dtype; the gradient passes straight through) and its
+        scales."""
+        codes, scale = self.quantize(x)
+        held = self.dequantize(codes, scale, x.dtype)
+        return x + (held - x).detach(), scale
+
+    def codes_of(self, held: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The stored codes of vectors ``held`` [..., D] that ``round_trip`` produced with ``scale``: exactly those it
+        rounded to (the product of a code and its scale divides back to within far less than a half)."""
+        return self._codes(held.detach().to(scale.dtype), scale)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The vectors [..., D] in ``dtype`` that int8 ``codes`` [..., D] and their ``scale`` [..., 1] stand for."""
-    return (codes.to(scale.dtype) * scale).to(dtype)
+#: the coded ``cache_dtype`` choices
+CODE_FORMATS = {INT8: CodeFormat(bits=8, group=None), INT4: CodeFormat(bits=4, group=32)}
+CACHE_DTYPES = (MODEL, *CODE_FORMATS)
+#: how a card or report describes each coded choice
+CODE_DESCRIPTIONS = {INT8: "int8 codes with a float32 scale per key and per value",
+                     INT4: "int4 codes (two per byte) with a float32 scale per 32 dimensions of each key and value"}
 
 
-def round_trip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as int8 would hold it (dequantized, in x's dtype; the gradient passes straight through) and its scales."""
-    codes, scale = quantize(x)
-    held = dequantize(codes, scale, x.dtype)
-    return x + (held - x).detach(), scale
+def code_format(cache_dtype: str) -> CodeFormat:
+    """The codes of a coded ``cache_dtype``."""
+    return CODE_FORMATS[cache_dtype]
 
 
-def codes_of(held: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The int8 codes of vectors ``held`` [..., D] that ``round_trip`` produced with ``scale`` [..., 1]: exactly those
-    it rounded to (the product of a code and its scale divides back to within far less than a half)."""
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(held.detach().to(scale.dtype) / safe).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-
-
-def int8_slot_bytes(num_kv_heads: int, head_dim: int, slots: int) -> int:
-    """The bytes of an int8 cache's keys and values: one per code, plus a float32 scale per key and per value."""
-    return 2 * num_kv_heads * slots * (head_dim + SCALE_BYTES)
+def coded_slot_bytes(num_kv_heads: int, head_dim: int, slots: int, cache_dtype: str) -> int:
+    """The bytes of a coded cache's keys and values: their codes and scales (``CodeFormat.vector_bytes``)."""
+    return 2 * num_kv_heads * slots * code_format(cache_dtype).vector_bytes(head_dim)
 
 
 def slot_elements(num_kv_heads: int, head_dim: int, slots: int, cache_dtype: str) -> int:
-    """The cache's keys and values (not its mask) in float32 elements: 2 G Hkv D as computed; for int8 their bytes
-    (``int8_slot_bytes``) over four, rounded up."""
+    """The cache's keys and values (not its mask) in float32 elements: 2 G Hkv D as computed; for coded ones their
+    bytes (``coded_slot_bytes``) over four, rounded up."""
     if cache_dtype == MODEL:
         return 2 * num_kv_heads * head_dim * slots
-    return -(-int8_slot_bytes(num_kv_heads, head_dim, slots) // 4)
+    return -(-coded_slot_bytes(num_kv_heads, head_dim, slots, cache_dtype) // 4)

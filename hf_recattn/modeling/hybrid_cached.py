@@ -7,8 +7,8 @@ A decision scores the cache's pairs and the pending ones with the layer's ``cach
 reads the layer's ``ScoreParts``: its far part and, for ``learned``, its retention head (retention_head.py). Without
 a far part (``far: none``, a score that reads no far state) the evicted pairs are dropped and the queries see only
 the sinks, the cache and the tokens not decided yet: a learned-eviction softmax cache. The cache's options
-(``CACHE_OPTIONS``), their checks and its share of the state size are here; ``cache_dtype: int8`` holds its pairs as
-cache_precision.py says.
+(``CACHE_OPTIONS``), their checks and its share of the state size are here; ``cache_dtype: int8`` or ``int4`` holds
+its pairs as cache_precision.py says.
 """
 
 from __future__ import annotations
@@ -18,16 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cache_precision import (
-    CACHE_DTYPES,
-    MODEL,
-    codes_of,
-    dequantize,
-    int8_slot_bytes,
-    round_trip,
-    scale_dtype,
-    slot_elements,
-)
+from .cache_precision import CACHE_DTYPES, MODEL, CodeFormat, code_format, coded_slot_bytes, scale_dtype, slot_elements
 from .cache_scores import CACHE_SCORES, Decision, ScoreParts
 from .far_part import ARRIVING, FarTerms
 from .hybrid_cache import (
@@ -41,8 +32,8 @@ from .hybrid_cache import (
     pending_pairs,
     undecided_visible,
 )
-from .key_distance import KeyDistance, query_positions
-from .mixer_base import MixerInputs, State, group_queries, ungroup_output
+from .key_distance import CLAMP, KeyDistance, query_positions
+from .mixer_base import MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option
 
 FAR_PREFIX = "far."
@@ -58,8 +49,9 @@ CACHE_OPTIONS = {
     ),
     "cache_dtype": Option(
         (str,), MODEL, "how the exact cache holds its keys and values: as the model computes them ('model') or "
-        "as int8 codes with a float32 scale per key and per value ('int8', about a quarter of float32's bytes; "
-        "modeling/cache_precision.py)", choices=CACHE_DTYPES,
+        "as int8 codes with a float32 scale per key and per value ('int8', about a quarter of float32's bytes) or "
+        "as int4 codes with a float32 scale per 32 dimensions ('int4', 1.7 times int8's pairs per byte at 64 "
+        "dimensions); modeling/cache_precision.py", choices=CACHE_DTYPES,
     ),
 }
 #: what each cache option does, for the error when it is set with the cache off
@@ -71,8 +63,8 @@ FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State
 
 class Cache(NamedTuple):
     """The exact cache as the forms carry it: keys and values [B, Hkv, G, D] as its queries read them (dequantized
-    with ``cache_dtype: int8``), the filled slots [B, G], their positions [B, Hkv, G] with the clamp (else None) and,
-    for int8, the keys' and values' scales [B, Hkv, G, 1] (else None)."""
+    when coded: ``cache_dtype`` int8 or int4), the filled slots [B, G], their positions [B, Hkv, G] with the clamp
+    (else None) and, when coded, the keys' and values' scales [B, Hkv, G, groups] (else None)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -91,6 +83,18 @@ def check_cache_spec(spec: dict[str, Any], where: str, has_far: bool) -> None:
         raise ValueError(f"{where}: option 'cache_slots' with cache_score={spec['cache_score']!r} needs a far "
                          "part (its state scores the pairs), got far='none'; a score that reads no far state "
                          "('novelty', 'learned') drops the evicted pairs instead")
+
+
+def check_cache_fits(spec: dict[str, Any], shape: MixerShape, config: Any) -> None:
+    """Raise when a layer's cache does not fit its model: more slots than a sequence has positions (unless distant
+    keys are clamped), or codes of ``cache_dtype`` that its heads' dimensions do not divide into."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and spec["cache_slots"] > limit and spec["distant_positions"] != CLAMP:
+        raise ValueError(f"layer {shape.layer_idx}: option 'cache_slots'={spec['cache_slots']} exceeds "
+                         f"max_position_embeddings={limit}, the most tokens a sequence can hold")
+    unfit = None if spec["cache_dtype"] == MODEL else code_format(spec["cache_dtype"]).unfit(shape.head_dim)
+    if unfit:
+        raise ValueError(f"layer {shape.layer_idx}: option 'cache_dtype'={spec['cache_dtype']!r} {unfit}")
 
 
 def far_state(state: State) -> State:
@@ -283,12 +287,14 @@ class ExactCacheForms:
         ``cache_score`` (against the far state or the ``window``'s values [B, Hkv, W, D] and real tokens [B, W] after
         the deciding query), the G highest kept (with their positions), the others added to the far state in token
         order (a far part reading leaving keys) or dropped. The other rows keep their cache and far state. With
-        ``cache_dtype: int8`` the pending pairs are scored and kept as int8 holds them; the far state takes them
-        as computed."""
+        a coded ``cache_dtype`` the pending pairs are scored and kept as the codes hold them; the far state takes
+        them as computed."""
         ck, cv, cmask, cpos, key_scales, value_scales = cache
         pending_keys, pending_values = pending[0], pending[1]
         if key_scales is not None:
-            (pending_keys, pending_key_scales), (pending_values, pending_value_scales) = map(round_trip, pending[:2])
+            codes = self._code_format
+            (pending_keys, pending_key_scales), (pending_values, pending_value_scales) = map(
+                codes.round_trip, pending[:2])
         keys = torch.cat([ck, pending_keys], dim=2)
         values = torch.cat([cv, pending_values], dim=2)
         filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
@@ -382,7 +388,7 @@ class ExactCacheForms:
         return new_state
 
     def _cache_size(self) -> int:
-        """The pending buffer and the cache in state elements (keys, values, masks; an int8 cache's bytes over
+        """The pending buffer and the cache in state elements (keys, values, masks; a coded cache's bytes over
         four, cache_precision.slot_elements); 0 without a cache."""
         if not self.cache_slots:
             return 0
@@ -402,55 +408,62 @@ class ExactCacheForms:
         weights = self.shape.num_heads * tokens * columns
         return weights + 2 * spans * hk * d * columns + 4 * decisions * hk * d * (self.cache_slots + w)
 
-    def int8_bytes(self) -> int:
-        """The bytes of the cache held as int8 codes and their scales, which ``_cache_size`` counts at a quarter
-        (float32 elements); 0 unless ``cache_dtype`` is int8."""
+    def code_bytes(self) -> int:
+        """The bytes of the cache held as integer codes and their scales, which ``_cache_size`` counts at a quarter
+        (float32 elements); 0 unless ``cache_dtype`` is coded."""
         if not self.cache_slots or self.cache_dtype == MODEL:
             return 0
-        return int8_slot_bytes(self.shape.num_kv_heads, self.shape.head_dim, self.cache_slots)
+        return coded_slot_bytes(self.shape.num_kv_heads, self.shape.head_dim, self.cache_slots, self.cache_dtype)
+
+    @property
+    def _code_format(self) -> CodeFormat:
+        return code_format(self.cache_dtype)
 
     def _cache_in(self, state: State) -> Cache:
-        """The cache of a state as the forms carry it (int8 codes dequantized to the window's dtype; a state that
-        carries it dequantized, ``_cache_out`` under autograd, as it is)."""
+        """The cache of a state as the forms carry it (codes dequantized to the window's dtype; a state that carries
+        it dequantized, ``_cache_out`` under autograd, as it is)."""
         if self.cache_dtype == MODEL:
             return Cache(state["ck"], state["cv"], state["cmask"], state.get("cpos"))
         key_scales, value_scales, dtype = state["cks"], state["cvs"], state["wk"].dtype
         keys, values = state["ck"], state["cv"]
-        if keys.dtype == torch.int8:
-            keys, values = dequantize(keys, key_scales, dtype), dequantize(values, value_scales, dtype)
+        if not keys.is_floating_point():
+            codes = self._code_format
+            keys, values = codes.dequantize(keys, key_scales, dtype), codes.dequantize(values, value_scales, dtype)
         return Cache(keys, values, state["cmask"], state.get("cpos"), key_scales, value_scales)
 
     def _cache_out(self, cache: Cache) -> State:
-        """The state's entries of the cache (its positions aside): keys, values (int8 codes and scales) and mask.
-        While autograd records through the cache (a chunked training forward), int8 keys and values stay as the
-        queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
+        """The state's entries of the cache (its positions aside): keys, values (codes and scales when coded) and
+        mask. While autograd records through the cache (a chunked training forward), coded keys and values stay as
+        the queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
         if cache.key_scales is None:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
         scales_and_mask = {"cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
         if torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
             return {"ck": cache.keys, "cv": cache.values, **scales_and_mask}
-        return {"ck": codes_of(cache.keys, cache.key_scales), "cv": codes_of(cache.values, cache.value_scales),
-                **scales_and_mask}
+        codes = self._code_format
+        return {"ck": codes.codes_of(cache.keys, cache.key_scales),
+                "cv": codes.codes_of(cache.values, cache.value_scales), **scales_and_mask}
 
     def _cache_out_names(self) -> tuple[str, ...]:
         """The state's entries ``_cache_out`` writes."""
         return ("ck", "cv", "cmask") if self.cache_dtype == MODEL else ("ck", "cv", "cks", "cvs", "cmask")
 
     def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
-        """The pending buffer (W slots) and the cache (G slots per KV head), empty; int8 codes with float32 scales
-        for ``cache_dtype: int8``."""
+        """The pending buffer (W slots) and the cache (G slots per KV head), empty; codes with float32 scales when
+        ``cache_dtype`` is coded."""
         hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
-        held = dtype if self.cache_dtype == MODEL else torch.int8
+        coded = self.cache_dtype != MODEL
+        held, stored = (self._code_format.codes_dtype, self._code_format.stored_dims(d)) if coded else (dtype, d)
         state = {
             "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
-            "ck": torch.zeros(batch_size, hk, slots, d, device=device, dtype=held),
-            "cv": torch.zeros(batch_size, hk, slots, d, device=device, dtype=held),
+            "ck": torch.zeros(batch_size, hk, slots, stored, device=device, dtype=held),
+            "cv": torch.zeros(batch_size, hk, slots, stored, device=device, dtype=held),
             "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
         }
-        if self.cache_dtype != MODEL:
-            scales = (batch_size, hk, slots, 1)
+        if coded:
+            scales = (batch_size, hk, slots, self._code_format.groups(d))
             state["cks"] = torch.zeros(scales, device=device, dtype=scale_dtype(dtype))
             state["cvs"] = torch.zeros(scales, device=device, dtype=scale_dtype(dtype))
         return state

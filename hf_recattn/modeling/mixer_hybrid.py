@@ -68,6 +68,7 @@ from .hybrid_cached import (
     FAR_PREFIX,
     ExactCacheForms,
     FarForm,
+    check_cache_fits,
     check_cache_spec,
     far_state,
     real_tokens,
@@ -227,16 +228,11 @@ class HybridMixer(ExactCacheForms, Mixer):
         self.sink_tokens = int(spec["sink_tokens"])
         self.cache_slots = int(spec["cache_slots"])
         self.cache_dtype = spec["cache_dtype"]
+        check_cache_fits(spec, shape, config)
         chosen = CACHE_SCORES[spec["cache_score"]]
         self.cache_score = chosen.score
         # the learned score's parameters (retention_head.py); only with the cache on, which is what they score
         self.retention = RetentionHead(shape) if chosen.learned and self.cache_slots else None
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and self.cache_slots > limit and spec["distant_positions"] != CLAMP:
-            raise ValueError(
-                f"layer {shape.layer_idx}: option 'cache_slots'={self.cache_slots} exceeds max_position_embeddings="
-                f"{limit}, the most tokens a sequence can hold"
-            )
         #: the clamp of distant sinks and cache slots (key_distance.py), None for distant_positions='absolute'
         self.distance: KeyDistance | None = key_distance(spec, shape, config)
         self.far: Mixer | None = None
