@@ -38,10 +38,10 @@ from hf_recattn.modeling.modeling import RecAttnForCausalLM
 WINDOW_LABEL, WINDOW_SPEC = BASELINES["window"]
 
 
-NOTES = ["MiB: every state element at 4 bytes (int8 cache codes at 1), per sequence; a row with the same MiB at every "
-         "context keeps constant memory. A cell: the share of the queries answered, with its Wilson 95% interval, "
-         "over the prompts of one task, haystack (heldout: held-out corpus documents; ood: the corpus's license "
-         "texts) and length."]
+NOTES = ["MiB: every state element at 4 bytes (int8 and int4 cache codes and their scales at their own bytes), per "
+         "sequence; a row with the same MiB at every context keeps constant memory. A cell: the share of the queries "
+         "answered, with its Wilson 95% interval, over the prompts of one task, haystack (heldout: held-out corpus "
+         "documents; ood: the corpus's license texts) and length."]
 
 
 def add_row_arguments(parser: argparse.ArgumentParser) -> None:

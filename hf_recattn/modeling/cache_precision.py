@@ -31,8 +31,8 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class CodeFormat:
-    """Symmetric integer codes of ``bits`` bits (-levels..levels) with one scale per ``group`` dimensions (None: per
-    vector; a vector of fewer dimensions has one), packed ``8 // bits`` codes per byte."""
+    """Symmetric integer codes of ``bits`` bits, 8 or 4 (-levels..levels), with one scale per ``group`` dimensions
+    (None: per vector; a vector of fewer dimensions has one); 4-bit codes are packed two per byte."""
 
     bits: int
     group: int | None
