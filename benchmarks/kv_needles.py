@@ -46,7 +46,7 @@ from hf_recattn.evaluation.needles import (
     needle_template,
     wilson_interval,
 )
-from hf_recattn.modeling.cache_precision import CODE_DESCRIPTIONS, MODEL, code_format
+from hf_recattn.modeling.cache_precision import MODEL, code_format
 from hf_recattn.prompting.haystack import Haystack
 from hf_recattn.provenance import provenance
 
@@ -294,8 +294,8 @@ def notes(results: dict[str, Any]) -> list[str]:
                for per_n in per_h.values() for cell in per_n.values() if "verified" in cell]
     budgets = {row["kept_tokens"]: row["budget_of"] for row in results["rows"].values() if row["budget_of"]}
     coded = results["settings"].get("cache_dtype")
-    held = f"{CODE_DESCRIPTIONS[coded]}, the press's choice and the unpressed teacher's cache alike" if coded else (
-        "fp32")
+    held = (f"{code_format(coded).description}, the press's choice and the unpressed teacher's cache alike" if coded
+            else "fp32")
     out = ["A cell: the share of the prompts answered, with its Wilson 95% interval. Kept tokens: the bytes of "
            + "; ".join(f"{', '.join(names)} ({kept})" for kept, names in sorted(budgets.items(), reverse=True)) + ".",
            f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token ({held})."]

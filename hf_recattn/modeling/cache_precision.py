@@ -32,10 +32,12 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class CodeFormat:
     """Symmetric integer codes of ``bits`` bits, 8 or 4 (-levels..levels), with one scale per ``group`` dimensions
-    (None: per vector; a vector of fewer dimensions has one); 4-bit codes are packed two per byte."""
+    (None: per vector; a vector of fewer dimensions has one); 4-bit codes are packed two per byte. ``description``
+    is how cards and reports name the format."""
 
     bits: int
     group: int | None
+    description: str
 
     @property
     def levels(self) -> int:
@@ -111,11 +113,12 @@ class CodeFormat:
 
 
 #: the coded ``cache_dtype`` choices
-CODE_FORMATS = {INT8: CodeFormat(bits=8, group=None), INT4: CodeFormat(bits=4, group=32)}
+CODE_FORMATS = {
+    INT8: CodeFormat(bits=8, group=None, description="int8 codes with a float32 scale per key and per value"),
+    INT4: CodeFormat(bits=4, group=32, description="int4 codes (two per byte) with a float32 scale per 32 dimensions "
+                                                   "of each key and value"),
+}
 CACHE_DTYPES = (MODEL, *CODE_FORMATS)
-#: how a card or report describes each coded choice
-CODE_DESCRIPTIONS = {INT8: "int8 codes with a float32 scale per key and per value",
-                     INT4: "int4 codes (two per byte) with a float32 scale per 32 dimensions of each key and value"}
 
 
 def code_format(cache_dtype: str) -> CodeFormat:
