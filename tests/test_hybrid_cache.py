@@ -259,6 +259,8 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                     elif mixer.spec["cache_score"] == "keydiff":
                         keys = [pair(s)[0] for s in candidates]
                         scores = [_key_diversity(key, keys) for key in keys]
+                    elif mixer.spec["cache_score"] == "recent":
+                        scores = list(candidates)  # token positions: the newest highest
                     elif mixer.spec["cache_score"] == "learned":
                         scores = [retention_score(mixer.retention, hk, *pair(s)) for s in candidates]
                     else:
@@ -354,9 +356,12 @@ OTHER_OPTIONS: list[tuple[Options, Options, str, int, int]] = [
     for far in ("linear-hedgehog", "toy", "delta") for sinks in (0, 1)]
 OTHER_OPTIONS += [({"cache_score": "keydiff"}, {"cache_score": "novelty"}, far, sinks, 12)
                   for far, sinks in (("linear-hedgehog", 1), ("delta", 0), ("none", 1))]
+OTHER_OPTIONS += [({"cache_score": "recent"}, {"cache_score": "keydiff"}, far, sinks, 13)
+                  for far, sinks in (("linear-hedgehog", 0), ("none", 1))]
 OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int8"}, {"cache_score": score}, far, sinks, 21)
                   for far, score, sinks in (("linear-hedgehog", "far", 1), ("delta", "far", 0), ("delta", "novelty", 1),
-                                            ("none", "keydiff", 1), ("linear-relu-l2", "far", 0), ("toy", "far", 0))]
+                                            ("none", "keydiff", 1), ("linear-relu-l2", "far", 0), ("toy", "far", 0),
+                                            ("none", "recent", 0))]
 OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int4"}, {"cache_score": score, "cache_dtype": "int8"}, far,
                    sinks, 24)
                   for far, score, sinks in (("linear-hedgehog", "far", 1), ("delta", "novelty", 0),
@@ -386,7 +391,7 @@ def test_options_match_the_reference(options: Options, other_options: Options, f
 
 @pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("linear-relu-l2", "far"), ("taylor2", "far"),
                                             ("toy", "far"), ("delta", "far"), ("linear-elu", "novelty"),
-                                            ("delta", "novelty")])
+                                            ("delta", "novelty"), ("linear-elu", "recent")])
 def test_float64_forms_match_the_reference_closely(far: str, score: str) -> None:
     assert_float64_forms_match(make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score), seed=2)
 
@@ -719,7 +724,8 @@ def test_variants_drop_the_cache() -> None:
          r"layer 2: option 'cache_slots' needs a taylor far part with denominator='exact'"),
         ({"cache_slots": 2, "far": "heinsen"}, r"layer 2: option 'far' must be a linear or taylor"),
         ({"cache_slots": 2, "cache_score": "attention"},
-         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'keydiff', 'learned'\], got 'attention'"),
+         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'keydiff', 'recent', 'learned'\], "
+         r"got 'attention'"),
         ({"cache_score": "novelty"},
          r"layer 2: option 'cache_score'='novelty' scores the exact cache, which is off \(cache_slots: 0\)"),
     ],

@@ -17,6 +17,10 @@ function here plus one line there.
   (the resting places of attention, common words) score low; a key unlike the rest stays. It reads neither the far
   state nor its parameters. KeyDiff scores a whole prefilled cache against its mean; here the mean is that of the
   candidates of each decision (the cache and the pending pairs), so the memory stays constant.
+* ``recent``: the most recent candidates (the cache's slots and the pending pairs are in token order): the cache
+  extends the window by its slots, a sliding window whose older part is held in the cache's ``cache_dtype`` (int8
+  or int4 codes: several times the window's tokens in the same bytes). It reads neither the far state nor its
+  parameters.
 * ``learned``: the layer's retention head (retention_head.py, Locret's retaining heads) predicts from each pair
   the attention the teacher's later queries put on it; trained during conversion (training/retention_objective.py).
   It reads no far state, so it also serves a hybrid without a far part (a pure learned-eviction softmax cache).
@@ -83,6 +87,14 @@ def key_diversity(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     return -(units * F.normalize(anchor, dim=-1)).sum(-1)
 
 
+def recency(parts: ScoreParts, decision: Decision) -> torch.Tensor:
+    """[B, Hkv, N]: each candidate's index, which orders the filled candidates as their tokens are ordered (the
+    cache's filled slots first, oldest first, then the pending pairs), so the newest score highest."""
+    keys = decision.keys
+    order = torch.arange(keys.shape[2], device=keys.device, dtype=torch.promote_types(keys.dtype, torch.float32))
+    return order.expand(keys.shape[:3])
+
+
 class CacheScore(NamedTuple):
     """One choice of option ``cache_score``: the ``score`` (score parts, decision) -> [B, Hkv, N], whether it
     ``reads_far`` (needs the far family's ``far_recall_error``), what the cache ``keeps``, in words (cards), and
@@ -101,6 +113,7 @@ CACHE_SCORES: dict[str, CacheScore] = {
     "keydiff": CacheScore(key_diversity, reads_far=False,
                           keeps="the key / value pairs whose keys point furthest from the mean direction of the "
                           "candidates' keys"),
+    "recent": CacheScore(recency, reads_far=False, keeps="the most recent key / value pairs past the window"),
     "learned": CacheScore(learned_retention, reads_far=False, learned=True,
                           keeps="the key / value pairs its retention head, trained on the teacher's attention, "
                           "predicts later queries will attend to most"),
