@@ -214,7 +214,7 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
 def test_shipped_zoo_lists_the_main_job_and_two_more() -> None:
     entries = zoo_entries()
     recipes = {e["recipe"] for e in entries}
-    assert "retrieval9-int8keydiff" in recipes and len(recipes) >= 3  # the README main job and more
+    assert "retrieval9-int8-int4keydiff" in recipes and len(recipes) >= 3  # the README main job and more
     for e in entries:
         # a student finetuned on the corpus it is scored on may beat the teacher there (the retrieval recipe: 0.97x)
         assert 0.5 < e["perplexity_ratio"] < 100 and 0 < e["state_fraction_at_8k"] < 1
