@@ -408,7 +408,8 @@ def assert_float64_forms_match(mixer: Mixer, seed: int) -> None:
 
 
 @pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("linear-hedgehog", "far"), ("taylor2", "far"),
-                                            ("delta", "far"), ("linear-hedgehog", "novelty"), ("delta", "novelty")])
+                                            ("delta", "far"), ("linear-hedgehog", "novelty"), ("delta", "novelty"),
+                                            ("linear-elu", "recent")])
 def test_parallel_gradients_match_the_reference(far: str, score: str) -> None:
     """float64 gradients of q, k, v, x and every parameter through the parallel form (the choice itself is discrete:
     no gradient through the ranking, in either)."""
