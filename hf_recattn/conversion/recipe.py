@@ -31,6 +31,7 @@ from ..modeling.mixers import validate_spec
 from ..training.checks import build_settings, typed
 from ..training.fused_loss import config_misfit, refusal
 from .layer_selection import check_layers
+from .recipe_extends import resolve_extends
 from .settings import DEFAULT_RETRIEVAL_KINDS, EvalSettings, RetrievalHeadSettings, Stage1Settings, Stage2Settings
 
 #: teacher config fields a recipe may pin in ``expects``
@@ -157,6 +158,7 @@ _TOP_KEYS = {
     "init",
     "layers",
     "budgets",
+    "extends",
 }
 _BUDGET_KEYS = {"stage1", "stage2", "eval", "seed", "retrieval_heads"}
 
@@ -187,7 +189,13 @@ def find_recipe(name_or_path: str | Path) -> Path:
 
 
 def read_recipe_yaml(path: Path) -> dict[str, Any]:
-    """The parsed recipe file, its ``name`` defaulting to the file's stem; ValueError naming the file."""
+    """The parsed recipe file with the recipe it ``extends`` merged in (recipe_extends.py), its ``name``
+    defaulting to the file's stem; ValueError naming the file."""
+    data = _parse_recipe_yaml(path)
+    return resolve_extends(data, path, recipe_source(path), _read_base)
+
+
+def _parse_recipe_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
@@ -196,6 +204,15 @@ def read_recipe_yaml(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
     data.setdefault("name", path.stem)
     return data
+
+
+def _read_base(reference: str, folder: Path | None) -> tuple[dict[str, Any], Path, str]:
+    """The recipe an ``extends`` names: a .yaml path (relative to the extending file's folder) or a packaged
+    recipe's name."""
+    if Path(reference).suffix in (".yaml", ".yml") and folder is not None and not Path(reference).is_absolute():
+        reference = str(folder / reference)
+    path = find_recipe(reference)
+    return _parse_recipe_yaml(path), path, recipe_source(path)
 
 
 def recipe_source(path: Path) -> str:
@@ -218,7 +235,9 @@ def budgets_of(name_or_path: str | Path) -> list[str]:
 
 
 def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = "<dict>") -> Recipe:
-    """Validate a recipe given as a dict (the parsed YAML)."""
+    """Validate a recipe given as a dict (the parsed YAML; an ``extends`` path there is relative to the working
+    folder)."""
+    data = resolve_extends(data, None, source, _read_base)
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
