@@ -54,6 +54,16 @@ def test_another_mixer_replaces_the_spec_whole(tmp_path: Path) -> None:
     assert load_recipe(child).attention == {"mixer": "linear", "feature_map": "hedgehog"}  # no hybrid options left
 
 
+def test_null_drops_a_key_of_the_base(tmp_path: Path) -> None:
+    base = _hybrid_base()
+    base["attention_overrides"] = {"0": {"mixer": "softmax"}, "1": {"mixer": "softmax"}}
+    write_recipe(tmp_path / "base.yaml", base)
+    child = write_recipe(tmp_path / "child.yaml", {"extends": "base.yaml", "attention_overrides": {"0": None},
+                                                   "budgets": {"full": None}})
+    assert load_recipe(child).attention_overrides == {"1": {"mixer": "softmax"}}
+    assert budgets_of(child) == ["quick"]
+
+
 def test_chains_resolve_in_order(tmp_path: Path) -> None:
     write_recipe(tmp_path / "a.yaml", _hybrid_base())
     write_recipe(tmp_path / "b.yaml", {"extends": "a.yaml", "attention": {"cache_slots": 20}, "seed": 3})

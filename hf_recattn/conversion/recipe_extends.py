@@ -5,6 +5,7 @@ recipe, itself resolved, and merges the file's keys over it:
 
 - mappings merge key by key, at every depth (``budgets.full.stage2``, ``attention``'s options);
 - any other value (a list, a number, a string) replaces the base's;
+- ``null`` drops the base's key, so its default applies (an override of ``attention_overrides``, a budget);
 - an attention spec that names another ``mixer`` than the base's replaces the base's spec whole, since a spec of
   another mixer shares none of its options;
 - ``name`` and ``description`` are never inherited: they describe the file that has them.
@@ -57,11 +58,14 @@ def resolve_extends(
 
 
 def merge_recipe(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``update`` over ``base``: mappings merge key by key, other values replace (see the module docstring)."""
+    """``update`` over ``base``: mappings merge key by key, ``None`` drops the key, other values replace (see the
+    module docstring)."""
     out = copy.deepcopy(base)
     for key, value in update.items():
         old = out.get(key)
-        if isinstance(value, dict) and isinstance(old, dict) and not _other_mixer(old, value):
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(old, dict) and not _other_mixer(old, value):
             out[key] = merge_recipe(old, value)
         else:
             out[key] = copy.deepcopy(value)
