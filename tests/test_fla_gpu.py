@@ -11,6 +11,8 @@ cores; a wrong mapping is off by O(1)).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -61,13 +63,24 @@ def _outputs_and_grads(run: Callable, inputs: dict[str, torch.Tensor], choice: s
     return [*outs, *(g for g in grads if g is not None)]
 
 
+def _report_at_once(err: BaseException) -> None:
+    """One line naming the case and the failure, past pytest's capture: a run stopped at its time limit keeps it."""
+    case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    first = (str(err).strip().splitlines() or [""])[0]
+    print(f"FAILED AT ONCE {case}: {type(err).__name__}: {first}", file=sys.__stderr__, flush=True)
+
+
 def _check(run: Callable, inputs: dict[str, torch.Tensor]) -> None:
-    expected = _outputs_and_grads(run, inputs, "torch", wide=True)
-    got = _outputs_and_grads(run, inputs, "fla", wide=False)
-    assert len(got) == len(expected)
-    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-        error = (a.double() - b).norm() / b.norm().clamp_min(1e-12)
-        assert error < REL_TOL, f"tensor {i}: relative error {error:.2e}"
+    try:
+        expected = _outputs_and_grads(run, inputs, "torch", wide=True)
+        got = _outputs_and_grads(run, inputs, "fla", wide=False)
+        assert len(got) == len(expected)
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            error = (a.double() - b).norm() / b.norm().clamp_min(1e-12)
+            assert error < REL_TOL, f"tensor {i}: relative error {error:.2e}"
+    except Exception as err:
+        _report_at_once(err)
+        raise
 
 
 def _delta(rule: str, t: int, chunked: bool) -> Callable:
@@ -178,11 +191,17 @@ def test_models_on_packed_documents(case_id: str) -> None:
     results = {}
     for choice in ("torch", "fla"):
         model.zero_grad()
-        with backends.use_kernels(choice):
-            out = model(ids, position_ids=positions, labels=ids)
-        out.loss.backward()
+        try:
+            with backends.use_kernels(choice):
+                out = model(ids, position_ids=positions, labels=ids)
+            out.loss.backward()
+        except Exception as err:
+            _report_at_once(err)
+            raise
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         results[choice] = [out.logits.detach(), *grads]
     for i, (a, b) in enumerate(zip(results["fla"], results["torch"], strict=True)):
         error = (a - b).double().norm() / b.double().norm().clamp_min(1e-12)
+        if error >= REL_TOL:
+            _report_at_once(AssertionError(f"tensor {i}: relative error {error:.2e}"))
         assert error < REL_TOL, f"{case_id} tensor {i}: relative error {error:.2e}"
