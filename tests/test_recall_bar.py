@@ -1,0 +1,79 @@
+"""benchmarks/recall_bar.py: which cells a student misses the bar on, read from natural-text result files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from script_modules import load_script
+
+bar = load_script("benchmarks", "recall_bar")
+
+RECORD = {"commit": "0123456789abcdef", "date": "2026-11-30T00:00:00"}
+LENGTHS = {"single_number": ("1024", "4096"), "multi_key": ("2048",), "multi_query": ("2048",)}
+
+
+def _row(accuracy: dict[str, float], mib: float = 22.0) -> dict:
+    """A natural_recall row answering ``accuracy[task]`` on every haystack and length of the task."""
+    cells = {task: {h: {n: {"accuracy": acc} for n in LENGTHS[task]} for h in ("heldout", "ood")}
+             for task, acc in accuracy.items()}
+    return {"cache_mib": {"1024": mib, "4096": mib, "8192": mib}, "cells": cells}
+
+
+def _ppl(value: float) -> dict:
+    return {"perplexity": {h: {"512": value, "4096": value} for h in ("heldout", "ood")}}
+
+
+def _write(folder: Path, name: str, data: dict) -> None:
+    (folder / name).write_text(json.dumps({"provenance": RECORD, **data}))
+
+
+@pytest.fixture
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    teacher = _row({"single_number": 0.8, "multi_key": 0.6, "multi_query": 0.6}, mib=180.0)
+    models = {
+        "teacher": teacher,
+        "within": _row({"single_number": 0.7, "multi_key": 0.4, "multi_query": 0.4}),
+        "short": _row({"single_number": 0.65, "multi_key": 0.35, "multi_query": 0.6}),
+        "window 512 + 4 sinks": _row({"single_number": 0.1}, mib=22.7),
+    }
+    _write(tmp_path, "single.json", {"models": models})
+    _write(tmp_path, "multi.json", {"models": models})
+    _write(tmp_path, "ppl.json", {"models": {"teacher": _ppl(10.0), "within": _ppl(11.0), "short": _ppl(11.2)}})
+    press = {"press": "StreamingLLM", "cache_mib": 22.01, "cells": {"single_number": {
+        "heldout": {"4096": {"summary": {"accuracy": 0.7}}}}}}
+    bigger = {"press": "KeyDiff", "cache_mib": 30.0, "cells": {"single_number": {
+        "ood": {"4096": {"summary": {"accuracy": 0.9}}}}}}
+    _write(tmp_path, "presses.json", {"settings": {"cache_dtype": "int4"},
+                                      "rows": {"streaming": press, "keydiff": bigger}})
+    monkeypatch.setattr(bar, "RESULTS", tmp_path)
+    monkeypatch.setattr(bar, "SOURCES", {"t": {"label": "T", "single": "single.json", "multi": "multi.json",
+                                               "perplexity": "ppl.json", "presses": ["presses.json"]}})
+    return tmp_path
+
+
+def test_a_student_within_every_margin_misses_only_where_a_press_ties_it(results: Path) -> None:
+    row = bar.collect({"t": ["within"]})["teachers"]["t"]["students"]["within"]
+    assert row["misses"] == ["single 4k heldout (not ahead of streaming (int4))"]
+    assert row["perplexity"]["ppl x teacher 512/heldout"] == pytest.approx(1.1)
+    assert row["rivals"]["ood/4096"]["name"] == "window 512 + 4 sinks"  # the 30 MiB press keeps more bytes
+
+
+def test_a_student_past_a_margin_misses_that_cell(results: Path) -> None:
+    row = bar.collect({"t": ["short"]})["teachers"]["t"]["students"]["short"]
+    assert "single 1k heldout" in row["misses"] and "multi-key 2k ood" in row["misses"]
+    assert "multi-query 2k heldout" not in row["misses"]
+    assert "ppl x teacher 4096 ood" in row["misses"]
+
+
+def test_the_table_shows_each_cell_beside_the_teacher(results: Path) -> None:
+    data = bar.collect({"t": ["within"]})
+    table = bar.render_markdown({**data, "provenance": RECORD})
+    line = next(line for line in table.splitlines() if "| within |" in line)
+    assert "70 / 70 (80 / 80)" in line and "1.100 / 1.100" in line
+
+
+def test_a_student_without_a_row_is_named(results: Path) -> None:
+    with pytest.raises(SystemExit, match="no row 'absent'"):
+        bar.collect({"t": ["absent"]})
