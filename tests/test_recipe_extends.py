@@ -106,3 +106,14 @@ def test_bad_extends_name_the_file(tmp_path: Path, files: dict, message: str) ->
 def test_a_dict_may_extend_a_packaged_recipe() -> None:
     recipe = recipe_from_dict({"extends": "retrieval9-int8keydiff", "attention": {"cache_slots": 900}}, "quick")
     assert recipe.attention["cache_slots"] == 900 and recipe.retrieval_heads.max_heads == 9
+
+
+
+def test_a_budget_merges_by_the_same_rules(tmp_path: Path) -> None:
+    base = _hybrid_base()
+    base["stage1"]["lr"] = 5.0e-2
+    base["budgets"]["full"] = {"stage1": {"lr": None, "batch_size": 2}}
+    path = write_recipe(tmp_path / "base.yaml", base)
+    full, quick = load_recipe(path, "full").stage1, load_recipe(path, "quick").stage1
+    assert full.lr == 1e-2 and quick.lr == 5.0e-2  # null: the setting's default, not the base's value
+    assert (full.batch_size, full.block_size) == (2, quick.block_size)  # one key changed, its siblings inherited

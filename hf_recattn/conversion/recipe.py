@@ -9,8 +9,9 @@ A recipe file holds the attention spec, base settings for each stage and named b
       quick: {stage1: {tokens: 32768}, stage2: {tokens: 8192}}
       full: {stage1: {tokens: 1000000}, stage2: {tokens: 2000000}}
 
-``load_recipe(name_or_path, budget)`` merges the chosen budget over the base settings and validates the
-result (each section is a settings class of ``settings.py``). Packaged recipes live in
+``load_recipe(name_or_path, budget)`` merges the chosen budget over the base settings (by the rules of
+``extends:``, recipe_extends.py: mappings key by key, ``null`` drops a key, a spec naming another mixer replaces the
+base's) and validates the result (each section is a settings class of ``settings.py``). Packaged recipes live in
 ``hf_recattn/recipes/*.yaml``; list them with ``available_recipes()``.
 """
 
@@ -31,7 +32,7 @@ from ..modeling.mixers import validate_spec
 from ..training.checks import build_settings, typed
 from ..training.fused_loss import config_misfit, refusal
 from .layer_selection import check_layers
-from .recipe_extends import resolve_extends
+from .recipe_extends import merge_recipe, resolve_extends
 from .settings import DEFAULT_RETRIEVAL_KINDS, EvalSettings, RetrievalHeadSettings, Stage1Settings, Stage2Settings
 
 #: teacher config fields a recipe may pin in ``expects``
@@ -258,7 +259,7 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
             raise ValueError(
                 f"{source}: budgets.{budget}: unknown key(s) {bad}; known: {sorted(_BUDGET_KEYS)}"
             )
-        merged = _deep_merge(merged, chosen)
+        merged = merge_recipe(merged, chosen)
     stage2 = merged.get("stage2")
     if isinstance(stage2, dict) and stage2.get("method") == "full" and "lora" in stage2:
         raise ValueError(f"{source}: stage2.lora: only used with stage2.method: lora (method is 'full')")
@@ -286,16 +287,6 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
     )
     recipe.check()
     return recipe
-
-
-def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def _check_attention(attention: Any, overrides: Any, source: str) -> None:
