@@ -81,7 +81,9 @@ def _press_rows(files: list[str]) -> list[dict[str, Any]]:
             cells = row["cells"].get("single_number", {})
             accuracy = {f"{h}/{n}": cell["summary"]["accuracy"] for h, per_n in cells.items()
                         for n, cell in per_n.items()}
-            rows.append({"name": f"{label} ({coded})", "cache_mib": row["cache_mib"], "accuracy": accuracy})
+            mode = str(row.get("mode", "")).removeprefix("question-")
+            rows.append({"name": f"{row['press']} {mode}, {coded}".replace(" ,", ","), "cache_mib": row["cache_mib"],
+                         "accuracy": accuracy, "row": label})
     return rows
 
 
@@ -152,11 +154,24 @@ def _pair(cell: dict[str, Any], field: str) -> str:
     return " / ".join("-" if v is None else f"{100 * v:.0f}" for v in values)
 
 
+def _misses(misses: list[str]) -> str:
+    """The missed cells, a cell missed on both kinds of text named once: "single 4k (both), multi-key 2k heldout"."""
+    out = []
+    for miss in misses:
+        column, _, rest = miss.rpartition(" heldout") if " heldout" in miss else miss.rpartition(" ood")
+        other = f"{column} ood{rest}" if " heldout" in miss else f"{column} heldout{rest}"
+        if other in misses and " heldout" in miss:
+            out.append(f"{column} (both){rest}")
+        elif other not in misses:
+            out.append(miss)
+    return ", ".join(out) or "none"
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """One row per student: its bytes, each recall cell as student (teacher), held-out / license texts, each
     perplexity ratio, the best rival's single needles at 4k, and the cells that miss the bar."""
     head = ["teacher", "student", "MiB", *(c[0] for c in RECALL_CELLS), *(c[0] for c in PERPLEXITY_CELLS),
-            "best of window / presses at <= bytes, single 4k", "misses the bar on"]
+            "best rival at <= bytes, single 4k", "misses the bar on"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 4) + "---|---|"]
     for per_teacher in results["teachers"].values():
         for name, row in per_teacher["students"].items():
@@ -169,7 +184,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                 cells.append(" / ".join("-" if r is None else f"{r:.3f}" for r in ratios))
             rivals = [row["rivals"].get(f"{h}/4096") for h in HAYSTACKS]
             cells.append(" / ".join("-" if r is None else f"{100 * r['accuracy']:.0f} ({r['name']})" for r in rivals))
-            cells.append(", ".join(row["misses"]) or "none")
+            cells.append(_misses(row["misses"]))
             lines.append("| " + " | ".join(cells) + " |")
     notes = [
         "Each cell: held-out corpus documents / the corpus's license texts; recall in % of 20 prompts, the "

@@ -41,7 +41,7 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     _write(tmp_path, "single.json", {"models": models})
     _write(tmp_path, "multi.json", {"models": models})
     _write(tmp_path, "ppl.json", {"models": {"teacher": _ppl(10.0), "within": _ppl(11.0), "short": _ppl(11.2)}})
-    press = {"press": "StreamingLLM", "cache_mib": 22.01, "cells": {"single_number": {
+    press = {"press": "StreamingLLM", "mode": "question-agnostic", "cache_mib": 22.01, "cells": {"single_number": {
         "heldout": {"4096": {"summary": {"accuracy": 0.7}}}}}}
     bigger = {"press": "KeyDiff", "cache_mib": 30.0, "cells": {"single_number": {
         "ood": {"4096": {"summary": {"accuracy": 0.9}}}}}}
@@ -55,7 +55,7 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_student_within_every_margin_misses_only_where_a_press_ties_it(results: Path) -> None:
     row = bar.collect({"t": ["within"]})["teachers"]["t"]["students"]["within"]
-    assert row["misses"] == ["single 4k heldout (not ahead of streaming (int4))"]
+    assert row["misses"] == ["single 4k heldout (not ahead of StreamingLLM agnostic, int4)"]
     assert row["perplexity"]["ppl x teacher 512/heldout"] == pytest.approx(1.1)
     assert row["rivals"]["ood/4096"]["name"] == "window 512 + 4 sinks"  # the 30 MiB press keeps more bytes
 
@@ -77,3 +77,10 @@ def test_the_table_shows_each_cell_beside_the_teacher(results: Path) -> None:
 def test_a_student_without_a_row_is_named(results: Path) -> None:
     with pytest.raises(SystemExit, match="no row 'absent'"):
         bar.collect({"t": ["absent"]})
+
+
+def test_a_cell_missed_on_both_kinds_of_text_is_named_once() -> None:
+    assert bar._misses(["single 4k heldout", "single 4k ood", "multi-key 2k heldout"]) == (
+        "single 4k (both), multi-key 2k heldout")
+    assert bar._misses(["multi-key 2k ood"]) == "multi-key 2k ood"
+    assert bar._misses([]) == "none"
