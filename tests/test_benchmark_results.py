@@ -38,6 +38,7 @@ RESULTS = {
     "needles_past_context_near_cpu.json": "needles",
     "needles_multikey_windows_cpu.json": "needles",
     "loss_by_position_cpu.json": "loss_by_position",
+    "recall_bar.json": "recall_bar",
 }
 
 
