@@ -5,6 +5,7 @@ held-out corpus documents and on the corpus's license texts (docs/recall.md). Be
 figure of the window of 512 + 4 sinks and of every kvpress press that keeps no more bytes than the student.
 
     python benchmarks/recall_bar.py             # every teacher and student of STUDENTS; writes recall_bar.json
+    python benchmarks/recall_bar.py --student gemma3-270m "NAME (default)" --out /tmp/bar.json   # another row
 
 A student counts as within the bar on a cell when it is no further below the teacher than the bar allows; the
 last column names the cells where it is not.
@@ -203,11 +204,20 @@ def render_markdown(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--teachers", nargs="+", default=list(STUDENTS), choices=list(SOURCES))
+    p.add_argument("--student", nargs=2, action="append", default=[], metavar=("TEACHER", "ROW"),
+                   help="a row of the teacher's result files to show (repeatable; replaces that teacher's STUDENTS), "
+                        "e.g. --student gemma3-270m 'gemma3-270m-w4-recent240-int8keydiff1505 (default)'")
     add_out_argument(p, "recall_bar.json")
     args = p.parse_args(argv)
+    students = {key: STUDENTS[key] for key in args.teachers}
+    chosen: dict[str, list[str]] = {}
+    for teacher, row in args.student:
+        if teacher not in SOURCES:
+            p.error(f"--student {teacher!r}: the teacher must be one of {sorted(SOURCES)}")
+        chosen.setdefault(teacher, []).append(row)
+    students.update(chosen)
     record = run_record()
-    results = write_results(Path(args.out), "recall_bar", record,
-                            collect({key: STUDENTS[key] for key in args.teachers}))
+    results = write_results(Path(args.out), "recall_bar", record, collect(students))
     print(render_markdown(results))
     return 0
 

@@ -84,3 +84,14 @@ def test_a_cell_missed_on_both_kinds_of_text_is_named_once() -> None:
         "single 4k (both), multi-key 2k heldout")
     assert bar._misses(["multi-key 2k ood"]) == "multi-key 2k ood"
     assert bar._misses([]) == "none"
+
+
+
+def test_student_rows_given_on_the_command_line_replace_that_teachers(
+        results: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(bar.STUDENTS, "t", ["within"])
+    out = results / "bar.json"
+    assert bar.main(["--teachers", "t", "--student", "t", "short", "--out", str(out)]) == 0
+    assert list(json.loads(out.read_text())["teachers"]["t"]["students"]) == ["short"]
+    with pytest.raises(SystemExit):  # a teacher without result files is refused before any reading
+        bar.main(["--teachers", "t", "--student", "nobody", "x", "--out", str(out)])
