@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +71,13 @@ def _accuracy(row: dict[str, Any], task: str, haystack: str, length: str) -> flo
     return None if cell is None else cell["accuracy"]
 
 
-def _press_rows(files: list[str]) -> list[dict[str, Any]]:
-    """Every press row of the kvpress files: its name, cache MiB and single-needle accuracy per (haystack, length)."""
+def _press_rows(files: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every press row of the kvpress results (by file name): its name, cache MiB and single-needle accuracy per
+    (haystack, length)."""
     rows = []
-    for name in files:
-        results = _load(name)
+    for results in files.values():
         coded = results["settings"].get("cache_dtype") or "fp32"
-        for label, row in results["rows"].items():
+        for row in results["rows"].values():
             if row.get("press") is None or row.get("cache_mib") is None or "error" in row:
                 continue
             cells = row["cells"].get("single_number", {})
@@ -84,7 +85,7 @@ def _press_rows(files: list[str]) -> list[dict[str, Any]]:
                         for n, cell in per_n.items()}
             mode = str(row.get("mode", "")).removeprefix("question-")
             rows.append({"name": f"{row['press']} {mode}, {coded}".replace(" ,", ","), "cache_mib": row["cache_mib"],
-                         "accuracy": accuracy, "row": label})
+                         "accuracy": accuracy})
     return rows
 
 
@@ -93,8 +94,7 @@ def _student(name: str, rows: dict[str, dict[str, Any]], teacher: dict[str, dict
     """One student's cells, the teacher's beside them, and the cells where it misses the bar."""
     single, multi, ppl = rows["single"][name], rows["multi"].get(name, {}), rows["perplexity"].get(name)
     mib = single["cache_mib"]["4096"]
-    out: dict[str, Any] = {"cache_mib": mib, "constant_memory": len(set(single["cache_mib"].values())) == 1,
-                           "recall": {}, "perplexity": {}, "misses": [], "rivals": {}}
+    out: dict[str, Any] = {"cache_mib": mib, "recall": {}, "perplexity": {}, "misses": [], "rivals": {}}
     for column, task, length, points in RECALL_CELLS:
         source = single if task == "single_number" else multi
         teacher_row = teacher["single"] if task == "single_number" else teacher["multi"]
@@ -116,8 +116,9 @@ def _student(name: str, rows: dict[str, dict[str, Any]], teacher: dict[str, dict
         for h in HAYSTACKS:
             rivals = [(p["accuracy"][f"{h}/{length}"], p["name"]) for p in presses
                       if f"{h}/{length}" in p["accuracy"] and p["cache_mib"] <= mib * (1 + SAME_BYTES)]
-            if window is not None and _accuracy(window, "single_number", h, length) is not None:
-                rivals.append((_accuracy(window, "single_number", h, length), WINDOW))
+            window_accuracy = None if window is None else _accuracy(window, "single_number", h, length)
+            if window_accuracy is not None:
+                rivals.append((window_accuracy, WINDOW))
             if rivals:
                 best, who = max(rivals)
                 mine = _accuracy(single, "single_number", h, length)
@@ -128,22 +129,21 @@ def _student(name: str, rows: dict[str, dict[str, Any]], teacher: dict[str, dict
 
 
 def collect(teachers: dict[str, list[str]]) -> dict[str, Any]:
-    """The bar's cells for every teacher's students, from the result files."""
+    """The bar's cells for every teacher's students, from the result files (each read once)."""
     data: dict[str, Any] = {"teachers": {}, "sources": {}, "notes": []}
     for key, students in teachers.items():
         files = SOURCES[key]
-        rows = {kind: _load(files[kind])["models"] for kind in ("single", "multi", "perplexity")}
-        for kind in ("single", "multi", "perplexity"):
-            record = _load(files[kind])["provenance"]
-            data["sources"][files[kind]] = {"commit": record["commit"], "date": record["date"]}
-        for name in files["presses"]:
-            record = _load(name)["provenance"]
-            data["sources"][name] = {"commit": record["commit"], "date": record["date"]}
+        loaded = {name: _load(name) for name in (files["single"], files["multi"], files["perplexity"],
+                                                 *files["presses"])}
+        for name, results in loaded.items():
+            data["sources"][name] = {"commit": results["provenance"]["commit"],
+                                     "date": results["provenance"]["date"]}
+        rows = {kind: loaded[files[kind]]["models"] for kind in ("single", "multi", "perplexity")}
         missing = [name for name in students if name not in rows["single"]]
         if missing:
             raise SystemExit(f"recall_bar: {files['single']} has no row {missing[0]!r}: measure it first")
         teacher = {kind: rows[kind].get("teacher") for kind in rows}
-        presses = _press_rows(files["presses"])
+        presses = _press_rows({name: loaded[name] for name in files["presses"]})
         data["teachers"][key] = {"label": files["label"],
                                  "teacher_cache_mib_8k": rows["single"]["teacher"]["cache_mib"]["8192"],
                                  "students": {name: _student(name, rows, teacher, presses) for name in students}}
@@ -157,15 +157,12 @@ def _pair(cell: dict[str, Any], field: str) -> str:
 
 def _misses(misses: list[str]) -> str:
     """The missed cells, a cell missed on both kinds of text named once: "single 4k (both), multi-key 2k heldout"."""
-    out = []
+    haystacks: dict[tuple[str, str], list[str]] = {}
     for miss in misses:
-        column, _, rest = miss.rpartition(" heldout") if " heldout" in miss else miss.rpartition(" ood")
-        other = f"{column} ood{rest}" if " heldout" in miss else f"{column} heldout{rest}"
-        if other in misses and " heldout" in miss:
-            out.append(f"{column} (both){rest}")
-        elif other not in misses:
-            out.append(miss)
-    return ", ".join(out) or "none"
+        column, haystack, rest = re.fullmatch(r"(.*?) (heldout|ood)(.*)", miss).groups()
+        haystacks.setdefault((column, rest), []).append(haystack)
+    return ", ".join(f"{column} {'(both)' if len(found) == len(HAYSTACKS) else found[0]}{rest}"
+                     for (column, rest), found in haystacks.items()) or "none"
 
 
 def render_markdown(results: dict[str, Any]) -> str:

@@ -202,6 +202,7 @@ def test_models_on_packed_documents(case_id: str) -> None:
         results[choice] = [out.logits.detach(), *grads]
     for i, (a, b) in enumerate(zip(results["fla"], results["torch"], strict=True)):
         error = (a - b).double().norm() / b.double().norm().clamp_min(1e-12)
+        message = f"{case_id} tensor {i}: relative error {error:.2e}"
         if error >= REL_TOL:
-            _report_at_once(AssertionError(f"tensor {i}: relative error {error:.2e}"))
-        assert error < REL_TOL, f"{case_id} tensor {i}: relative error {error:.2e}"
+            _report_at_once(AssertionError(message))
+        assert error < REL_TOL, message
