@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("kv_compression.py: give budgets with --bytes MIB ... or --pareto JSON")
     results = start_results(args)
     teacher, tokenizer = load_teacher(args.teacher)
+    if "sliding_attention" in (getattr(teacher.config, "layer_types", None) or []):
+        raise SystemExit(f"--teacher {args.teacher} has sliding-window layers: only --probe needles presses "
+                         "their full-attention layers apart from them")
     per_token = bytes_per_token(teacher)
     kept = budgets(args.bytes, pareto, args.students, per_token)
     cases = passkey_cases(tokenizer, args.passkey_lengths, args.passkey_trials,

@@ -17,6 +17,11 @@ press replayed on it; the first ``--verify`` prompts of the first cell measured 
 prefill). Results go to ``--out`` after every cell; a rerun with the same settings measures only the (run, cell)
 pairs missing (``--modes question-agnostic`` on a rerun leaves the question-aware rows' missing cells out).
 
+A teacher with sliding-window layers (Gemma 3: 15 of its 18 layers see the last 512 tokens) is pressed as kvpress
+presses Gemma 3, in its full-attention layers only: the sliding-window layers keep their window (the last 511
+tokens, as the teacher's own cache and the project's byte count hold them), and the rest of the budget goes to the
+full-attention layers, the same kept tokens in each. Kept tokens then count per full-attention layer.
+
 ``--cache-dtype int8`` holds what the presses keep (and, in the row without a press, the teacher's whole cache) as
 int8 codes with a float32 scale per key and per value, the rounding of the students' ``cache_dtype: int8``: a
 budget then buys about four times the tokens, so eviction rules compare at the precision of an int8 student;
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import kv_compression as kv
@@ -128,11 +134,51 @@ def recall_budgets(recall: dict[str, Any] | None) -> dict[str, float]:
     return {name: min(row["cache_mib"].values()) for name, row in recall["models"].items() if row["constant_memory"]}
 
 
-def kept_by_budget(named: dict[str, float], per_token: int) -> dict[int, list[str]]:
-    """Kept tokens -> the budgets (name: MiB) that give them, the most tokens first."""
+@dataclass(frozen=True)
+class TeacherLayout:
+    """The teacher's layers as the presses see them: ``window_layers`` keep a sliding window of ``window`` tokens
+    (the current one included) and are not pressed; the others are."""
+
+    layers: int
+    window_layers: tuple[int, ...] = ()
+    window: int | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> TeacherLayout:
+        """From a transformers config: its ``sliding_attention`` layers, if it has any."""
+        types = getattr(config, "layer_types", None) or []
+        window_layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return cls(config.num_hidden_layers, window_layers, config.sliding_window if window_layers else None)
+
+    def window_bytes(self, per_token: int) -> float:
+        """What the sliding-window layers hold, whatever the budget: window - 1 tokens each, at ``per_token``
+        bytes per token over all layers."""
+        return len(self.window_layers) * ((self.window or 1) - 1) * per_token / self.layers
+
+    def pressed_bytes(self, per_token: int) -> float:
+        """A token's bytes over the pressed layers."""
+        return per_token * (self.layers - len(self.window_layers)) / self.layers
+
+    def kept(self, mib: float, per_token: int, name: str) -> int:
+        """The tokens each pressed layer keeps in ``mib`` MiB (the bytes left when the windows are held)."""
+        tokens = int((mib * 2**20 - self.window_bytes(per_token)) / self.pressed_bytes(per_token) + 1e-9)
+        if tokens < 1:
+            raise SystemExit(f"budget {name} ({mib:g} MiB): the teacher's sliding-window layers alone hold "
+                             f"{self.window_bytes(per_token) / 2**20:.2f} MiB; no press can keep it")
+        return tokens
+
+    def mib(self, kept: int, per_token: int) -> float:
+        """The cache MiB of ``kept`` tokens in each pressed layer beside the windows."""
+        return (self.window_bytes(per_token) + kept * self.pressed_bytes(per_token)) / 2**20
+
+
+def kept_by_budget(named: dict[str, float], per_token: int,
+                   layout: TeacherLayout | None = None) -> dict[int, list[str]]:
+    """Kept tokens (per pressed layer) -> the budgets (name: MiB) that give them, the most tokens first."""
+    layout = layout or TeacherLayout(layers=1)
     out: dict[int, list[str]] = {}
     for name, mib in named.items():
-        out.setdefault(kv.kept_tokens(mib, per_token), []).append(name)
+        out.setdefault(layout.kept(mib, per_token, name), []).append(name)
     return dict(sorted(out.items(), reverse=True))
 
 
@@ -155,10 +201,11 @@ def score_cell(record: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def new_row(run: dict[str, Any], per_token: int) -> dict[str, Any]:
+def new_row(run: dict[str, Any], per_token: int, layout: TeacherLayout | None = None) -> dict[str, Any]:
     """A results row for a run, before its cells."""
+    mib = None if run["kept"] is None else (layout or TeacherLayout(layers=1)).mib(run["kept"], per_token)
     return {"press": run["press"], "mode": run["mode"], "kept_tokens": run["kept"], "budget_of": run["budget_of"],
-            "cache_mib": None if run["kept"] is None else run["kept"] * per_token / 2**20, "cells": {}}
+            "cache_mib": mib, "cells": {}}
 
 
 def add_record(results: dict[str, Any], record: dict[str, Any], cells: dict[str, dict[str, Any]]) -> str:
@@ -201,25 +248,29 @@ def measured(row: dict[str, Any], cell: dict[str, Any]) -> bool:
 
 
 def probe_file(args: argparse.Namespace, results: dict[str, Any], teacher: Any, tokenizer: Any) -> dict[str, Any]:
-    """The worker's input: the cells with the runs each still needs (cells with none left out)."""
-    per_token = results["bytes_per_token"]
+    """The worker's input: the cells with the runs each still needs (cells with none left out), and the teacher's
+    sliding-window layers that no press touches."""
+    per_token, layout = results["bytes_per_token"], TeacherLayout.of(teacher.config)
     named = {f"{mib:g} MiB": mib for mib in args.bytes} | recall_budgets(
         json.loads(args.recall.read_text()) if args.recall else None)
     if not named:
         raise SystemExit("kv_compression.py --probe needles: give budgets with --recall JSON or --bytes MIB ...")
     cells = [cell for task in args.tasks for cell in needle_cells(
         tokenizer, natural_haystacks(args.haystacks), task, args.lengths, args.prompts, args.seed)]
-    runs = plan_needle_runs(args.presses or list(NEEDLE_PRESSES), args.modes, kept_by_budget(named, per_token), cells,
-                            args.cache_dtype)
+    runs = plan_needle_runs(args.presses or list(NEEDLE_PRESSES), args.modes,
+                            kept_by_budget(named, per_token, layout), cells, args.cache_dtype)
     for run in runs:
-        results["rows"].setdefault(run["name"], new_row(run, per_token))
+        results["rows"].setdefault(run["name"], new_row(run, per_token, layout))
     for cell in cells:
         cell["runs"] = [run["name"] for run in runs if not measured(results["rows"][run["name"]], cell)]
     cells = [cell for cell in cells if cell["runs"]]
     for index, cell in enumerate(cells):
         cell["verify"] = args.verify if index == 0 else 0
     folder = kv.save_teacher(teacher, tokenizer, args.work / args.teacher)
-    return {"kind": "needles", "model": str(folder), "runs": runs, "cells": cells}
+    if layout.window_layers:
+        results["window_layers"] = {"layers": list(layout.window_layers), "window": layout.window}
+    return {"kind": "needles", "model": str(folder), "runs": runs, "cells": cells,
+            "window_layers": list(layout.window_layers), "window": layout.window}
 
 
 def run(args: argparse.Namespace, python: Any) -> int:
@@ -299,6 +350,11 @@ def notes(results: dict[str, Any]) -> list[str]:
     out = ["A cell: the share of the prompts answered, with its Wilson 95% interval. Kept tokens: the bytes of "
            + "; ".join(f"{', '.join(names)} ({kept})" for kept, names in sorted(budgets.items(), reverse=True)) + ".",
            f"Presses run with {versions}; teacher KV {results['bytes_per_token']:,} bytes per token ({held})."]
+    if "window_layers" in results:
+        windows = results["window_layers"]
+        out.append(f"As kvpress presses Gemma 3, the presses compress the full-attention layers only: the "
+                   f"{len(windows['layers'])} sliding-window layers keep their last {windows['window'] - 1} tokens "
+                   f"(counted in the cache MiB), and kept tokens are per full-attention layer.")
     if checked:
         same = sum(c["same_answers"] for c in checked)
         total = sum(c["prompts"] for c in checked)

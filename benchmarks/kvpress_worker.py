@@ -22,6 +22,12 @@ then one for the cell. A run with ``cache_dtype: int8`` holds what it keeps (the
 without a press) as int8 codes with a float32 scale per key and per value, rounded as hf_recattn's
 ``cache_dtype: int8`` rounds (symmetric, the largest magnitude to 127); ``int4`` as its ``cache_dtype: int4`` does
 (a scale per 32 dimensions, the largest magnitude to 7); what follows the compressed part is not rounded.
+
+A teacher with sliding-window layers (Gemma 3: ``window_layers`` and ``window`` in PROBES.json) is pressed as
+kvpress presses Gemma 3: in its full-attention layers only. Its sliding-window layers keep what the teacher keeps
+there, the last ``window - 1`` tokens, so the layers of one cache differ in length; transformers then cannot tell
+a token's position from its index in the cache, and every forward after the prefill gets its masks from
+``attention_masks`` (a press may also reorder the tokens it keeps, which only full attention tolerates).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import kvpress
@@ -152,30 +159,78 @@ def recorded_prefill(model: Any, ids: torch.Tensor) -> tuple[DynamicCache, list[
     return cache, seen
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Which layers keep a sliding window of ``window`` tokens (the current one included) instead of being
+    pressed; none for a teacher of full-attention layers only."""
+
+    window_layers: frozenset[int] = frozenset()
+    window: int | None = None
+
+    def held_window(self, cache: DynamicCache) -> DynamicCache:
+        """The cache with each sliding-window layer cut to what the teacher keeps there: its last window - 1
+        tokens."""
+        for index in self.window_layers:
+            layer = cache.layers[index]
+            layer.keys, layer.values = layer.keys[:, :, 1 - self.window:], layer.values[:, :, 1 - self.window:]
+        return cache
+
+
+def only_full_attention(press: Any, layout: Layout) -> Any:
+    """``press`` with its hook passing over the sliding-window layers, as kvpress passes over Gemma 3's."""
+    if not layout.window_layers:
+        return press
+    pressing = press.forward_hook
+
+    def forward_hook(module: Any, inputs: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        return output if module.layer_idx in layout.window_layers else pressing(module, inputs, kwargs, output)
+
+    press.forward_hook = forward_hook  # what press(model) registers on every layer
+    return press
+
+
 @torch.no_grad()
-def replayed_cache(model: Any, press: Any, full: DynamicCache, seen: list[dict[str, Any]], n: int) -> DynamicCache:
+def replayed_cache(model: Any, press: Any, full: DynamicCache, seen: list[dict[str, Any]], n: int,
+                   layout: Layout) -> DynamicCache:
     """The cache a prefill of the first ``n`` tokens leaves with ``press`` (None: the whole cache): the recorded
-    keys and values of each layer, compressed by the press's hook called on that layer's recorded inputs."""
+    keys and values of each layer, compressed by the press's hook called on that layer's recorded inputs (the
+    sliding-window layers of ``layout`` are not pressed: they keep their window)."""
     cache = DynamicCache()
     with press(model) if press is not None else contextlib.nullcontext():
         for index, (layer, inputs) in enumerate(zip(model.model.layers, seen, strict=True)):
             cache.update(full.layers[index].keys[:, :, :n], full.layers[index].values[:, :, :n], index)
-            if press is None:
+            if press is None or index in layout.window_layers:
                 continue
             cos, sin = inputs["position_embeddings"]
             kwargs = {"hidden_states": inputs["hidden_states"][:, :n], "position_embeddings": (cos[:, :n], sin[:, :n]),
                       "past_key_values": cache, "cache_position": torch.arange(n)}
             press.forward_hook(layer.self_attn, [], kwargs, (None, None))
-    return cache
+    return layout.held_window(cache)
 
 
 @torch.no_grad()
-def hooked_cache(model: Any, press: Any, ids: torch.Tensor) -> DynamicCache:
+def hooked_cache(model: Any, press: Any, ids: torch.Tensor, layout: Layout) -> DynamicCache:
     """The cache of a real prefill of ``ids`` with ``press`` hooked in (what the replay must give)."""
     cache = DynamicCache()
-    with press(model):
+    with only_full_attention(press, layout)(model):
         model.model(input_ids=ids, past_key_values=cache)
-    return cache
+    return layout.held_window(cache)
+
+
+def attention_masks(layout: Layout, kept: int, n: int, fed: int, queries: int, rows: int) -> dict[str, Any] | None:
+    """The masks of a forward of ``queries`` tokens at positions n + fed ... after a prefill of ``n`` tokens and
+    ``fed`` tokens since, by layer type (None for a teacher without sliding-window layers): a full-attention layer
+    holds the ``kept`` tokens of the press (all before position n, in any order) and sees each of them; a
+    sliding-window layer holds the positions from n - window + 1 and sees the last ``window`` up to the query."""
+    if not layout.window_layers:
+        return None
+    query = torch.arange(n + fed, n + fed + queries)[:, None]
+    since = torch.arange(n, n + fed + queries)
+    full = torch.cat([torch.full((kept,), -1), since])[None]
+    sliding = torch.cat([torch.arange(max(0, n + 1 - layout.window), n), since])[None]
+    masks = {"full_attention": full <= query,
+             "sliding_attention": (sliding <= query) & (sliding > query - layout.window)}
+    return {kind: mask.expand(rows, 1, -1, -1) for kind, mask in masks.items()}
 
 
 def coded_round_trip(x: torch.Tensor, levels: int, group: int | None) -> torch.Tensor:
@@ -226,34 +281,45 @@ def run_inputs(case: dict[str, Any], mode: str) -> tuple[int, list[int]]:
 
 
 def compressed(pipe: Any, run: dict[str, Any], case: dict[str, Any], recorded: tuple[Any, Any, torch.Tensor],
-               verify: bool) -> tuple[DynamicCache, dict[str, Any]]:
+               verify: bool, layout: Layout) -> tuple[DynamicCache, dict[str, Any]]:
     """One prompt's cache under one run (the press replayed on the recorded prefill) and its record; with
     ``verify``, the same press in a real prefill too, answered by kvpress's ``generate_answer``."""
     full, seen, ids = recorded
     n, follow = run_inputs(case, run["mode"])
     press = make_press(run, n)
-    cache = replayed_cache(pipe.model, press, full, seen, n)
-    out: dict[str, Any] = {"cache_tokens": cache.get_seq_length()}
+    cache = replayed_cache(pipe.model, press, full, seen, n, layout)
+    out: dict[str, Any] = {"cache_tokens": pressed_length(cache, layout)}
     held = run.get("cache_dtype", "model")
     if verify and press is not None:
-        real = hooked_cache(pipe.model, make_press(run, n), ids[:, :n])
+        real = hooked_cache(pipe.model, make_press(run, n), ids[:, :n], layout)
         out["difference"] = cache_difference(cache, real)
         real = held_as(real, held)
-        out["hooked_answer"] = pipe.generate_answer(torch.tensor([follow]), real, n, case["max_new_tokens"])
+        if layout.window_layers:  # kvpress's generate_answer cannot mask layers of different lengths
+            out["hooked_answer"] = batched_answers(pipe, [real], follow, n, case["max_new_tokens"], layout)[0]
+        else:
+            out["hooked_answer"] = pipe.generate_answer(torch.tensor([follow]), real, n, case["max_new_tokens"])
     return held_as(cache, held), out
 
 
+def pressed_length(cache: DynamicCache, layout: Layout) -> int:
+    """The tokens a pressed layer of ``cache`` holds (every layer's, for a teacher without sliding windows)."""
+    index = next(i for i in range(len(cache.layers)) if i not in layout.window_layers)
+    return cache.layers[index].keys.shape[2]
+
+
 @torch.no_grad()
-def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], start: int, max_new: int) -> list[str]:
+def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], start: int, max_new: int,
+                    layout: Layout) -> list[str]:
     """Greedy answers (as kvpress's ``generate_answer``: ``follow`` at positions from ``start``, up to ``max_new``
     tokens, each row ending at its first EOS) of caches of one length, decoded as one batch."""
     batch = DynamicCache()
     for index in range(len(caches[0].layers)):
         batch.update(torch.cat([c.layers[index].keys for c in caches]),
                      torch.cat([c.layers[index].values for c in caches]), index)
-    rows = len(caches)
+    rows, kept = len(caches), pressed_length(caches[0], layout)
     positions = torch.arange(start, start + len(follow)).expand(rows, -1)
     logits = pipe.model(input_ids=torch.tensor([follow] * rows), past_key_values=batch, position_ids=positions,
+                        attention_mask=attention_masks(layout, kept, start, 0, len(follow), rows),
                         logits_to_keep=1).logits
     eos = pipe.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
@@ -261,9 +327,11 @@ def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], st
     for step in range(max_new - 1):
         if all(any(int(t[r]) in eos for t in tokens) for r in range(rows)):
             break
-        position = torch.full((rows, 1), start + len(follow) + step)
-        tokens.append(pipe.model(input_ids=tokens[-1][:, None], past_key_values=batch,
-                                 position_ids=position).logits[:, -1].argmax(-1))
+        fed = len(follow) + step
+        position = torch.full((rows, 1), start + fed)
+        tokens.append(pipe.model(input_ids=tokens[-1][:, None], past_key_values=batch, position_ids=position,
+                                 attention_mask=attention_masks(layout, kept, start, fed, 1, rows),
+                                 ).logits[:, -1].argmax(-1))
     answers = []
     for row in torch.stack(tokens, dim=1).tolist():
         ends = [i for i, t in enumerate(row) if t in eos]
@@ -272,29 +340,30 @@ def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], st
 
 
 def answer_prompt(pipe: Any, runs: list[dict[str, Any]], case: dict[str, Any], recorded: tuple[Any, Any, Any],
-                  verify: bool) -> dict[str, dict[str, Any]]:
+                  verify: bool, layout: Layout) -> dict[str, dict[str, Any]]:
     """Every run's record of one prompt (or its error): the caches of runs that compress the same tokens to the
     same length are answered as one batch."""
     out: dict[str, dict[str, Any]] = {}
     groups: dict[tuple[int, int], list[tuple[str, DynamicCache]]] = {}
     for run in runs:
         try:
-            cache, out[run["name"]] = compressed(pipe, run, case, recorded, verify)
+            cache, out[run["name"]] = compressed(pipe, run, case, recorded, verify, layout)
         except Exception as err:  # a press that cannot run here is reported, not dropped
             traceback.print_exc(limit=-3)
             out[run["name"]] = {"error": f"{type(err).__name__}: {err}".strip()}
             continue
         n, _ = run_inputs(case, run["mode"])
-        groups.setdefault((n, cache.get_seq_length()), []).append((run["name"], cache))
+        groups.setdefault((n, pressed_length(cache, layout)), []).append((run["name"], cache))
     for (n, _), members in groups.items():
         follow = run_inputs(case, AWARE if n > len(case["context_ids"]) else AGNOSTIC)[1]
-        got = batched_answers(pipe, [cache for _, cache in members], follow, n, case["max_new_tokens"])
+        got = batched_answers(pipe, [cache for _, cache in members], follow, n, case["max_new_tokens"], layout)
         for (name, _), answer in zip(members, got, strict=True):
             out[name]["answer"] = answer
     return out
 
 
-def needle_cell(pipe: Any, cell: dict[str, Any], runs: list[dict[str, Any]], verify: int) -> Iterator[dict[str, Any]]:
+def needle_cell(pipe: Any, cell: dict[str, Any], runs: list[dict[str, Any]], verify: int,
+                layout: Layout) -> Iterator[dict[str, Any]]:
     """The records of one cell: one per run (its answers, or the error that stopped it), then the cell's with the
     seconds its prompts took. ``verify``: how many of its first prompts also run each press in a real prefill."""
     got: dict[str, dict[str, Any]] = {run["name"]: {"answers": []} for run in runs}
@@ -303,7 +372,7 @@ def needle_cell(pipe: Any, cell: dict[str, Any], runs: list[dict[str, Any]], ver
         ids = torch.tensor([case["context_ids"] + case["query_ids"][: case["split"]]])
         recorded = (*recorded_prefill(pipe.model, ids), ids)
         live = [run for run in runs if "error" not in got[run["name"]]]
-        for name, record in answer_prompt(pipe, live, case, recorded, index < verify).items():
+        for name, record in answer_prompt(pipe, live, case, recorded, index < verify, layout).items():
             if "error" in record:
                 got[name]["error"] = record["error"]
             else:
@@ -329,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
     if probes.get("kind") == "needles":
         runs = {run["name"]: run for run in probes["runs"]}
+        layout = Layout(frozenset(probes.get("window_layers", [])), probes.get("window"))
         for cell in probes["cells"]:
-            for record in needle_cell(pipe, cell, [runs[name] for name in cell["runs"]], cell["verify"]):
+            for record in needle_cell(pipe, cell, [runs[name] for name in cell["runs"]], cell["verify"], layout):
                 print(json.dumps(record), flush=True)
         return 0
     for run in probes["runs"]:

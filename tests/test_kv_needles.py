@@ -213,3 +213,89 @@ def test_the_figure_puts_every_row_and_press_at_its_bytes(kn: ModuleType, tmp_pa
     path = tmp_path / "recall.png"
     assert figure.plot(recall, results, path) == f"plot: {path}"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def worker_definitions(*names: str) -> dict[str, Any]:
+    """The worker's functions and classes of ``names``, read from its source (it imports kvpress, which this
+    environment does not have)."""
+    tree = ast.parse((Path(__file__).parents[1] / "benchmarks" / "kvpress_worker.py").read_text())
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in names]
+    assert sorted(n.name for n in nodes) == sorted(names)
+    from dataclasses import dataclass
+
+    from transformers import DynamicCache
+    namespace: dict[str, Any] = {"torch": torch, "Any": Any, "dataclass": dataclass, "DynamicCache": DynamicCache}
+    exec(compile(ast.Module(nodes, type_ignores=[]), "kvpress_worker.py", "exec"), namespace)
+    return namespace
+
+
+def test_a_windowed_teacher_keeps_its_windows_and_the_full_layers_take_the_rest(kn: ModuleType) -> None:
+    """Gemma 3 270M held as int4 (18 layers x 2 x 256 dims x (1/2 + 8 scales x 4 / 256) = 5,760 bytes per token):
+    its 15 sliding-window layers hold their last 511 tokens whatever the budget, and each of its 3 full-attention
+    layers keeps what the rest of the budget buys; a budget below the windows is refused by name."""
+    from test_conversion_memory import GEMMA3_270M
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    layout = kn.TeacherLayout.of(Gemma3TextConfig(**GEMMA3_270M, sliding_window=512))
+    assert len(layout.window_layers) == 15 and layout.window_layers[:2] == (0, 1) and layout.window == 512
+    assert layout.window_bytes(5_760) == 15 * 511 * 320
+    budget = 3.91552734375  # the smallest of the Gemma 3 students' caches
+    kept = int((budget * 2**20 - 15 * 511 * 320) / (3 * 320))
+    assert kn.kept_by_budget({"student": budget}, 5_760, layout) == {kept: ["student"]} and kept == 1721
+    assert layout.mib(kept, 5_760) <= budget < layout.mib(kept + 1, 5_760)
+    with pytest.raises(SystemExit, match="budget tiny .* sliding-window layers alone hold 2.34 MiB"):
+        kn.kept_by_budget({"tiny": 2.3}, 5_760, layout)
+    flat = kn.TeacherLayout.of(LlamaConfig(num_hidden_layers=30))
+    assert flat.window_layers == () and flat.window_bytes(PER_TOKEN) == 0
+    for mib in (22.45, 10.371551513671875, 0.05):  # a teacher without windows: every layer pressed, as before
+        assert kn.kept_by_budget({"b": mib}, PER_TOKEN, flat) == {kn.kv.kept_tokens(mib, PER_TOKEN): ["b"]}
+    row = kn.new_row({"press": "KeyDiff", "mode": kn.AGNOSTIC, "kept": kept, "budget_of": ["student"]}, 5_760,
+                     layout)
+    assert row["cache_mib"] == layout.mib(kept, 5_760)
+
+
+def test_the_workers_masks_give_a_windowed_teacher_its_own_logits() -> None:
+    """Gemma 3 with a cache whose sliding-window layers hold only their last window - 1 tokens and whose
+    full-attention layers hold every token in a shuffled order (as a press may leave them): the questions fed
+    through it, as one block or token by token with the worker's masks, give the logits of one forward over the
+    whole prompt (fp32, within 1e-5 relative to the logits' scale)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    worker = worker_definitions("Layout", "attention_masks", "pressed_length")
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(config).eval()
+    n, follow = 23, [5, 17, 3, 40]
+    ids = torch.randint(0, 97, (1, n + len(follow)))
+    layout = worker["Layout"](frozenset({0, 2}), 6)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits[0, n:]
+        prefill = worker["DynamicCache"]()
+        model.model(input_ids=ids[:, :n], past_key_values=prefill)
+
+        def cache() -> Any:
+            held = worker["DynamicCache"]()
+            order = torch.randperm(n)
+            for index, layer in enumerate(prefill.layers):
+                keys, values = (layer.keys, layer.values) if index in layout.window_layers else (
+                    layer.keys[:, :, order], layer.values[:, :, order])
+                held.update(keys.clone(), values.clone(), index)
+            return layout.held_window(held)
+
+        block = cache()
+        assert [layer.keys.shape[2] for layer in block.layers] == [5, n, 5, n]
+        assert worker["pressed_length"](block, layout) == n
+        masks = worker["attention_masks"](layout, n, n, 0, len(follow), 1)
+        got = model(input_ids=ids[:, n:], past_key_values=block, position_ids=torch.arange(n, ids.shape[1])[None],
+                    attention_mask=masks).logits[0]
+        steps, one = [], cache()
+        for fed in range(len(follow)):
+            masks = worker["attention_masks"](layout, n, n, fed, 1, 1)
+            steps.append(model(input_ids=ids[:, n + fed : n + fed + 1], past_key_values=one,
+                               position_ids=torch.tensor([[n + fed]]), attention_mask=masks).logits[0, -1])
+    scale = reference.abs().max()
+    assert (got - reference).abs().max() <= 1e-5 * scale
+    assert (torch.stack(steps) - reference).abs().max() <= 1e-5 * scale
+    assert worker["attention_masks"](worker["Layout"](), n, n, 0, 1, 1) is None  # no windows: transformers' masks
