@@ -176,6 +176,19 @@ class Layout:
         return cache
 
 
+class FullAttentionRotary(torch.nn.Module):
+    """A Gemma 3 model's rotary embedding, which transformers 5.2 computes per layer type, answering calls that
+    name none (kvpress 0.5.5's ExpectedAttention makes them) with the full-attention layers' RoPE: the layers it
+    presses."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str = "full_attention") -> Any:
+        return self.rotary(x, position_ids, layer_type)
+
+
 def only_full_attention(press: Any, layout: Layout) -> Any:
     """``press`` with its hook passing over the sliding-window layers, as kvpress passes over Gemma 3's."""
     if not layout.window_layers:
@@ -399,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if probes.get("kind") == "needles":
         runs = {run["name"]: run for run in probes["runs"]}
         layout = Layout(frozenset(probes.get("window_layers", [])), probes.get("window"))
+        if layout.window_layers:
+            model.model.rotary_emb = FullAttentionRotary(model.model.rotary_emb)
         for cell in probes["cells"]:
             for record in needle_cell(pipe, cell, [runs[name] for name in cell["runs"]], cell["verify"], layout):
                 print(json.dumps(record), flush=True)

@@ -261,7 +261,7 @@ def test_the_workers_masks_give_a_windowed_teacher_its_own_logits() -> None:
     whole prompt (fp32, within 1e-5 relative to the logits' scale)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    worker = worker_definitions("Layout", "attention_masks", "pressed_length")
+    worker = worker_definitions("Layout", "attention_masks", "pressed_length", "FullAttentionRotary")
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
@@ -299,3 +299,9 @@ def test_the_workers_masks_give_a_windowed_teacher_its_own_logits() -> None:
     assert (got - reference).abs().max() <= 1e-5 * scale
     assert (torch.stack(steps) - reference).abs().max() <= 1e-5 * scale
     assert worker["attention_masks"](worker["Layout"](), n, n, 0, 1, 1) is None  # no windows: transformers' masks
+    rotary = worker["FullAttentionRotary"](model.model.rotary_emb)  # for the presses that call it without a type
+    x, positions = torch.randn(1, 3, 32), torch.arange(7, 10)[None]
+    for kind in ("full_attention", "sliding_attention"):
+        assert all(map(torch.equal, rotary(x, positions, kind), model.model.rotary_emb(x, positions, kind)))
+    assert all(map(torch.equal, rotary(x, positions), model.model.rotary_emb(x, positions, "full_attention")))
+    assert not torch.equal(rotary(x, positions)[0], rotary(x, positions, "sliding_attention")[0])
