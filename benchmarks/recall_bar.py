@@ -36,7 +36,7 @@ SOURCES: dict[str, dict[str, Any]] = {
         "single": "natural_recall_single_gemma3_cpu.json",
         "multi": "natural_recall_multi_gemma3_cpu.json",
         "perplexity": "natural_perplexity_gemma3_cpu.json",
-        "presses": [],
+        "presses": ["kv_needles_gemma3_int4_cpu.json"],
     },
 }
 
@@ -45,7 +45,8 @@ STUDENTS: dict[str, list[str]] = {
     "embedded": ["retrieval9-int8-int4keydiff (default)"],
     "gemma3-270m": ["gemma3-270m-w16-sink4c-int8keydiff1960 (default)",
                     "gemma3-270m-w8-recent240-int4keydiff1960 (default)",
-                    "gemma3-270m-w4-recent240-int8keydiff1505 (default)"],
+                    "gemma3-270m-w4-recent240-int8keydiff1505 (default)",
+                    "gemma3-270m-w4-recent120-int8keydiff1878 (default)"],
 }
 
 WINDOW = "window 512 + 4 sinks"
