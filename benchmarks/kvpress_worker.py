@@ -27,7 +27,8 @@ A teacher with sliding-window layers (Gemma 3: ``window_layers`` and ``window`` 
 kvpress presses Gemma 3: in its full-attention layers only. Its sliding-window layers keep what the teacher keeps
 there, the last ``window - 1`` tokens, so the layers of one cache differ in length; transformers then cannot tell
 a token's position from its index in the cache, and every forward after the prefill gets its masks from
-``attention_masks`` (a press may also reorder the tokens it keeps, which only full attention tolerates).
+``attention_masks`` (a press may also reorder the tokens it keeps, which only full attention tolerates); the real
+prefills that check the replay are answered by this worker's decoder instead of ``generate_answer``.
 """
 
 from __future__ import annotations
@@ -296,7 +297,8 @@ def run_inputs(case: dict[str, Any], mode: str) -> tuple[int, list[int]]:
 def compressed(pipe: Any, run: dict[str, Any], case: dict[str, Any], recorded: tuple[Any, Any, torch.Tensor],
                verify: bool, layout: Layout) -> tuple[DynamicCache, dict[str, Any]]:
     """One prompt's cache under one run (the press replayed on the recorded prefill) and its record; with
-    ``verify``, the same press in a real prefill too, answered by kvpress's ``generate_answer``."""
+    ``verify``, the same press in a real prefill too, answered by kvpress's ``generate_answer`` (by
+    ``batched_answers`` for a teacher with sliding-window layers, whose masks ``generate_answer`` cannot give)."""
     full, seen, ids = recorded
     n, follow = run_inputs(case, run["mode"])
     press = make_press(run, n)
