@@ -162,3 +162,18 @@ def test_pareto_reads_the_presses_as_peer_rows(kv: ModuleType, pareto: ModuleTyp
             bad.write_text(json.dumps({"benchmark": "pareto"}))
         with pytest.raises(SystemExit, match=why):
             pareto.peer_rows([str(bad)])
+
+
+def test_the_passkey_probe_refuses_a_teacher_with_sliding_windows(kv: ModuleType, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only ``--probe needles`` keeps a sliding-window layer's window apart from the press; the passkey probe would
+    press those layers too, so it names the teacher and stops before any work."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig
+
+    monkeypatch.setattr(kv, "ensure_env", lambda venv, rebuild=False: venv)
+    monkeypatch.setattr(kv, "load_teacher", lambda name: (SimpleNamespace(config=Gemma3TextConfig()), None))
+    with pytest.raises(SystemExit, match="--teacher gemma3-270m has sliding-window layers: only --probe needles"):
+        kv.main(["--teacher", "gemma3-270m", "--bytes", "3.9", "--out", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
