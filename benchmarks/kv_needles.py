@@ -13,9 +13,10 @@ per token gives the tokens a press keeps, in two modes:
 
 SnapKV, which scores tokens by the attention of the last 64 queries (the question, when it is there), runs only
 question-aware. The presses run in ``.venv-kvpress`` through ``kvpress_worker.py`` (one prefill per prompt, every
-press replayed on it; the first ``--verify`` prompts of the first cell measured also run each press in a real
-prefill). Results go to ``--out`` after every cell; a rerun with the same settings measures only the (run, cell)
-pairs missing (``--modes question-agnostic`` on a rerun leaves the question-aware rows' missing cells out).
+press replayed on it; the first ``--verify`` prompts of the first cell measured where a press compresses also run
+each press in a real prefill). Results go to ``--out`` after every cell; a rerun with the same settings measures
+only the (run, cell) pairs missing (``--modes question-agnostic`` on a rerun leaves the question-aware rows' missing
+cells out).
 
 A teacher with sliding-window layers (Gemma 3: 15 of its 18 layers see the last 512 tokens) is pressed as kvpress
 presses Gemma 3, in its full-attention layers only: the sliding-window layers keep their window (the last 511
@@ -247,6 +248,21 @@ def measured(row: dict[str, Any], cell: dict[str, Any]) -> bool:
     return "error" in row or str(cell["length"]) in row["cells"].get(cell["task"], {}).get(cell["haystack"], {})
 
 
+def mark_verified_cell(cells: list[dict[str, Any]], runs: list[dict[str, Any]], verify: int) -> None:
+    """Give ``verify`` prompts to check against a real prefill to the first cell where a press compresses (a cell
+    whose prompts every budget holds whole has nothing to check), none to the others."""
+    by_name = {run["name"]: run for run in runs}
+
+    def compresses(cell: dict[str, Any]) -> bool:
+        return any(by_name[name]["press"] is not None and any(
+            by_name[name]["ratios"].get(str(n)) is not None for n in compressed_lengths([cell], by_name[name]["mode"]))
+            for name in cell["runs"])
+
+    first = next((index for index, cell in enumerate(cells) if compresses(cell)), None)
+    for index, cell in enumerate(cells):
+        cell["verify"] = verify if index == first else 0
+
+
 def probe_file(args: argparse.Namespace, results: dict[str, Any], teacher: Any, tokenizer: Any) -> dict[str, Any]:
     """The worker's input: the cells with the runs each still needs (cells with none left out), and the teacher's
     sliding-window layers that no press touches."""
@@ -264,8 +280,7 @@ def probe_file(args: argparse.Namespace, results: dict[str, Any], teacher: Any, 
     for cell in cells:
         cell["runs"] = [run["name"] for run in runs if not measured(results["rows"][run["name"]], cell)]
     cells = [cell for cell in cells if cell["runs"]]
-    for index, cell in enumerate(cells):
-        cell["verify"] = args.verify if index == 0 else 0
+    mark_verified_cell(cells, runs, args.verify)
     folder = kv.save_teacher(teacher, tokenizer, args.work / args.teacher)
     if layout.window_layers:
         results["window_layers"] = {"layers": list(layout.window_layers), "window": layout.window}

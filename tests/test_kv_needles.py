@@ -305,3 +305,21 @@ def test_the_workers_masks_give_a_windowed_teacher_its_own_logits() -> None:
         assert all(map(torch.equal, rotary(x, positions, kind), model.model.rotary_emb(x, positions, kind)))
     assert all(map(torch.equal, rotary(x, positions), model.model.rotary_emb(x, positions, "full_attention")))
     assert not torch.equal(rotary(x, positions)[0], rotary(x, positions, "sliding_attention")[0])
+
+
+def test_the_replay_is_checked_on_the_first_cell_where_a_press_compresses(kn: ModuleType) -> None:
+    """A budget that holds a 1k prompt whole compresses nothing there, so the check against a real prefill goes to
+    the first 4k cell (a rerun that starts at 1k still checks); with no cell compressed, none is checked."""
+    cells = cells_of({"single_number/heldout/1024": [(1000, 20)], "single_number/heldout/4096": [(4070, 21)],
+                      "single_number/ood/4096": [(4075, 20)]})
+    runs = kn.plan_needle_runs(["KeyDiff"], [kn.AGNOSTIC], {1721: ["student"]}, cells)
+    for cell in cells:
+        cell["runs"] = [run["name"] for run in runs]
+    kn.mark_verified_cell(cells, runs, 2)
+    assert [cell["verify"] for cell in cells] == [0, 2, 0]
+    kn.mark_verified_cell(cells[:1], runs, 2)
+    assert cells[0]["verify"] == 0
+    for cell in cells:
+        cell["runs"] = [kn.kv.NO_PRESS]
+    kn.mark_verified_cell(cells, runs, 2)
+    assert [cell["verify"] for cell in cells] == [0, 0, 0]
