@@ -97,7 +97,7 @@ def bytes_per_token(teacher: Any) -> int:
 
 
 # ----- budgets ----------------------------------------------------------------------------------------------
-def kept_tokens(mib: float, per_token: int) -> int:
+def kept_tokens(mib: float, per_token: float) -> int:
     """How many teacher tokens fit in ``mib`` MiB."""
     return int(mib * 2**20 / per_token + 1e-9)
 

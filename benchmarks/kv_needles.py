@@ -162,7 +162,7 @@ class TeacherLayout:
 
     def kept(self, mib: float, per_token: int, name: str) -> int:
         """The tokens each pressed layer keeps in ``mib`` MiB (the bytes left when the windows are held)."""
-        tokens = int((mib * 2**20 - self.window_bytes(per_token)) / self.pressed_bytes(per_token) + 1e-9)
+        tokens = kv.kept_tokens(mib - self.window_bytes(per_token) / 2**20, self.pressed_bytes(per_token))
         if tokens < 1:
             raise SystemExit(f"budget {name} ({mib:g} MiB): the teacher's sliding-window layers alone hold "
                              f"{self.window_bytes(per_token) / 2**20:.2f} MiB; no press can keep it")
@@ -173,10 +173,13 @@ class TeacherLayout:
         return (self.window_bytes(per_token) + kept * self.pressed_bytes(per_token)) / 2**20
 
 
+#: a teacher whose every layer is pressed
+EVERY_LAYER = TeacherLayout(layers=1)
+
+
 def kept_by_budget(named: dict[str, float], per_token: int,
-                   layout: TeacherLayout | None = None) -> dict[int, list[str]]:
+                   layout: TeacherLayout = EVERY_LAYER) -> dict[int, list[str]]:
     """Kept tokens (per pressed layer) -> the budgets (name: MiB) that give them, the most tokens first."""
-    layout = layout or TeacherLayout(layers=1)
     out: dict[int, list[str]] = {}
     for name, mib in named.items():
         out.setdefault(layout.kept(mib, per_token, name), []).append(name)
@@ -202,9 +205,9 @@ def score_cell(record: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def new_row(run: dict[str, Any], per_token: int, layout: TeacherLayout | None = None) -> dict[str, Any]:
+def new_row(run: dict[str, Any], per_token: int, layout: TeacherLayout = EVERY_LAYER) -> dict[str, Any]:
     """A results row for a run, before its cells."""
-    mib = None if run["kept"] is None else (layout or TeacherLayout(layers=1)).mib(run["kept"], per_token)
+    mib = None if run["kept"] is None else layout.mib(run["kept"], per_token)
     return {"press": run["press"], "mode": run["mode"], "kept_tokens": run["kept"], "budget_of": run["budget_of"],
             "cache_mib": mib, "cells": {}}
 
