@@ -7,6 +7,7 @@ Saved bytes are measured by autograd's saved-tensor hooks, each storage once."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import pytest
@@ -37,17 +38,22 @@ def saved_bytes(mixer: Any, form: str, tokens: int) -> int:
     k, v = (torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen, requires_grad=True)
             for _ in range(2))
     x = torch.randn(1, tokens, shape.hidden_size, generator=gen)
-    storages: dict[int, int] = {}
+    saved: list[weakref.ref[torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if form == "parallel":
-            mixer.parallel(q, k, v, MixerInputs(x, None))
+            out = mixer.parallel(q, k, v, MixerInputs(x, None))
         else:
-            mixer.chunked(q, k, v, MixerInputs(x, None), mixer.init_state(1, q.device, q.dtype))
+            out = mixer.chunked(q, k, v, MixerInputs(x, None), mixer.init_state(1, q.device, q.dtype))
+    # Only what the output's graph still holds counts; a tensor saved by a graph freed during the forward is
+    # gone, and its storage's address may have been reused, so addresses are read while the output lives.
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (ref() for ref in saved) if t is not None}
+    del out
     return sum(storages.values())
 
 
