@@ -12,11 +12,14 @@ per token gives the tokens a press keeps, in two modes:
   evaluation does (the question appended to the context); the answer's lead-in follows.
 
 SnapKV, which scores tokens by the attention of the last 64 queries (the question, when it is there), runs only
-question-aware. The presses run in ``.venv-kvpress`` through ``kvpress_worker.py`` (one prefill per prompt, every
-press replayed on it; the first ``--verify`` prompts of the first cell measured where a press compresses also run
-each press in a real prefill). Results go to ``--out`` after every cell; a rerun with the same settings measures
-only the (run, cell) pairs missing (``--modes question-agnostic`` on a rerun leaves the question-aware rows' missing
-cells out).
+question-aware. ``multi_query`` asks its keys in turn, each answer left in the context of the next question, as
+``needle_answers`` asks a student: it runs question-agnostic only (the context is compressed once; the questions and
+answers follow it uncompressed), every query scored.
+
+The presses run in ``.venv-kvpress`` through ``kvpress_worker.py`` (one prefill per prompt, every press replayed on
+it; the first ``--verify`` prompts of the first cell measured where a press compresses also run each press in a real
+prefill). Results go to ``--out`` after every cell; a rerun with the same settings measures only the (run, cell)
+pairs missing (``--modes question-agnostic`` on a rerun leaves the question-aware rows' missing cells out).
 
 A teacher with sliding-window layers (Gemma 3: 15 of its 18 layers see the last 512 tokens) is pressed as kvpress
 presses Gemma 3, in its full-attention layers only: the sliding-window layers keep their window (the last 511
@@ -61,7 +64,8 @@ AGNOSTIC, AWARE = "question-agnostic", "question-aware"
 MODES = (AGNOSTIC, AWARE)
 AWARE_ONLY = ("SnapKV",)  # presses that score by the last queries: without the question they see only text
 NEEDLE_PRESSES = ("StreamingLLM", "KNorm", "ExpectedAttention", "KeyDiff", "SnapKV")
-SINGLE_QUERY_TASKS = ("single_number", "single_word", "single_phrase", "multi_key", "paraphrase")
+#: tasks whose keys are asked in turn: their cells run question-agnostic only
+IN_TURN_TASKS = ("multi_query",)
 
 
 # ----- the prompts ------------------------------------------------------------------------------------------
@@ -76,10 +80,8 @@ def question_split(tokenizer: Any, task: str, key: str, query_ids: tuple[int, ..
 def needle_cells(tokenizer: Any, haystacks: dict[str, Any], task: str, lengths: list[int], prompts: int,
                  seed: int = 0) -> list[dict[str, Any]]:
     """natural_recall's prompts of ``task`` (the seeds and depths of ``needle_probe``), one cell per length and
-    haystack, each prompt split into the context, the query and where its question ends."""
-    if task not in SINGLE_QUERY_TASKS:
-        raise ValueError(f"--tasks: {task} asks more than one query; the needles probe of kvpress runs "
-                         f"{list(SINGLE_QUERY_TASKS)}")
+    haystack, each prompt split into the context, its first query and where that query's question ends; the
+    queries asked after it (``multi_query``) under ``later``."""
     cells = []
     texts = {name: Haystack(tokenizer, source() if callable(source) else source) for name, source in haystacks.items()}
     for length in lengths:  # the shortest first: a run cut short has every haystack's cells of a length
@@ -88,14 +90,26 @@ def needle_cells(tokenizer: Any, haystacks: dict[str, Any], task: str, lengths: 
             for t in range(prompts):
                 prompt = needle_prompt(tokenizer, haystack, task, length, f"{seed}:{name}:{task}:{length}:{t}",
                                        depth=(t + 0.5) / prompts)
-                (query,) = prompt.queries
-                cases.append({"context_ids": list(prompt.context), "query_ids": list(query.ids),
-                              "split": question_split(tokenizer, task, query.key, query.ids),
-                              "max_new_tokens": query.max_new_tokens, "key": query.key, "values": list(query.values),
-                              "repeated": prompt.repeated})
+                first, *later = prompt.queries
+                case = {"context_ids": list(prompt.context), "query_ids": list(first.ids),
+                        "split": question_split(tokenizer, task, first.key, first.ids), **_query_fields(first),
+                        "repeated": prompt.repeated}
+                if later:
+                    case["later"] = [{"query_ids": list(query.ids), **_query_fields(query)} for query in later]
+                cases.append(case)
             cells.append({"key": f"{task}/{name}/{length}", "task": task, "haystack": name, "length": length,
                           "cases": cases})
     return cells
+
+
+def _query_fields(query: Any) -> dict[str, Any]:
+    return {"max_new_tokens": query.max_new_tokens, "key": query.key, "values": list(query.values)}
+
+
+def runs_of_cell(cell: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs a cell takes: every one, or the question-agnostic ones for a task that asks in turn (which
+    question a press would see with the context has no answer there)."""
+    return [run for run in runs if run["mode"] == AGNOSTIC or cell["task"] not in IN_TURN_TASKS]
 
 
 def compressed_lengths(cells: list[dict[str, Any]], mode: str) -> list[int]:
@@ -192,10 +206,14 @@ def score_cell(record: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
     cache tokens after the press, and how the replayed press agreed with a real prefill where checked."""
     prompts = []
     for case, got in zip(cell["cases"], record["answers"], strict=True):
-        answer = got["answer"].strip()
-        prompts.append({"queries": [{"key": case["key"], "values": case["values"], "answer": answer,
-                                     "correct": needle_answered(answer, case["values"])}],
-                        "repeated": case["repeated"], "cache_tokens": got["cache_tokens"]})
+        asked = [case, *case.get("later", [])]
+        answers = [got["answer"], *got.get("later_answers", [])]
+        if len(answers) != len(asked):
+            raise ValueError(f"cell {cell['key']}: {len(answers)} answers to {len(asked)} queries")
+        queries = [{"key": query["key"], "values": query["values"], "answer": answer.strip(),
+                    "correct": needle_answered(answer, query["values"])}
+                   for query, answer in zip(asked, answers, strict=True)]
+        prompts.append({"queries": queries, "repeated": case["repeated"], "cache_tokens": got["cache_tokens"]})
     checked = [got for got in record["answers"] if "hooked_answer" in got]
     out = {"summary": cell_summary(prompts), "prompts": prompts}
     if checked:
@@ -281,7 +299,8 @@ def probe_file(args: argparse.Namespace, results: dict[str, Any], teacher: Any, 
     for run in runs:
         results["rows"].setdefault(run["name"], new_row(run, per_token, layout))
     for cell in cells:
-        cell["runs"] = [run["name"] for run in runs if not measured(results["rows"][run["name"]], cell)]
+        cell["runs"] = [run["name"] for run in runs_of_cell(cell, runs)
+                        if not measured(results["rows"][run["name"]], cell)]
     cells = [cell for cell in cells if cell["runs"]]
     mark_verified_cell(cells, runs, args.verify)
     folder = kv.save_teacher(teacher, tokenizer, args.work / args.teacher)

@@ -17,7 +17,9 @@ layer's recorded inputs, as a prefill with the press would (a press changes the 
 context and the question, as kvpress's ``query_aware`` evaluation puts it (the answer's lead-in follows). The
 answers are greedy as kvpress's ``generate_answer`` decodes them, the caches of runs that compress the same tokens
 to the same length decoded as one batch. The first ``verify`` prompts of a cell also run each press inside a real
-prefill, answered by ``generate_answer`` itself: its cache and answer must match. One JSON line per run and cell,
+prefill, answered by ``generate_answer`` itself: its cache and answer must match. A prompt whose keys are asked in
+turn (``later`` queries, ``multi_query``) is answered one cache at a time, each answer left in the cache before the
+next question (``answers_in_turn``). One JSON line per run and cell,
 then one for the cell. A run with ``cache_dtype: int8`` holds what it keeps (the press's choice, or the whole cache
 without a press) as int8 codes with a float32 scale per key and per value, rounded as hf_recattn's
 ``cache_dtype: int8`` rounds (symmetric, the largest magnitude to 127); ``int4`` as its ``cache_dtype: int4`` does
@@ -323,6 +325,34 @@ def pressed_length(cache: DynamicCache, layout: Layout) -> int:
 
 
 @torch.no_grad()
+def greedy_rows(model: Any, batch: DynamicCache, kept: int, follow: list[int], start: int, fed: int, max_new: int,
+                layout: Layout) -> list[list[int]]:
+    """Greedy tokens of every row of ``batch`` (a prefill of ``start`` tokens, pressed to ``kept``, then ``fed``
+    tokens since): ``follow`` at positions from start + fed, then up to ``max_new`` tokens, each row ending at its
+    first EOS (kept, as kvpress's ``generate_answer`` and transformers' ``generate`` keep it)."""
+    rows = batch.layers[0].keys.shape[0]
+    positions = torch.arange(start + fed, start + fed + len(follow)).expand(rows, -1)
+    logits = model(input_ids=torch.tensor([follow] * rows), past_key_values=batch, position_ids=positions,
+                   attention_mask=attention_masks(layout, kept, start, fed, len(follow), rows),
+                   logits_to_keep=1).logits
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    tokens = [logits[:, -1].argmax(-1)]
+    for step in range(max_new - 1):
+        if all(any(int(t[r]) in eos for t in tokens) for r in range(rows)):
+            break
+        since = fed + len(follow) + step
+        position = torch.full((rows, 1), start + since)
+        tokens.append(model(input_ids=tokens[-1][:, None], past_key_values=batch, position_ids=position,
+                            attention_mask=attention_masks(layout, kept, start, since, 1, rows),
+                            ).logits[:, -1].argmax(-1))
+    out = []
+    for row in torch.stack(tokens, dim=1).tolist():
+        ends = [i for i, t in enumerate(row) if t in eos]
+        out.append(row[: ends[0] + 1] if ends else row)
+    return out
+
+
 def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], start: int, max_new: int,
                     layout: Layout) -> list[str]:
     """Greedy answers (as kvpress's ``generate_answer``: ``follow`` at positions from ``start``, up to ``max_new``
@@ -331,26 +361,21 @@ def batched_answers(pipe: Any, caches: list[DynamicCache], follow: list[int], st
     for index in range(len(caches[0].layers)):
         batch.update(torch.cat([c.layers[index].keys for c in caches]),
                      torch.cat([c.layers[index].values for c in caches]), index)
-    rows, kept = len(caches), pressed_length(caches[0], layout)
-    positions = torch.arange(start, start + len(follow)).expand(rows, -1)
-    logits = pipe.model(input_ids=torch.tensor([follow] * rows), past_key_values=batch, position_ids=positions,
-                        attention_mask=attention_masks(layout, kept, start, 0, len(follow), rows),
-                        logits_to_keep=1).logits
-    eos = pipe.model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    tokens = [logits[:, -1].argmax(-1)]
-    for step in range(max_new - 1):
-        if all(any(int(t[r]) in eos for t in tokens) for r in range(rows)):
-            break
-        fed = len(follow) + step
-        position = torch.full((rows, 1), start + fed)
-        tokens.append(pipe.model(input_ids=tokens[-1][:, None], past_key_values=batch, position_ids=position,
-                                 attention_mask=attention_masks(layout, kept, start, fed, 1, rows),
-                                 ).logits[:, -1].argmax(-1))
-    answers = []
-    for row in torch.stack(tokens, dim=1).tolist():
-        ends = [i for i, t in enumerate(row) if t in eos]
-        answers.append(pipe.tokenizer.decode(row[: ends[0] + 1] if ends else row, skip_special_tokens=True))
+    rows = greedy_rows(pipe.model, batch, pressed_length(caches[0], layout), follow, start, 0, max_new, layout)
+    return [pipe.tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+
+
+def answers_in_turn(pipe: Any, cache: DynamicCache, case: dict[str, Any], start: int, layout: Layout) -> list[str]:
+    """Greedy answers of a prompt's queries asked in turn through one compressed cache of ``start`` tokens, as
+    hf_recattn's ``needle_answers`` asks them: each query follows the answers before it, which stay in the cache
+    (the last token of an answer is fed with the next query)."""
+    kept, fed, carried, answers = pressed_length(cache, layout), 0, [], []
+    for query in [case, *case.get("later", [])]:
+        follow = carried + query["query_ids"]
+        (tokens,) = greedy_rows(pipe.model, cache, kept, follow, start, fed, query["max_new_tokens"], layout)
+        answers.append(pipe.tokenizer.decode(tokens, skip_special_tokens=True))
+        fed += len(follow) + len(tokens) - 1
+        carried = tokens[-1:]
     return answers
 
 
@@ -369,6 +394,11 @@ def answer_prompt(pipe: Any, runs: list[dict[str, Any]], case: dict[str, Any], r
             continue
         n, _ = run_inputs(case, run["mode"])
         groups.setdefault((n, pressed_length(cache, layout)), []).append((run["name"], cache))
+    if case.get("later"):  # queries in turn: each cache answers on its own, its answers' lengths its own
+        for (n, _), members in groups.items():
+            for name, cache in members:
+                out[name]["answer"], *out[name]["later_answers"] = answers_in_turn(pipe, cache, case, n, layout)
+        return out
     for (n, _), members in groups.items():
         follow = run_inputs(case, AWARE if n > len(case["context_ids"]) else AGNOSTIC)[1]
         got = batched_answers(pipe, [cache for _, cache in members], follow, n, case["max_new_tokens"], layout)

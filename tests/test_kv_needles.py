@@ -64,8 +64,44 @@ def test_the_cells_hold_the_probes_own_prompts_split_at_the_question(kn: ModuleT
         assert tn._text(tok, question) == template.fill("question", key=case["key"])
         assert tn._text(tok, lead_in) == template.fill("answer", key=case["key"])
         assert len(case["values"]) == 1 and len(case["values"][0]) == 7 and case["max_new_tokens"] > 4
-    with pytest.raises(ValueError, match="multi_query"):
-        kn.needle_cells(tok, haystacks, "multi_query", [600], prompts=1)
+    assert all("later" not in case for case in cases)
+
+
+def test_queries_asked_in_turn_are_the_probes_own(kn: ModuleType, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """multi_query's cases: the context and the first query, then the later queries; with every answer one token
+    (5), the probe feeds each query after the context, the queries and the answers before it. Its cells take only
+    the question-agnostic runs."""
+    fed: list[list[int]] = []
+
+    def record(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, cache: Any = None,
+               stop_at_eos: bool = True) -> Continuation:
+        fed.append(ids[0].tolist())
+        return Continuation(torch.tensor([5], dtype=torch.long), None)
+
+    monkeypatch.setattr(needles_module, "greedy_continuation", record)
+    haystacks = {"heldout": tn.HELDOUT}
+    needle_probe(tn.Stub(), tok, haystacks, tasks=("multi_query",), lengths=(700,), prompts=2)
+    (cell,) = kn.needle_cells(tok, haystacks, "multi_query", [700], prompts=2)
+    rebuilt = []
+    for case in cell["cases"]:
+        sequence = case["context_ids"]
+        assert len(case["later"]) == 3 and len({q["key"] for q in [case, *case["later"]]}) == 4
+        for query in [case, *case["later"]]:
+            sequence = sequence + query["query_ids"]
+            rebuilt.append(sequence)
+            sequence = sequence + [5]
+    assert rebuilt == fed
+    runs = kn.plan_needle_runs(["KeyDiff", "SnapKV"], list(kn.MODES), {300: ["student"]}, [cell])
+    assert [run["name"] for run in kn.runs_of_cell(cell, runs)] == [kn.kv.NO_PRESS, f"KeyDiff {kn.AGNOSTIC} 300"]
+    record = {"answers": [{"answer": f" {case['values'][0]}", "cache_tokens": 300,
+                           "later_answers": [" no idea", f"it is {case['later'][1]['values'][0]}.", ""]}
+                          for case in cell["cases"]]}
+    scored = kn.score_cell(record, cell)
+    assert [[q["correct"] for q in p["queries"]] for p in scored["prompts"]] == [[True, False, True, False]] * 2
+    assert scored["summary"]["n"] == 8 and scored["summary"]["correct"] == 4
+    record["answers"][0]["later_answers"].pop()
+    with pytest.raises(ValueError, match="3 answers to 4 queries"):
+        kn.score_cell(record, cell)
 
 
 def cells_of(lengths: dict[str, list[tuple[int, int]]]) -> list[dict[str, Any]]:
@@ -305,6 +341,43 @@ def test_the_workers_masks_give_a_windowed_teacher_its_own_logits() -> None:
         assert all(map(torch.equal, rotary(x, positions, kind), model.model.rotary_emb(x, positions, kind)))
     assert all(map(torch.equal, rotary(x, positions), model.model.rotary_emb(x, positions, "full_attention")))
     assert not torch.equal(rotary(x, positions)[0], rotary(x, positions, "sliding_attention")[0])
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_the_worker_asks_in_turn_as_the_probe_asks_a_model(tok: Any, stops: bool) -> None:
+    """A tiny Llama's cache of the context, unpressed: the worker's answers to queries asked in turn are the
+    probe's own (``needle_answers`` through transformers' generate), with answers that run to their length and, with
+    ``stops``, answers that end at an EOS, which stays in the context of the next query."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_recattn.evaluation.generation import greedy_continuation
+    from hf_recattn.evaluation.needles import needle_answers
+    from hf_recattn.prompting.haystack import Haystack
+    from hf_recattn.prompting.needles import needle_prompt
+
+    worker = worker_definitions("Layout", "attention_masks", "pressed_length", "greedy_rows", "answers_in_turn")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).eval()
+    prompt = needle_prompt(tok, Haystack(tok, tn.HELDOUT), "multi_query", 500, "0:heldout:multi_query:500:0", 0.5)
+    first, *later = prompt.queries
+    case = {"query_ids": list(first.ids), "max_new_tokens": first.max_new_tokens,
+            "later": [{"query_ids": list(q.ids), "max_new_tokens": q.max_new_tokens} for q in later]}
+    unstopped = needle_answers(model, tok, prompt)
+    if stops:  # the second token the model answers the first query with becomes its EOS
+        ids = torch.tensor([[*prompt.context, *first.ids]])
+        model.generation_config.eos_token_id = int(greedy_continuation(model, tok, ids, 2).tokens[1])
+    expected = needle_answers(model, tok, prompt)
+    assert (expected != unstopped) == stops
+    cache = worker["DynamicCache"]()
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([prompt.context]), past_key_values=cache)
+    got = worker["answers_in_turn"](SimpleNamespace(model=model, tokenizer=tok), cache, case, len(prompt.context),
+                                    worker["Layout"]())
+    assert got == expected and len(set(unstopped)) > 1
 
 
 def test_the_replay_is_checked_on_the_first_cell_where_a_press_compresses(kn: ModuleType) -> None:

@@ -57,7 +57,26 @@ def test_a_student_within_every_margin_misses_only_where_a_press_ties_it(results
     row = bar.collect({"t": ["within"]})["teachers"]["t"]["students"]["within"]
     assert row["misses"] == ["single 4k heldout (not ahead of StreamingLLM agnostic, int4)"]
     assert row["perplexity"]["ppl x teacher 512/heldout"] == pytest.approx(1.1)
-    assert row["rivals"]["ood/4096"]["name"] == "window 512 + 4 sinks"  # the 30 MiB press keeps more bytes
+    assert row["rivals"]["single 4k/ood"]["name"] == "window 512 + 4 sinks"  # the 30 MiB press keeps more bytes
+
+
+def test_multi_key_and_multi_query_cells_have_their_rivals(results: Path) -> None:
+    """The presses' multi-query cells and the window's multi-key cells are rivals of those cells: a press at no more
+    bytes that answers as many multi-query queries as the student is a miss there."""
+    multi = json.loads((results / "multi.json").read_text())
+    multi["models"]["window 512 + 4 sinks"] = _row({"multi_key": 0.2}, mib=22.7)
+    (results / "multi.json").write_text(json.dumps(multi))
+    presses = json.loads((results / "presses.json").read_text())
+    presses["rows"]["turns"] = {"press": "KNorm", "mode": "question-agnostic", "cache_mib": 21.0, "cells": {
+        "multi_query": {h: {"2048": {"summary": {"accuracy": 0.4}}} for h in ("heldout", "ood")}}}
+    (results / "presses.json").write_text(json.dumps(presses))
+    row = bar.collect({"t": ["within"]})["teachers"]["t"]["students"]["within"]
+    assert row["rivals"]["multi-key 2k/heldout"] == {"accuracy": 0.2, "name": "window 512 + 4 sinks",
+                                                     "student": 0.4}
+    assert row["rivals"]["multi-query 2k/ood"] == {"accuracy": 0.4, "name": "KNorm agnostic, int4", "student": 0.4}
+    assert row["misses"] == ["single 4k heldout (not ahead of StreamingLLM agnostic, int4)",
+                             "multi-query 2k heldout (not ahead of KNorm agnostic, int4)",
+                             "multi-query 2k ood (not ahead of KNorm agnostic, int4)"]
 
 
 def test_a_student_past_a_margin_misses_that_cell(results: Path) -> None:
