@@ -19,11 +19,11 @@ answers are greedy as kvpress's ``generate_answer`` decodes them, the caches of 
 to the same length decoded as one batch. The first ``verify`` prompts of a cell also run each press inside a real
 prefill, answered by ``generate_answer`` itself: its cache and answer must match. A prompt whose keys are asked in
 turn (``later`` queries, ``multi_query``) is answered one cache at a time, each answer left in the cache before the
-next question (``answers_in_turn``). One JSON line per run and cell,
-then one for the cell. A run with ``cache_dtype: int8`` holds what it keeps (the press's choice, or the whole cache
-without a press) as int8 codes with a float32 scale per key and per value, rounded as hf_recattn's
-``cache_dtype: int8`` rounds (symmetric, the largest magnitude to 127); ``int4`` as its ``cache_dtype: int4`` does
-(a scale per 32 dimensions, the largest magnitude to 7); what follows the compressed part is not rounded.
+next question (``answers_in_turn``). One JSON line per run and cell, then one for the cell. A run with
+``cache_dtype: int8`` holds what it keeps (the press's choice, or the whole cache without a press) as int8 codes
+with a float32 scale per key and per value, rounded as hf_recattn's ``cache_dtype: int8`` rounds (symmetric, the
+largest magnitude to 127); ``int4`` as its ``cache_dtype: int4`` does (a scale per 32 dimensions, the largest
+magnitude to 7); what follows the compressed part is not rounded.
 
 A teacher with sliding-window layers (Gemma 3: ``window_layers`` and ``window`` in PROBES.json) is pressed as
 kvpress presses Gemma 3: in its full-attention layers only. Its sliding-window layers keep what the teacher keeps
