@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ SOURCES: dict[str, dict[str, Any]] = {
         "multi": "natural_recall_multi_cpu.json",
         "perplexity": "natural_perplexity_cpu.json",
         "presses": ["kv_needles_cpu.json", "kv_needles_int8_cpu.json", "kv_needles_int4_cpu.json",
-                    "kv_needles_int4_ood_cpu.json"],
+                    "kv_needles_int4_ood_cpu.json", "kv_needles_multi_cpu.json", "kv_needles_multi_int8_cpu.json",
+                    "kv_needles_multi_int4_cpu.json"],
     },
     "gemma3-270m": {
         "label": "Gemma 3 270M",
@@ -50,6 +52,8 @@ STUDENTS: dict[str, list[str]] = {
 }
 
 WINDOW = "window 512 + 4 sinks"
+#: after a press's name where its budget held every prompt of the cell whole: the teacher, its cache rounded
+WHOLE = ", every prompt whole"
 #: a press sized to a student's bytes keeps whole tokens, so its cache may exceed them by a fraction of a token
 SAME_BYTES = 1e-3
 HAYSTACKS = ("heldout", "ood")
@@ -73,19 +77,23 @@ def _accuracy(row: dict[str, Any], task: str, haystack: str, length: str) -> flo
 
 
 def _press_rows(files: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every press row of the kvpress results (by file name): its name, cache MiB and accuracy per
-    "task/haystack/length"."""
+    """Every press row of the kvpress results (by file name): its name, cache MiB, accuracy per
+    "task/haystack/length", and the cells whose every prompt its budget held whole (``whole``: nothing pressed,
+    the teacher's cache only rounded to the row's dtype)."""
     rows = []
     for results in files.values():
         coded = results["settings"].get("cache_dtype") or "fp32"
         for row in results["rows"].values():
             if row.get("press") is None or row.get("cache_mib") is None or "error" in row:
                 continue
-            accuracy = {f"{task}/{h}/{n}": cell["summary"]["accuracy"] for task, per_h in row["cells"].items()
-                        for h, per_n in per_h.items() for n, cell in per_n.items()}
+            cells = {f"{task}/{h}/{n}": cell for task, per_h in row["cells"].items() for h, per_n in per_h.items()
+                     for n, cell in per_n.items()}
+            whole = {key for key, cell in cells.items()
+                     if all(prompt.get("cache_tokens", math.inf) < row["kept_tokens"] for prompt in cell["prompts"])}
             mode = str(row.get("mode", "")).removeprefix("question-")
             rows.append({"name": f"{row['press']} {mode}, {coded}".replace(" ,", ","), "cache_mib": row["cache_mib"],
-                         "accuracy": accuracy})
+                         "accuracy": {key: cell["summary"]["accuracy"] for key, cell in cells.items()},
+                         "whole": whole})
     return rows
 
 
@@ -115,8 +123,9 @@ def _student(name: str, rows: dict[str, dict[str, Any]], teacher: dict[str, dict
         source = single if task == "single_number" else multi
         window = rows["single" if task == "single_number" else "multi"].get(WINDOW)
         for h in HAYSTACKS:
-            rivals = [(p["accuracy"][f"{task}/{h}/{length}"], p["name"]) for p in presses
-                      if f"{task}/{h}/{length}" in p["accuracy"] and p["cache_mib"] <= mib * (1 + SAME_BYTES)]
+            key = f"{task}/{h}/{length}"
+            rivals = [(p["accuracy"][key], p["name"] + (WHOLE if key in p["whole"] else "")) for p in presses
+                      if key in p["accuracy"] and p["cache_mib"] <= mib * (1 + SAME_BYTES)]
             window_accuracy = None if window is None else _accuracy(window, task, h, length)
             if window_accuracy is not None:
                 rivals.append((window_accuracy, WINDOW))

@@ -41,10 +41,11 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     _write(tmp_path, "single.json", {"models": models})
     _write(tmp_path, "multi.json", {"models": models})
     _write(tmp_path, "ppl.json", {"models": {"teacher": _ppl(10.0), "within": _ppl(11.0), "short": _ppl(11.2)}})
-    press = {"press": "StreamingLLM", "mode": "question-agnostic", "cache_mib": 22.01, "cells": {"single_number": {
-        "heldout": {"4096": {"summary": {"accuracy": 0.7}}}}}}
-    bigger = {"press": "KeyDiff", "cache_mib": 30.0, "cells": {"single_number": {
-        "ood": {"4096": {"summary": {"accuracy": 0.9}}}}}}
+    pressed = [{"cache_tokens": 3_269}, {"cache_tokens": 3_269}]  # 4k prompts cut to the kept tokens
+    press = {"press": "StreamingLLM", "mode": "question-agnostic", "cache_mib": 22.01, "kept_tokens": 3_269,
+             "cells": {"single_number": {"heldout": {"4096": {"summary": {"accuracy": 0.7}, "prompts": pressed}}}}}
+    bigger = {"press": "KeyDiff", "cache_mib": 30.0, "kept_tokens": 4_450, "cells": {"single_number": {
+        "ood": {"4096": {"summary": {"accuracy": 0.9}, "prompts": pressed}}}}}
     _write(tmp_path, "presses.json", {"settings": {"cache_dtype": "int4"},
                                       "rows": {"streaming": press, "keydiff": bigger}})
     monkeypatch.setattr(bar, "RESULTS", tmp_path)
@@ -62,21 +63,25 @@ def test_a_student_within_every_margin_misses_only_where_a_press_ties_it(results
 
 def test_multi_key_and_multi_query_cells_have_their_rivals(results: Path) -> None:
     """The presses' multi-query cells and the window's multi-key cells are rivals of those cells: a press at no more
-    bytes that answers as many multi-query queries as the student is a miss there."""
+    bytes that answers as many multi-query queries as the student is a miss there, named as holding every prompt
+    whole where its budget pressed none of them (one held-out prompt longer than the budget: pressed there)."""
     multi = json.loads((results / "multi.json").read_text())
     multi["models"]["window 512 + 4 sinks"] = _row({"multi_key": 0.2}, mib=22.7)
     (results / "multi.json").write_text(json.dumps(multi))
     presses = json.loads((results / "presses.json").read_text())
-    presses["rows"]["turns"] = {"press": "KNorm", "mode": "question-agnostic", "cache_mib": 21.0, "cells": {
-        "multi_query": {h: {"2048": {"summary": {"accuracy": 0.4}}} for h in ("heldout", "ood")}}}
+    fits = {"heldout": [{"cache_tokens": 1_900}, {"cache_tokens": 3_269}], "ood": [{"cache_tokens": 1_900}] * 2}
+    cells = {h: {"2048": {"summary": {"accuracy": 0.4}, "prompts": fits[h]}} for h in ("heldout", "ood")}
+    presses["rows"]["turns"] = {"press": "KNorm", "mode": "question-agnostic", "cache_mib": 21.0,
+                                "kept_tokens": 3_269, "cells": {"multi_query": cells}}
     (results / "presses.json").write_text(json.dumps(presses))
     row = bar.collect({"t": ["within"]})["teachers"]["t"]["students"]["within"]
     assert row["rivals"]["multi-key 2k/heldout"] == {"accuracy": 0.2, "name": "window 512 + 4 sinks",
                                                      "student": 0.4}
-    assert row["rivals"]["multi-query 2k/ood"] == {"accuracy": 0.4, "name": "KNorm agnostic, int4", "student": 0.4}
+    whole = "KNorm agnostic, int4, every prompt whole"
+    assert row["rivals"]["multi-query 2k/ood"] == {"accuracy": 0.4, "name": whole, "student": 0.4}
     assert row["misses"] == ["single 4k heldout (not ahead of StreamingLLM agnostic, int4)",
                              "multi-query 2k heldout (not ahead of KNorm agnostic, int4)",
-                             "multi-query 2k ood (not ahead of KNorm agnostic, int4)"]
+                             f"multi-query 2k ood (not ahead of {whole})"]
 
 
 def test_a_student_past_a_margin_misses_that_cell(results: Path) -> None:
