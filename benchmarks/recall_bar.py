@@ -44,7 +44,7 @@ SOURCES: dict[str, dict[str, Any]] = {
 
 #: the students the table shows, per teacher (row names of the result files)
 STUDENTS: dict[str, list[str]] = {
-    "embedded": ["retrieval9-int8-int4keydiff (default)"],
+    "embedded": ["retrieval9-int8-int4keydiff (default)", "retrieval9-int8-int4keydiff-w16 (quick)"],
     "gemma3-270m": ["gemma3-270m-w16-sink4c-int8keydiff1960 (default)",
                     "gemma3-270m-w8-recent240-int4keydiff1960 (default)",
                     "gemma3-270m-w4-recent240-int8keydiff1505 (default)",
