@@ -39,9 +39,9 @@ def kvpress_kept(length: int, ratio: float) -> int:
     return max(1, int(length * (1 - ratio)))
 
 
-def test_the_cells_hold_the_probes_own_prompts_split_at_the_question(kn: ModuleType, tok: Any,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.set_num_threads(1)
+def probe_feeds(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The ids the needle probe feeds the model at each greedy continuation, recorded in the list returned, every
+    answer one token (5) and no model run."""
     fed: list[list[int]] = []
 
     def record(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, cache: Any = None,
@@ -50,6 +50,13 @@ def test_the_cells_hold_the_probes_own_prompts_split_at_the_question(kn: ModuleT
         return Continuation(torch.tensor([5], dtype=torch.long), None)
 
     monkeypatch.setattr(needles_module, "greedy_continuation", record)
+    return fed
+
+
+def test_the_cells_hold_the_probes_own_prompts_split_at_the_question(kn: ModuleType, tok: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    fed = probe_feeds(monkeypatch)
     haystacks = {"heldout": tn.HELDOUT, "ood": tn.OOD}
     needle_probe(tn.Stub(), tok, haystacks, tasks=("single_number",), lengths=(600, 900), prompts=3)
     cells = kn.needle_cells(tok, haystacks, "single_number", [600, 900], prompts=3)
@@ -71,14 +78,7 @@ def test_queries_asked_in_turn_are_the_probes_own(kn: ModuleType, tok: Any, monk
     """multi_query's cases: the context and the first query, then the later queries; with every answer one token
     (5), the probe feeds each query after the context, the queries and the answers before it. Its cells take only
     the question-agnostic runs."""
-    fed: list[list[int]] = []
-
-    def record(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, cache: Any = None,
-               stop_at_eos: bool = True) -> Continuation:
-        fed.append(ids[0].tolist())
-        return Continuation(torch.tensor([5], dtype=torch.long), None)
-
-    monkeypatch.setattr(needles_module, "greedy_continuation", record)
+    fed = probe_feeds(monkeypatch)
     haystacks = {"heldout": tn.HELDOUT}
     needle_probe(tn.Stub(), tok, haystacks, tasks=("multi_query",), lengths=(700,), prompts=2)
     (cell,) = kn.needle_cells(tok, haystacks, "multi_query", [700], prompts=2)
