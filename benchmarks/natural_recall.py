@@ -51,6 +51,9 @@ def add_row_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training-free variants: the teacher's weights with this attention (the window of 512 + "
                         "4 sinks is always measured)")
     parser.add_argument("--converted", nargs="*", default=[], metavar="DIR", help="converted checkpoints")
+    parser.add_argument("--converted-swap", nargs="*", default=[], metavar="NAME=SPEC",
+                        help='a converted checkpoint\'s weights under another attention, nothing trained: SPEC as '
+                        '--swap\'s with "weights": the checkpoint\'s folder')
     parser.add_argument("--threads", type=int, default=None)
 
 
@@ -98,6 +101,39 @@ def models(args: argparse.Namespace, teacher: torch.nn.Module):  # noqa: ANN201 
     for name, model_dir, facts in (converted_folder(path) for path in args.converted):
         student = RecAttnForCausalLM.from_pretrained(model_dir)
         yield name, student, student.config, facts
+    for name, swap, folder in (parse_converted_swap(s) for s in args.converted_swap):
+        student, facts = reattended(name, folder, swap, teacher.config)
+        yield name, student, student.config, facts | {"attention": swap}
+
+
+def parse_converted_swap(text: str) -> tuple[str, dict[str, Any], str]:
+    """``NAME=SPEC`` of ``--converted-swap``: (name, the swap as ``parse_swap`` gives it, the weights' folder)."""
+    name, _, spec = text.partition("=")
+    try:
+        value = json.loads(spec)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--converted-swap {name}: SPEC is not JSON ({err})") from err
+    if not isinstance(value, dict) or not isinstance(value.get("weights"), str):
+        raise SystemExit(f'--converted-swap {name}: SPEC must be a JSON object with "weights": a converted folder')
+    folder = value.pop("weights")
+    return (*parse_swap(f"{name}={json.dumps(value)}"), folder)
+
+
+def reattended(name: str, folder: str, swap: dict[str, Any], teacher_config: Any) -> tuple[RecAttnForCausalLM,
+                                                                                          dict[str, Any]]:
+    """The converted checkpoint in ``folder`` with the swap's attention in place of its own (its cache changed,
+    nothing trained), and the run's facts. Refused when the checkpoint's parameters and the new attention's differ
+    (a learned score or a far part the swap drops or adds)."""
+    _, model_dir, facts = converted_folder(folder)
+    requested = recattn_config_from(teacher_config, swap["attention"], swap.get("attention_overrides"))
+    saved = RecAttnConfig.from_pretrained(model_dir).to_dict()
+    config = RecAttnConfig.from_dict(saved | {"attention": requested.attention,
+                                              "attention_overrides": requested.attention_overrides})
+    student, info = RecAttnForCausalLM.from_pretrained(model_dir, config=config, output_loading_info=True)
+    unmatched = {key: sorted(info[key]) for key in ("missing_keys", "unexpected_keys", "mismatched_keys") if info[key]}
+    if unmatched:
+        raise SystemExit(f"--converted-swap {name}: the weights in {folder} do not fit this attention: {unmatched}")
+    return student, facts | {"weights": folder}
 
 
 def _cell(cell: dict[str, Any] | None) -> str:
