@@ -32,6 +32,7 @@ RESULTS = {
     "natural_recall_single_gemma3_cpu.json": "natural_recall",
     "natural_recall_multi_gemma3_cpu.json": "natural_recall",
     "natural_recall_gemma3_sinks_cpu.json": "natural_recall",
+    "natural_recall_gemma3_selection_cpu.json": "natural_recall",
     "natural_perplexity_gemma3_cpu.json": "natural_perplexity",
     "recall_by_distance_cpu.json": "recall_by_distance",
     "needles_past_context_retrieval9_cpu.json": "needles",
