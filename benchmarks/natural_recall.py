@@ -108,15 +108,11 @@ def models(args: argparse.Namespace, teacher: torch.nn.Module):  # noqa: ANN201 
 
 def parse_converted_swap(text: str) -> tuple[str, dict[str, Any], str]:
     """``NAME=SPEC`` of ``--converted-swap``: (name, the swap as ``parse_swap`` gives it, the weights' folder)."""
-    name, _, spec = text.partition("=")
-    try:
-        value = json.loads(spec)
-    except json.JSONDecodeError as err:
-        raise SystemExit(f"--converted-swap {name}: SPEC is not JSON ({err})") from err
-    if not isinstance(value, dict) or not isinstance(value.get("weights"), str):
+    name, swap = parse_swap(text, "--converted-swap", frozenset({"weights"}))
+    folder = swap.pop("weights", None)
+    if not isinstance(folder, str):
         raise SystemExit(f'--converted-swap {name}: SPEC must be a JSON object with "weights": a converted folder')
-    folder = value.pop("weights")
-    return (*parse_swap(f"{name}={json.dumps(value)}"), folder)
+    return name, swap, folder
 
 
 def reattended(name: str, folder: str, swap: dict[str, Any], teacher_config: Any) -> tuple[RecAttnForCausalLM,

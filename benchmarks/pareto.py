@@ -54,22 +54,25 @@ BYTES_PER_ELEMENT = 4
 
 
 # ----- the models -------------------------------------------------------------------------------------------
-def parse_swap(text: str) -> tuple[str, dict[str, Any]]:
-    """``NAME=SPEC``: SPEC is an attention spec as JSON, or ``{"attention": ..., "attention_overrides": ...}``."""
+def parse_swap(text: str, option: str = "--swap", extra_keys: frozenset[str] = frozenset()
+               ) -> tuple[str, dict[str, Any]]:
+    """``NAME=SPEC``: SPEC is an attention spec as JSON, or ``{"attention": ..., "attention_overrides": ...}``
+    (and ``extra_keys``, which ``option`` takes besides: they are left in the returned mapping)."""
     name, sep, spec = text.partition("=")
     if not sep or not name:
-        raise SystemExit(f"--swap {text!r}: expected NAME=SPEC (SPEC a JSON attention spec)")
+        raise SystemExit(f"{option} {text!r}: expected NAME=SPEC (SPEC a JSON attention spec)")
     try:
         value = json.loads(spec)
     except json.JSONDecodeError as err:
-        raise SystemExit(f"--swap {name}: SPEC is not JSON ({err})") from err
+        raise SystemExit(f"{option} {name}: SPEC is not JSON ({err})") from err
     if not isinstance(value, dict):
-        raise SystemExit(f"--swap {name}: SPEC must be a JSON object")
+        raise SystemExit(f"{option} {name}: SPEC must be a JSON object")
     if "attention" not in value:
-        value = {"attention": value}
-    unknown = set(value) - {"attention", "attention_overrides"}
+        extras = {key: value.pop(key) for key in extra_keys if key in value}
+        value = {"attention": value, **extras}
+    unknown = set(value) - {"attention", "attention_overrides", *extra_keys}
     if unknown:
-        raise SystemExit(f"--swap {name}: unknown keys {sorted(unknown)}")
+        raise SystemExit(f"{option} {name}: unknown keys {sorted(unknown)}")
     return name, value
 
 
