@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .cache_precision import CACHE_DTYPES, MODEL, CodeFormat, code_format, coded_slot_bytes, scale_dtype, slot_elements
-from .cache_scores import CACHE_SCORES, Decision, ScoreParts
+from .cache_scores import CACHE_SCORES, Decision, ScoreParts, recency
 from .far_part import ARRIVING, FarTerms
 from .hybrid_cache import (
     Timing,
@@ -32,6 +32,7 @@ from .hybrid_cache import (
     pending_pairs,
     undecided_visible,
 )
+from .hybrid_cache_newest import newest_after, newest_visible
 from .key_distance import CLAMP, KeyDistance, query_positions
 from .mixer_base import MixerInputs, MixerShape, State, group_queries, ungroup_output
 from .options import Option
@@ -176,12 +177,46 @@ class ExactCacheForms:
     _sinks: Callable[..., Any]
     _combine: Callable[..., torch.Tensor]
     _far_step: FarForm
+    #: run a block in one pass where its decisions keep the newest pairs (False: span by span, as a reference)
+    newest_pass: bool = True
 
     def _cached_block(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
     ) -> tuple[torch.Tensor, State]:
         """``_block`` with the cache: the queries run in spans cut after each decision; a decision moves pairs
-        between the cache and (a far part reading leaving keys) the far state."""
+        between the cache and (a far part reading leaving keys) the far state. Where the decisions keep the newest
+        pairs and there is no far part, in one pass instead (``_newest_pass``)."""
+        blk, new_state = self._cache_block_of(q, k, v, inputs, state)
+        cache, far = self._cache_in(state), far_state(state)
+        if self._keeps_newest(blk, cache):
+            out, cache = self._newest_pass(blk, cache)
+        else:
+            outs = []
+            for start, stop, decides in decision_spans(blk.timing.decide):
+                out, far = self._cached_span(blk, start, stop, cache, far, far_form)
+                outs.append(out)
+                if decides:
+                    cache, far = self._decide(blk, stop - 1, cache, far)
+            out = torch.cat(outs, dim=1)
+        w = self.window
+        slots, pmask = pending_after(blk.timing, w)
+        keep = pmask[:, None, :, None]
+        new_state.update({
+            "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": blk.real[:, -w:],
+            "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
+            "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
+            "pmask": pmask, **self._cache_out(cache),
+        })
+        if blk.positions is not None:
+            new_state.update({"ppos": torch.where(pmask, blk.positions.gather(1, slots), 0),
+                              "wpos": blk.positions[:, -w:], "cpos": cache.positions})
+        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
+        return out, new_state
+
+    def _cache_block_of(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State
+    ) -> tuple[CacheBlock, State]:
+        """The block laid out for the cache (``CacheBlock``) and the sinks' part of the next state."""
         w = self.window
         new_real = real_tokens(inputs, q)
         new_state: State = {}
@@ -200,26 +235,72 @@ class ExactCacheForms:
             positions = torch.cat([state["ppos"], state["wpos"], new_pos], dim=1)
         blk = CacheBlock(q, k, v, inputs, torch.cat([state["pk"], state["wk"], k], dim=2),
                          torch.cat([state["pv"], state["wv"], v], dim=2), real, timing, sinks, positions)
-        cache, far = self._cache_in(state), far_state(state)
-        outs = []
-        for start, stop, decides in decision_spans(timing.decide):
-            out, far = self._cached_span(blk, start, stop, cache, far, far_form)
-            outs.append(out)
-            if decides:
-                cache, far = self._decide(blk, stop - 1, cache, far)
-        slots, pmask = pending_after(timing, w)
-        keep = pmask[:, None, :, None]
-        new_state.update({
-            "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": real[:, -w:],
-            "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
-            "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
-            "pmask": pmask, **self._cache_out(cache),
-        })
-        if positions is not None:
-            new_state.update({"ppos": torch.where(pmask, positions.gather(1, slots), 0), "wpos": positions[:, -w:],
-                              "cpos": cache.positions})
-        new_state.update({FAR_PREFIX + name: x for name, x in far.items()})
-        return torch.cat(outs, dim=1), new_state
+        return blk, new_state
+
+    def _keeps_newest(self, blk: CacheBlock, cache: Cache) -> bool:
+        """Whether the block's decisions keep the G newest pairs (``cache_score: recent``, or nothing is evicted:
+        the pairs cached and decided fit the slots) and no far part takes the evicted ones, so that
+        ``_newest_pass`` gives the spans' outputs and cache (a host check on the number of pairs, except with
+        ``recent``)."""
+        if not self.newest_pass or self.far is not None:
+            return False
+        if self.cache_score is recency:
+            return True
+        decided = cache.mask.sum(1) + self.window * blk.timing.done_end
+        return bool((decided <= self.cache_slots).all())
+
+    def _newest_pass(self, blk: CacheBlock, cache: Cache) -> tuple[torch.Tensor, Cache]:
+        """The block's outputs and the cache after it, where the decisions keep the newest pairs
+        (hybrid_cache_newest.py): one softmax over the sinks, the cache's slots, the block's tokens as the cache
+        holds them (coded with ``cache_dtype``) while they are among the G newest decided, and as computed while
+        they are not decided."""
+        w, g, t = self.window, self.cache_slots, blk.q.shape[2]
+        old_visible, new_visible = newest_visible(blk.timing, cache.mask, w, g)
+        new_sink = None if blk.sinks is None else blk.sinks[3]
+        undecided = undecided_visible(blk.timing, blk.real, w, 0, t, new_sink)
+        held_keys, held_values, key_scales, value_scales = blk.keys, blk.values, None, None
+        if cache.key_scales is not None:
+            (held_keys, key_scales), (held_values, value_scales) = map(self._code_format.round_trip,
+                                                                       (blk.keys, blk.values))
+        keys, values = [cache.keys, held_keys], [cache.values, held_values]
+        visible = [old_visible.expand(-1, -1, -1, t, -1), new_visible]
+        if key_scales is None:  # the cache holds the keys as computed: one set of columns for both
+            visible[1] = new_visible | undecided
+        else:
+            keys.append(blk.keys)
+            values.append(blk.values)
+            visible.append(undecided)
+        if blk.sinks is not None:
+            keys.insert(0, blk.sinks[0])
+            values.insert(0, blk.sinks[1])
+            visible.insert(0, blk.sinks[2])
+        qg = group_queries(blk.q, self.shape.num_kv_heads)
+        keys = torch.cat(keys, dim=2)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
+        held_positions = None
+        if self.distance is not None:  # the cached columns clamped (the undecided ones are within the window's reach)
+            new_pos = blk.positions[:, 2 * w :]
+            sink_pos = None if blk.sinks is None else KeyDistance.sink_positions(self.sink_tokens, new_pos)
+            sink_pos = None if sink_pos is None else sink_pos[..., : blk.sinks[0].shape[2]]
+            held_positions = blk.positions[:, None].expand(-1, cache.positions.shape[1], -1)
+            key_pos = KeyDistance.exact_positions(sink_pos, torch.cat([cache.positions, held_positions], dim=2))
+            scores = self.distance.clamp(scores, qg, keys, key_pos, new_pos, self.scale)
+        scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
+        out, _ = self._mix_cached(blk.q, blk.k, blk.v, blk.inputs, {}, scores, torch.cat(values, dim=2),
+                                  self._far_step)
+        index, mask = newest_after(blk.timing, cache.mask, w, g)
+        filled = mask[:, None, :, None]
+
+        def kept(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            return torch.where(filled, gather_tokens(torch.cat([old, new], dim=2), index), 0.0)
+
+        positions = None
+        if held_positions is not None:
+            both = torch.cat([cache.positions, held_positions], dim=2)
+            positions = torch.where(mask[:, None], both.gather(2, index[:, None].expand(-1, both.shape[1], -1)), 0)
+        scales = (None, None) if key_scales is None else (kept(cache.key_scales, key_scales),
+                                                          kept(cache.value_scales, value_scales))
+        return out, Cache(kept(cache.keys, held_keys), kept(cache.values, held_values), mask, positions, *scales)
 
     def _cached_span(
         self, blk: CacheBlock, start: int, stop: int, cache: Cache, far: State, far_form: FarForm
