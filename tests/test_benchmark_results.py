@@ -19,6 +19,7 @@ RESULTS = {
     "decode_cpu_tiny.json": "decode",
     "prefill_cpu.json": "prefill",
     "train_throughput_cpu.json": "train_throughput",
+    "cache_block_speed_cpu.json": "cache_block_speed",
     "kernel_speed_cpu.json": "kernel_speed",
     "kernel_speed_cuda.json": "kernel_speed",
     "mesanet_solver_cpu.json": "mesanet_solver",
