@@ -9,6 +9,9 @@ a far part (``far: none``, a score that reads no far state) the evicted pairs ar
 the sinks, the cache and the tokens not decided yet: a learned-eviction softmax cache. The cache's options
 (``CACHE_OPTIONS``), their checks and its share of the state size are here; ``cache_dtype: int8`` or ``int4`` holds
 its pairs as cache_precision.py says.
+
+A block runs its queries in spans cut after each decision; where the decisions keep the newest pairs (``recent``, or
+nothing evicted) and no far part takes them, in one pass instead (hybrid_cache_newest.py).
 """
 
 from __future__ import annotations
