@@ -80,6 +80,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return cells
 
 
+def notes(tokens: int, rounds: int) -> list[str]:
+    """What the table measured, in words."""
+    return [f"Forward and backward of one layer of Gemma 3 270M's shape (random weights, fp32, batch 1) over "
+            f"{tokens:,} tokens in the training forward (chunks of 64), median of {rounds} interleaved rounds; the "
+            "differences compare the two forms' logits and the embeddings' gradient."]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     lines = ["| layer | span by span, s | one pass, s | speed-up | outputs rel. diff | gradients rel. diff |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -87,10 +94,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         spans, one = cell["span by span"], cell["one pass"]
         lines.append(f"| {label} | {spans:.2f} | {one:.2f} | {spans / one:.1f}x | {cell['logits_rel']:.1e} | "
                      f"{cell['grad_rel']:.1e} |")
-    notes = (f"Forward and backward of one layer of Gemma 3 270M's shape (random weights, fp32, batch 1) over "
-             f"{results['tokens']:,} tokens in the training forward (chunks of 64), median of {results['rounds']} "
-             "interleaved rounds; the differences compare the two forms' logits and the embeddings' gradient.")
-    return "\n".join([*lines, "", notes])
+    return "\n".join([*lines, "", *results["notes"]])
 
 
 def main() -> None:
@@ -104,7 +108,8 @@ def main() -> None:
     record = run_record()
     cells = measure(args)
     results = write_results(args.out, "cache_block_speed", record,
-                            {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads, "cells": cells})
+                            {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads, "cells": cells,
+                             "notes": notes(args.tokens, args.rounds)})
     print(render_markdown(results))
 
 
