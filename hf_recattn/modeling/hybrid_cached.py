@@ -280,13 +280,11 @@ class ExactCacheForms:
         qg = group_queries(blk.q, self.shape.num_kv_heads)
         keys = torch.cat(keys, dim=2)
         scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
-        held_positions = None
+        cached_positions = None  # of the cache's slots, then the block's tokens
         if self.distance is not None:  # the cached columns clamped (the undecided ones are within the window's reach)
-            new_pos = blk.positions[:, 2 * w :]
-            sink_pos = None if blk.sinks is None else KeyDistance.sink_positions(self.sink_tokens, new_pos)
-            sink_pos = None if sink_pos is None else sink_pos[..., : blk.sinks[0].shape[2]]
             held_positions = blk.positions[:, None].expand(-1, cache.positions.shape[1], -1)
-            key_pos = KeyDistance.exact_positions(sink_pos, torch.cat([cache.positions, held_positions], dim=2))
+            cached_positions = torch.cat([cache.positions, held_positions], dim=2)
+            key_pos, new_pos = self._clamped_positions(blk, cached_positions)
             scores = self.distance.clamp(scores, qg, keys, key_pos, new_pos, self.scale)
         scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
         out, _ = self._mix_cached(blk.q, blk.k, blk.v, blk.inputs, {}, scores, torch.cat(values, dim=2),
@@ -298,9 +296,9 @@ class ExactCacheForms:
             return torch.where(filled, gather_tokens(torch.cat([old, new], dim=2), index), 0.0)
 
         positions = None
-        if held_positions is not None:
-            both = torch.cat([cache.positions, held_positions], dim=2)
-            positions = torch.where(mask[:, None], both.gather(2, index[:, None].expand(-1, both.shape[1], -1)), 0)
+        if cached_positions is not None:
+            chosen = cached_positions.gather(2, index[:, None].expand(-1, cached_positions.shape[1], -1))
+            positions = torch.where(mask[:, None], chosen, 0)
         scales = (None, None) if key_scales is None else (kept(cache.key_scales, key_scales),
                                                           kept(cache.value_scales, value_scales))
         return out, Cache(kept(cache.keys, held_keys), kept(cache.values, held_values), mask, positions, *scales)
@@ -327,14 +325,19 @@ class ExactCacheForms:
         keys = torch.cat(keys, dim=2)
         scores = torch.einsum("bhgtd,bhsd->bhgts", qg, keys) * self.scale
         if self.distance is not None:
-            new_pos = blk.positions[:, 2 * self.window :]
-            sink_pos = None if blk.sinks is None else KeyDistance.sink_positions(self.sink_tokens, new_pos)
-            sink_pos = None if sink_pos is None else sink_pos[..., : blk.sinks[0].shape[2]]
-            key_pos = KeyDistance.exact_positions(sink_pos, cpos)
+            key_pos, new_pos = self._clamped_positions(blk, cpos)
             scores = self.distance.clamp(scores, qg, keys, key_pos, new_pos[:, start:stop], self.scale)
         scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
         k, v = blk.k[:, :, start:stop], blk.v[:, :, start:stop]
         return self._mix_cached(q, k, v, inputs, far, scores, torch.cat(values, dim=2), far_form)
+
+    def _clamped_positions(self, blk: CacheBlock, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """With the clamp: the positions [B, Hkv, S] of the leading exact columns (the sink candidates the block
+        reaches, then the ``cached`` ones [B, Hkv, C]) and of the block's new tokens [B, T]."""
+        new_pos = blk.positions[:, 2 * self.window :]
+        sink_pos = None if blk.sinks is None else KeyDistance.sink_positions(self.sink_tokens, new_pos)
+        sink_pos = None if sink_pos is None else sink_pos[..., : blk.sinks[0].shape[2]]
+        return KeyDistance.exact_positions(sink_pos, cached), new_pos
 
     def _mix_cached(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, far: State,
