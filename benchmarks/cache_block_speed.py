@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -69,10 +70,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for label, model in models.items():  # warm-up, and the two forms' outputs compared
         (_, logits_spans, grad_spans), (_, logits_one, grad_one) = (timed_step(model, tokens, f) for f in (False, True))
         cells[label] = {"logits_rel": rel(logits_one, logits_spans), "grad_rel": rel(grad_one, grad_spans)}
-    for _ in range(args.rounds):
+        print(f"{label}: warmed up and compared", file=sys.stderr)
+    for round_index in range(args.rounds):
         for label, model in models.items():
             for form, one_pass in FORMS.items():
                 seconds[label][form].append(timed_step(model, tokens, one_pass)[0])
+        print(f"round {round_index + 1} of {args.rounds} timed", file=sys.stderr)
     ExactCacheForms.newest_pass = True
     for label in LAYERS:
         cells[label].update({form: statistics.median(seconds[label][form]) for form in FORMS})
