@@ -48,7 +48,8 @@ STUDENTS: dict[str, list[str]] = {
     "gemma3-270m": ["gemma3-270m-w16-sink4c-int8keydiff1960 (default)",
                     "gemma3-270m-w8-recent240-int4keydiff1960 (default)",
                     "gemma3-270m-w4-recent240-int8keydiff1505 (default)",
-                    "gemma3-270m-w4-recent120-int8keydiff1878 (default)"],
+                    "gemma3-270m-w4-recent120-int8keydiff1878 (default)",
+                    "gemma3-270m-w4-recent120-int4keydiff3036 (default)"],
 }
 
 WINDOW = "window 512 + 4 sinks"
