@@ -259,6 +259,11 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                     elif mixer.spec["cache_score"] == "keydiff":
                         keys = [pair(s)[0] for s in candidates]
                         scores = [_key_diversity(key, keys) for key in keys]
+                    elif mixer.spec["cache_score"] == "keydiff_span":
+                        keys = [pair(s)[0] for s in candidates]
+                        own = [_key_diversity(key, keys) for key in keys]
+                        r = cache_scores.SPAN_RADIUS
+                        scores = [max(own[max(i - r, 0) : i + r + 1]) for i in range(len(own))]
                     elif mixer.spec["cache_score"] == "recent":
                         scores = list(candidates)  # token positions: the newest highest
                     elif mixer.spec["cache_score"] == "learned":
@@ -387,6 +392,45 @@ def test_options_match_the_reference(options: Options, other_options: Options, f
     assert rel_err(real_rows(parallel, mask), expected) < FP32
     assert state["cmask"].all()
     assert rel_err(real_rows(other, mask), expected) > 1e-4  # the other options decide something here
+
+
+@pytest.mark.parametrize(("radius", "slots", "seed"), [(1, 4, 31), (2, 5, 32), (cache_scores.SPAN_RADIUS, 6, 33)])
+def test_keydiff_span_matches_the_reference(monkeypatch: pytest.MonkeyPatch, radius: int, slots: int,
+                                            seed: int) -> None:
+    """cache_score 'keydiff_span' (each candidate takes the highest KeyDiff score among its ``radius`` nearest
+    candidates on either side, in token order), fp32, with sinks and left padding: the forms match the per-token
+    reference, and plain 'keydiff' decides otherwise on the same inputs."""
+    monkeypatch.setattr(cache_scores, "SPAN_RADIUS", radius)
+    mixer = make("none", window=2, slots=slots, sink_tokens=1, cache_score="keydiff_span")
+    inputs = checks.random_inputs(SHAPE, 20, seed=seed)
+    mask = left_padded(20, PAD)
+    with torch.no_grad():
+        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
+        expected = reference_of(mixer)(inputs, mask)
+        by_keydiff = make("none", window=2, slots=slots, sink_tokens=1, cache_score="keydiff")
+        by_keydiff.load_state_dict(mixer.state_dict())
+        other = by_keydiff.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
+    assert rel_err(real_rows(parallel, mask), expected) < FP32
+    assert state["cmask"].all()
+    assert rel_err(real_rows(other, mask), expected) > 1e-4
+
+
+def test_keydiff_span_pools_over_filled_neighbours_only() -> None:
+    """A candidate takes the highest score within SPAN_RADIUS filled candidates on either side; the empty slots
+    between the cache's pairs and the pending ones neither lend a score nor count as neighbours."""
+    torch.manual_seed(0)
+    keys = torch.randn(1, 1, 12, 4)
+    filled = torch.ones(1, 12, dtype=torch.bool)
+    filled[0, 3:5] = False  # two empty cache slots before the pending pairs
+    decision = cache_scores.Decision(keys, keys, {}, keys, filled, filled)
+    parts = cache_scores.ScoreParts(None, None)
+    own = cache_scores.key_diversity(parts, decision)[0, 0]
+    pooled = cache_scores.key_diversity_span(parts, decision)[0, 0]
+    real = [i for i in range(12) if filled[0, i]]
+    r = cache_scores.SPAN_RADIUS
+    for n, i in enumerate(real):
+        assert pooled[i] == max(own[j] for j in real[max(n - r, 0) : n + r + 1])
+    assert torch.equal(pooled[3:5], own[3:5])
 
 
 @pytest.mark.parametrize(("far", "score"), [("linear-elu", "far"), ("linear-relu-l2", "far"), ("taylor2", "far"),
@@ -725,7 +769,8 @@ def test_variants_drop_the_cache() -> None:
          r"layer 2: option 'cache_slots' needs a taylor far part with denominator='exact'"),
         ({"cache_slots": 2, "far": "heinsen"}, r"layer 2: option 'far' must be a linear or taylor"),
         ({"cache_slots": 2, "cache_score": "attention"},
-         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'keydiff', 'recent', 'learned'\], "
+         r"layer 2: option 'cache_score' must be one of \['far', 'novelty', 'keydiff', 'keydiff_span', 'recent', "
+         r"'learned'\], "
          r"got 'attention'"),
         ({"cache_score": "novelty"},
          r"layer 2: option 'cache_score'='novelty' scores the exact cache, which is off \(cache_slots: 0\)"),

@@ -17,6 +17,10 @@ function here plus one line there.
   (the resting places of attention, common words) score low; a key unlike the rest stays. It reads neither the far
   state nor its parameters. KeyDiff scores a whole prefilled cache against its mean; here the mean is that of the
   candidates of each decision (the cache and the pending pairs), so the memory stays constant.
+* ``keydiff_span``: ``keydiff`` raised to the highest score among each candidate's ``SPAN_RADIUS`` neighbours on
+  either side, in candidate order (token order): a key that stands out keeps the tokens around it, as SnapKV pools
+  its attention scores, so a value written over several tokens (a number's digits) stays or leaves as a whole rather
+  than losing the tokens whose own keys look common.
 * ``recent``: the most recent candidates (the cache's slots and the pending pairs are in token order): the cache
   extends the window by its slots, a sliding window whose older part is held in the cache's ``cache_dtype`` (int8
   or int4 codes: several times the window's tokens in the same bytes). It reads neither the far state nor its
@@ -87,6 +91,22 @@ def key_diversity(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     return -(units * F.normalize(anchor, dim=-1)).sum(-1)
 
 
+#: the neighbours on either side whose highest KeyDiff score a candidate takes (``keydiff_span``)
+SPAN_RADIUS = 3
+
+
+def key_diversity_span(parts: ScoreParts, decision: Decision) -> torch.Tensor:
+    """[B, Hkv, N]: ``key_diversity`` pooled to the highest among the ``SPAN_RADIUS`` nearest filled candidates on
+    either side (neighbours in token order: empty slots between the cache's pairs and the pending ones are skipped;
+    an empty slot keeps its own score)."""
+    score = key_diversity(parts, decision)
+    filled = decision.filled[:, None, :].expand_as(score)
+    order = torch.argsort((~filled).to(torch.int8), dim=-1, stable=True)  # the filled first, in token order
+    packed = torch.where(filled, score, torch.full_like(score, -float("inf"))).gather(-1, order)
+    pooled = F.max_pool1d(packed, 2 * SPAN_RADIUS + 1, stride=1, padding=SPAN_RADIUS)
+    return torch.where(filled, torch.empty_like(score).scatter(-1, order, pooled), score)
+
+
 def recency(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     """[B, Hkv, N]: each candidate's index, which orders the filled candidates as their tokens are ordered (the
     cache's filled slots first, oldest first, then the pending pairs), so the newest score highest."""
@@ -113,6 +133,9 @@ CACHE_SCORES: dict[str, CacheScore] = {
     "keydiff": CacheScore(key_diversity, reads_far=False,
                           keeps="the key / value pairs whose keys point furthest from the mean direction of the "
                           "candidates' keys"),
+    "keydiff_span": CacheScore(key_diversity_span, reads_far=False,
+                               keeps="the key / value pairs within a few tokens of a key that points furthest from "
+                               "the mean direction of the candidates' keys"),
     "recent": CacheScore(recency, reads_far=False, keeps="the most recent key / value pairs past the window"),
     "learned": CacheScore(learned_retention, reads_far=False, learned=True,
                           keeps="the key / value pairs its retention head, trained on the teacher's attention, "

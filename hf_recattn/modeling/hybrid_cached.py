@@ -48,9 +48,9 @@ CACHE_OPTIONS = {
     ),
     "cache_score": Option(
         (str,), "far", "what the exact cache keeps: the pairs the far state recalls worst ('far'), the values "
-        "least like any in the window ('novelty'), the keys least like the others ('keydiff'), the most recent "
-        "('recent') or what a retention head trained on the teacher's attention predicts later queries need "
-        "('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
+        "least like any in the window ('novelty'), the keys least like the others ('keydiff'), the tokens around "
+        "them ('keydiff_span'), the most recent ('recent') or what a retention head trained on the teacher's "
+        "attention predicts later queries need ('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
     ),
     "cache_dtype": Option(
         (str,), MODEL, "how the exact cache holds its keys and values: as the model computes them ('model') or "
