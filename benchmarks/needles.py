@@ -43,23 +43,10 @@ from hf_recattn.evaluation import (
     natural_haystacks,
     needle_probe,
 )
+from hf_recattn.modeling.hybrid_options import layer_ranges, parse_layers
 
 NOTE = ("n counts the queries of a cell (multi_query asks 4 per prompt, multi_value one for all its values); "
         "the interval is Wilson's at 95%")
-
-
-def parse_layers(items: list[str] | None) -> list[int] | None:
-    """``["0-10", "14"]`` -> ``[0, 1, ..., 10, 14]`` (each item a layer index or an inclusive range); None stays
-    None. ValueError naming the item when it is neither."""
-    if items is None:
-        return None
-    layers: list[int] = []
-    for item in items:
-        first, dash, last = item.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
-            raise ValueError(f"--hybrid-layers: {item!r} is not a layer index or a range such as 0-10")
-        layers.extend(range(int(first), int(last or first) + 1))
-    return sorted(set(layers))
 
 
 def _label(spec: str, options: dict[str, Any] | None = None, layers: list[int] | None = None) -> str:
@@ -67,19 +54,8 @@ def _label(spec: str, options: dict[str, Any] | None = None, layers: list[int] |
     name = path.resolve().name if path.exists() else spec
     if name == "model" and path.exists():  # a conversion's output folder holds its model under model/
         name = path.resolve().parent.name
-    where = f" on layers {_ranges(layers)}" if layers is not None else ""
+    where = f" on layers {layer_ranges(layers)}" if layers is not None else ""
     return name + "".join(f", {key}={value}" for key, value in (options or {}).items()) + where
-
-
-def _ranges(layers: list[int]) -> str:
-    """``[0, 1, 2, 7]`` -> ``0-2, 7``."""
-    runs: list[list[int]] = []
-    for i in layers:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -363,7 +363,8 @@ def test_eval_and_generate_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_eval_with_hybrid_options(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``--hybrid-option cache_slots=4`` evaluates the saved hybrid with the cache, labels the row and records the
-    options; a checkpoint without hybrid layers is refused with the reason."""
+    options, on every hybrid layer or, with ``--hybrid-layers``, on those only; a checkpoint without hybrid layers,
+    layers without options and a bad layer item are refused with the reason."""
     monkeypatch.setattr(suite, "passkey_probe", lambda *a, **k: {"accuracy": {}, "mean_accuracy": 0.0})
     teacher = save_tiny_teacher(tmp_path / "teacher")
     for name, attention in (("hybrid", {"mixer": "hybrid", "window": 4, "far": {"mixer": "linear"}}),
@@ -384,6 +385,17 @@ def test_eval_with_hybrid_options(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert all(spec["cache_slots"] == 4 for spec in row["model"]["attention"])
     assert main(["eval", str(tmp_path / "plain"), "--hybrid-option", "cache_slots=4", *common]) == 2
     assert "no hybrid layer" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "hybrid"), "--hybrid-option", "cache_slots=4", "--hybrid-layers", "1",
+                 *common, "--output", str(out)]) == 0
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["hybrid_layers"] == [1]
+    specs = saved["results"]["hybrid+cache_slots=4 on layers 1"]["model"]["attention"]
+    assert [spec.get("cache_slots", 0) for spec in specs] == [0, 4]  # the other layer as trained
+    assert main(["eval", str(tmp_path / "hybrid"), "--hybrid-layers", "1", *common]) == 2
+    assert "--hybrid-layers needs --hybrid-option" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "hybrid"), "--hybrid-option", "cache_slots=4", "--hybrid-layers", "1-x",
+                 *common]) == 2
+    assert "--hybrid-layers: '1-x'" in capsys.readouterr().err
 
 
 # ----- the same metrics as evaluate modules ------------------------------------------------------

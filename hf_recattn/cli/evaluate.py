@@ -63,20 +63,24 @@ def hybrid_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def load_evaluated(spec: str, options: dict[str, Any]) -> tuple[Any, Any, str]:
-    """The model to evaluate, its tokenizer and its row label: ``spec`` loaded, its hybrid layers given
-    ``options`` (same weights; the label then names them)."""
+def load_evaluated(spec: str, options: dict[str, Any],
+                   layers: list[int] | None = None) -> tuple[Any, Any, str]:
+    """The model to evaluate, its tokenizer and its row label: ``spec`` loaded, its hybrid layers (those among
+    ``layers`` when given) given ``options`` (same weights; the label then names them)."""
     from ..conversion.teacher import load_causal_lm
-    from ..modeling.hybrid_options import with_hybrid_options
+    from ..modeling.hybrid_options import layer_ranges, with_hybrid_options
 
+    if layers is not None and not options:
+        raise ValueError("--hybrid-layers needs --hybrid-option (the options to set on those layers)")
     model, tokenizer = load_causal_lm(spec)
     name = _label(spec)
     if not options:
         return model, tokenizer, name
     if getattr(model.config, "model_type", None) != "recattn":
         raise ValueError(f"--hybrid-option: {spec} is not an hf_recattn checkpoint, so it has no hybrid layers")
-    changed = with_hybrid_options(model, options)
-    return changed, tokenizer, name + "+" + ",".join(f"{k}={v}" for k, v in options.items())
+    changed = with_hybrid_options(model, options, layers)
+    where = "" if layers is None else f" on layers {layer_ranges(layers)}"
+    return changed, tokenizer, name + "+" + ",".join(f"{k}={v}" for k, v in options.items()) + where
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -84,13 +88,15 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..conversion.teacher import load_teacher
     from ..data.corpus import is_embedded, load_splits, long_documents, token_blocks
     from ..evaluation import comparison_table, evaluate, write_report
+    from ..modeling.hybrid_options import parse_layers
     from ..provenance import provenance
 
     sizes = recall_sizes(args)  # bad sizes and options fail before any model is loaded
     options = hybrid_options(args.hybrid_option)
+    layers = parse_layers(args.hybrid_layers)
     check_baseline_names(args.baselines, "--baselines")
     torch.manual_seed(args.seed)
-    model, tokenizer, name = load_evaluated(args.checkpoint, options)
+    model, tokenizer, name = load_evaluated(args.checkpoint, options, layers)
     _, heldout = load_splits(args.corpus, seed=args.seed)
     blocks = token_blocks(tokenizer, heldout, args.block_size, max_tokens=args.tokens, seed=args.seed)
     long_texts = long_documents(args.corpus, heldout)
@@ -122,6 +128,8 @@ def run_eval(args: argparse.Namespace) -> int:
               "provenance": provenance(corpus=is_embedded(args.corpus))}
     if options:
         report["hybrid_options"] = options
+    if layers is not None:
+        report["hybrid_layers"] = layers
     path = write_report(out_dir, report, name="eval.json")
     print(f"\nwrote {path}", file=sys.stderr)
     return 0
@@ -209,6 +217,9 @@ def add_eval(sub: SubParsers) -> None:
                    help="evaluate the checkpoint with this option set on every hybrid layer, the weights unchanged "
                    "(options without parameters only, e.g. cache_slots=64 adds the exact cache to a hybrid trained "
                    "without it); repeat for several")
+    p.add_argument("--hybrid-layers", nargs="+", default=None, metavar="LAYERS",
+                   help="set --hybrid-option on these layers only: indices or inclusive ranges, e.g. 5 11 17 or 0-10 "
+                   "(a Gemma 3 student's full-attention layers, say)")
     p.add_argument("--output", default=None, help="folder for eval.json (default: the checkpoint folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lm-eval", default=None, metavar="TASKS", help="run lm-evaluation-harness instead: lm_eval run "

@@ -18,6 +18,31 @@ DEFAULT_CACHE_SCORE: str = HybridMixer.options["cache_score"].default
 DEFAULT_CACHE_DTYPE: str = HybridMixer.options["cache_dtype"].default
 
 
+def parse_layers(items: list[str] | None) -> list[int] | None:
+    """``--hybrid-layers`` items, ``["0-10", "14"]`` -> ``[0, 1, ..., 10, 14]`` (each a layer index or an inclusive
+    range); None stays None. ValueError naming the item when it is neither."""
+    if items is None:
+        return None
+    layers: list[int] = []
+    for item in items:
+        first, dash, last = item.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise ValueError(f"--hybrid-layers: {item!r} is not a layer index or a range such as 0-10")
+        layers.extend(range(int(first), int(last or first) + 1))
+    return sorted(set(layers))
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 7]`` -> ``0-2, 7``."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def _respec(spec: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """``spec`` with ``options`` set on every hybrid in it (itself, or nested, e.g. retrieval heads' ``others``),
     and whether there was one."""
