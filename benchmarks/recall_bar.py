@@ -38,7 +38,8 @@ SOURCES: dict[str, dict[str, Any]] = {
         "single": "natural_recall_single_gemma3_cpu.json",
         "multi": "natural_recall_multi_gemma3_cpu.json",
         "perplexity": "natural_perplexity_gemma3_cpu.json",
-        "presses": ["kv_needles_gemma3_int4_cpu.json", "kv_needles_gemma3_int4_aware_cpu.json"],
+        "presses": ["kv_needles_gemma3_int4_cpu.json", "kv_needles_gemma3_int4_aware_cpu.json",
+                    "kv_needles_gemma3_multi_int4_cpu.json"],
     },
 }
 
