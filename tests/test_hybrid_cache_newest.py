@@ -135,6 +135,29 @@ def test_one_pass_gradients_equal_span_by_span(name: str) -> None:
         assert a.abs().sum() > 0 and rel_err(a, b) < GRAD
 
 
+def test_a_cache_that_never_fills_trains_alike_under_every_score_without_a_far_part() -> None:
+    """Slots for every token: no decision evicts, so the scores that need no far part (keydiff, keydiff_span,
+    novelty, recent) give the same outputs of both forms and the same float64 gradients, in one pass and span by
+    span (why a recipe that only changes such a score trains as its parent when no training block fills the cache)."""
+    mask = left_padded(SEQ, PAD)
+
+    def run(m: Any) -> list[torch.Tensor]:
+        q, k, v, x = (t.requires_grad_() for t in checks.random_inputs(SHAPE, SEQ, torch.float64, seed=7))
+        out = m.parallel(q, k, v, MixerInputs(x, mask)) + run_chunked(m, q, k, v, x, mask)[0]
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        (out * weights * mask[:, :, None, None]).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    first = layer({"cache_score": "keydiff", "cache_slots": SEQ, "sink_tokens": 1})
+    expected = run(first)
+    for score in ("keydiff_span", "novelty", "recent"):
+        mixer = layer({"cache_score": score, "cache_slots": SEQ, "sink_tokens": 1})
+        mixer.load_state_dict(first.state_dict())
+        for got in both_ways(mixer, run):
+            for a, b in zip(got, expected, strict=True):
+                assert rel_err(a, b) < FP64
+
+
 @pytest.mark.parametrize(("options", "far", "form"), [
     ({"cache_score": "keydiff", "cache_slots": 3}, "none", "parallel"),  # one block of 23 tokens: a score evicts
     ({"cache_score": "recent", "cache_slots": 3}, {"mixer": "linear", "feature_map": "elu"}, "parallel"),
