@@ -50,7 +50,8 @@ STUDENTS: dict[str, list[str]] = {
                     "gemma3-270m-w8-recent240-int4keydiff1960 (default)",
                     "gemma3-270m-w4-recent240-int8keydiff1505 (default)",
                     "gemma3-270m-w4-recent120-int8keydiff1878 (default)",
-                    "gemma3-270m-w4-recent120-int4keydiff3036 (default)"],
+                    "gemma3-270m-w4-recent120-int4keydiff3036 (default)",
+                    "gemma3-270m-w4-recent120-int4keydiff3036 weights, full-attention layers keydiff_span 3036"],
 }
 
 WINDOW = "window 512 + 4 sinks"
