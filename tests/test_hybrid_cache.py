@@ -380,13 +380,21 @@ def test_options_match_the_reference(options: Options, other_options: Options, f
     candidates' mean unit key), and cache_dtype 'int8' and 'int4' (pairs rounded once, when first scored), fp32 as
     above: the same forms, with a far part and without one; the other options decide otherwise on the same inputs
     (for the codes: the rounding is really there, and int4's is not int8's)."""
-    mixer = make(far, sink_tokens=sinks, **options)
-    inputs = checks.random_inputs(SHAPE, 14, seed=seed)
-    mask = left_padded(14, PAD)
+    assert_matches_the_reference_and_differs(far, {"sink_tokens": sinks, **options},
+                                             {"sink_tokens": sinks, **other_options}, seed, 14)
+
+
+def assert_matches_the_reference_and_differs(far: str, options: Options, other_options: Options, seed: int,
+                                             seq: int) -> None:
+    """fp32 forms of ``make(far, **options)`` within FP32 of the reference on ``seq`` left-padded tokens (the cache
+    full at the end), and ``other_options`` on the same weights and inputs deciding otherwise (> 1e-4 apart)."""
+    mixer = make(far, **options)
+    inputs = checks.random_inputs(SHAPE, seq, seed=seed)
+    mask = left_padded(seq, PAD)
     with torch.no_grad():
         parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
         expected = reference_of(mixer)(inputs, mask)
-        by_other = make(far, sink_tokens=sinks, **other_options)
+        by_other = make(far, **other_options)
         by_other.load_state_dict(mixer.state_dict())
         other = by_other.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
     assert rel_err(real_rows(parallel, mask), expected) < FP32
@@ -401,18 +409,9 @@ def test_keydiff_span_matches_the_reference(monkeypatch: pytest.MonkeyPatch, rad
     candidates on either side, in token order), fp32, with sinks and left padding: the forms match the per-token
     reference, and plain 'keydiff' decides otherwise on the same inputs."""
     monkeypatch.setattr(cache_scores, "SPAN_RADIUS", radius)
-    mixer = make("none", window=2, slots=slots, sink_tokens=1, cache_score="keydiff_span")
-    inputs = checks.random_inputs(SHAPE, 20, seed=seed)
-    mask = left_padded(20, PAD)
-    with torch.no_grad():
-        parallel, state = checks.assert_forms_agree(mixer, inputs, mask, FP32)
-        expected = reference_of(mixer)(inputs, mask)
-        by_keydiff = make("none", window=2, slots=slots, sink_tokens=1, cache_score="keydiff")
-        by_keydiff.load_state_dict(mixer.state_dict())
-        other = by_keydiff.parallel(*inputs[:3], MixerInputs(inputs[3], mask))
-    assert rel_err(real_rows(parallel, mask), expected) < FP32
-    assert state["cmask"].all()
-    assert rel_err(real_rows(other, mask), expected) > 1e-4
+    shape = {"window": 2, "slots": slots, "sink_tokens": 1}
+    assert_matches_the_reference_and_differs("none", {**shape, "cache_score": "keydiff_span"},
+                                             {**shape, "cache_score": "keydiff"}, seed, 20)
 
 
 def test_keydiff_span_pools_over_filled_neighbours_only() -> None:
