@@ -47,7 +47,8 @@ def _mixer(spec: dict) -> torch.nn.Module:
     return MIXERS[resolved["mixer"]](resolved, SHAPE)
 
 
-@pytest.mark.parametrize("spec, names, inputs", LAYOUTS, ids=lambda x: str(x)[:60])
+@pytest.mark.parametrize("spec, names, inputs", LAYOUTS,
+                         ids=lambda x: str(sorted(x) if isinstance(x, set) else x)[:60])
 def test_checkpoint_keys_and_input_weights_stay(spec: dict, names: set, inputs: set) -> None:
     mixer = _mixer(spec)
     assert set(mixer.state_dict()) == names
