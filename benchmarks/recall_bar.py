@@ -51,7 +51,7 @@ STUDENTS: dict[str, list[str]] = {
                     "gemma3-270m-w4-recent240-int8keydiff1505 (default)",
                     "gemma3-270m-w4-recent120-int8keydiff1878 (default)",
                     "gemma3-270m-w4-recent120-int4keydiff3036 (default)",
-                    "gemma3-270m-w4-recent120-int4keydiff3036 weights, full-attention layers keydiff_span 3036"],
+                    "gemma3-270m-w4-recent120-int4keydiffspan3036 (default)"],
 }
 
 WINDOW = "window 512 + 4 sinks"
