@@ -29,7 +29,8 @@ full-attention layers, the same kept tokens in each. Kept tokens then count per 
 ``--cache-dtype int8`` holds what the presses keep (and, in the row without a press, the teacher's whole cache) as
 int8 codes with a float32 scale per key and per value, the rounding of the students' ``cache_dtype: int8``: a
 budget then buys about four times the tokens, so eviction rules compare at the precision of an int8 student;
-``--cache-dtype int4`` likewise at ``cache_dtype: int4``'s (a float32 scale per 32 dimensions).
+``--cache-dtype int4`` likewise at ``cache_dtype: int4``'s (a float32 scale per 32 dimensions), ``int4g16`` at
+``cache_dtype: int4g16``'s (a float16 scale per 16).
 
     nice python benchmarks/kv_compression.py --probe needles --threads 2 \\
         --recall benchmarks/results/natural_recall_single_cpu.json --out benchmarks/results/kv_needles_cpu.json
@@ -134,8 +135,8 @@ def plan_needle_runs(presses: list[str], modes: list[str], kept: dict[int, list[
 
 
 def coded_bytes_per_token(per_token: int, head_dim: int, cache_dtype: str) -> int:
-    """A teacher's KV cache per token held as a coded ``cache_dtype`` (its codes and float32 scales per key and per
-    value, cache_precision.CodeFormat), from its float32 bytes per token and its heads' dimension."""
+    """A teacher's KV cache per token held as a coded ``cache_dtype`` (its codes and scales per key and per value,
+    cache_precision.CodeFormat), from its float32 bytes per token and its heads' dimension."""
     vectors = per_token // (4 * head_dim)  # the keys and values of every layer and KV head
     return vectors * code_format(cache_dtype).vector_bytes(head_dim)
 

@@ -249,27 +249,35 @@ def attention_masks(layout: Layout, kept: int, n: int, fed: int, queries: int, r
     return {kind: mask.expand(rows, 1, -1, -1) for kind, mask in masks.items()}
 
 
-def coded_round_trip(x: torch.Tensor, levels: int, group: int | None) -> torch.Tensor:
+def coded_round_trip(x: torch.Tensor, levels: int, group: int | None, half_scales: bool = False) -> torch.Tensor:
     """Each group of ``group`` dimensions of x [..., D] (None, or a vector shorter than that: the whole vector) as
-    symmetric integer codes with a float32 scale hold it: its largest magnitude -> ``levels``."""
+    symmetric integer codes with a float32 scale hold it: its largest magnitude -> ``levels``; ``half_scales``: the
+    scale rounded up to a float16 (at most float16's largest)."""
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     grouped = x32.unflatten(-1, (-1, min(group or x.shape[-1], x.shape[-1])))
     scale = grouped.abs().amax(-1, keepdim=True) / levels
+    if half_scales:
+        largest = torch.finfo(torch.float16).max
+        half = scale.clamp(max=largest).to(torch.float16)
+        up = torch.nextafter(half, torch.full_like(half, torch.inf)).clamp(max=largest)
+        scale = torch.where(half.to(scale.dtype) < scale, up, half).to(scale.dtype)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (torch.round(grouped / safe).clamp(-levels, levels) * scale).flatten(-2).to(x.dtype)
 
 
-#: (levels, dimensions per scale) of each coded cache_dtype, as hf_recattn's modeling/cache_precision.py codes them
-CODES: dict[str, tuple[int, int | None]] = {"int8": (127, None), "int4": (7, 32)}
+#: (levels, dimensions per scale, float16 scales) of each coded cache_dtype, as hf_recattn's
+#: modeling/cache_precision.py codes them
+CODES: dict[str, tuple[int, int | None, bool]] = {"int8": (127, None, False), "int4": (7, 32, False),
+                                                  "int4g16": (7, 16, True)}
 
 
 def held_as(cache: DynamicCache, cache_dtype: str) -> DynamicCache:
     """The cache as the run holds it: its keys and values rounded in place to a coded ``cache_dtype``."""
     if cache_dtype in CODES:
-        levels, group = CODES[cache_dtype]
+        levels, group, half_scales = CODES[cache_dtype]
         for layer in cache.layers:
-            layer.keys = coded_round_trip(layer.keys, levels, group)
-            layer.values = coded_round_trip(layer.values, levels, group)
+            layer.keys = coded_round_trip(layer.keys, levels, group, half_scales)
+            layer.values = coded_round_trip(layer.values, levels, group, half_scales)
     return cache
 
 

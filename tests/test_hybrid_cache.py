@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import mixer_checks as checks
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,22 +196,33 @@ def _score(far: Leaving | Arriving, b: int, t: int, hk: int, key: torch.Tensor, 
     return float(torch.linalg.vector_norm(value - num / den).detach())
 
 
-def coded_held(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def half_at_or_above(scale: float) -> float:
+    """The smallest float16 that is not below ``scale`` (numpy's float16, not torch's)."""
+    half = np.float16(scale)
+    return float(half if float(half) >= scale else np.nextafter(half, np.float16(np.inf)))
+
+
+def coded_held(x: torch.Tensor, bits: int, group: int, half_scales: bool = False) -> torch.Tensor:
     """A vector as a coded cache slot holds it: each group of ``group`` dimensions round(x / s) s with s its largest
-    magnitude over 2^(bits - 1) - 1 (127 for int8, 7 for int4); the gradient straight through the rounding."""
+    magnitude over 2^(bits - 1) - 1 (127 for int8, 7 for int4), with ``half_scales`` the float16 at or above that; the
+    gradient straight through the rounding."""
     levels = 2 ** (bits - 1) - 1
     parts = []
     for part in x.detach().split(group):
         scale = part.abs().max() / levels
+        if half_scales:
+            scale = torch.tensor(half_at_or_above(float(scale)), dtype=part.dtype)
         parts.append(part if float(scale) == 0 else torch.round(part / scale).clamp(-levels, levels) * scale)
     return x + (torch.cat(parts) - x).detach()
 
 
-#: how each ``cache_dtype`` holds a vector: int8 with one scale per vector, int4 with one per 32 dimensions
+#: how each ``cache_dtype`` holds a vector: int8 with one scale per vector, int4 with one per 32 dimensions, int4g16
+#: with a float16 one per 16
 HOLDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "model": lambda x: x,
     "int8": lambda x: coded_held(x, 8, len(x)),
     "int4": lambda x: coded_held(x, 4, min(32, len(x))),
+    "int4g16": lambda x: coded_held(x, 4, min(16, len(x)), half_scales=True),
 }
 
 
@@ -371,15 +383,17 @@ OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int4"}, {"cache_score"
                    sinks, 24)
                   for far, score, sinks in (("linear-hedgehog", "far", 1), ("delta", "novelty", 0),
                                             ("none", "keydiff", 1))]
+OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int4g16"}, {"cache_score": score, "cache_dtype": "int8"},
+                   far, sinks, 25) for far, score, sinks in (("delta", "far", 1), ("none", "keydiff", 0))]
 
 
 @pytest.mark.parametrize(("options", "other_options", "far", "sinks", "seed"), OTHER_OPTIONS)
 def test_options_match_the_reference(options: Options, other_options: Options, far: str, sinks: int,
                                      seed: int) -> None:
     """cache_score 'novelty' (by the window's values) and 'keydiff' (by how far each candidate's key points from the
-    candidates' mean unit key), and cache_dtype 'int8' and 'int4' (pairs rounded once, when first scored), fp32 as
-    above: the same forms, with a far part and without one; the other options decide otherwise on the same inputs
-    (for the codes: the rounding is really there, and int4's is not int8's)."""
+    candidates' mean unit key), and cache_dtype 'int8', 'int4' and 'int4g16' (pairs rounded once, when first
+    scored), fp32 as above: the same forms, with a far part and without one; the other options decide otherwise on
+    the same inputs (for the codes: the rounding is really there, and int4's is not int8's)."""
     assert_matches_the_reference_and_differs(far, {"sink_tokens": sinks, **options},
                                              {"sink_tokens": sinks, **other_options}, seed, 14)
 

@@ -200,11 +200,13 @@ def test_results_of_other_settings_are_not_resumed(kn: ModuleType, tmp_path: Pat
     assert kn.start_results(args)["rows"] == {} and kn.start_results(args)["benchmark"] == "kv_needles"
 
 
-@pytest.mark.parametrize(("cache_dtype", "per_token", "kept"), [("int8", 12_240, 1923), ("int4", 7_200, 3269)])
+@pytest.mark.parametrize(("cache_dtype", "per_token", "kept"),
+                         [("int8", 12_240, 1923), ("int4", 7_200, 3269), ("int4g16", 7_200, 3269)])
 def test_coded_presses_keep_more_tokens_rounded_as_the_students_round(kn: ModuleType, cache_dtype: str,
                                                                       per_token: int, kept: int) -> None:
-    """``--cache-dtype int8`` / ``int4``: a teacher token's keys and values cost their codes and float32 scales
-    (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes for int8, x (32 + 2 x 4) = 7,200 for int4), every
+    """``--cache-dtype int8`` / ``int4`` / ``int4g16``: a teacher token's keys and values cost their codes and scales
+    (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes for int8, x (32 + 2 x 4) = 7,200 for int4, x (32 + 4
+    x 2) for int4g16's float16 scales), every
     run is marked to hold its cache so, and the worker's rounding is hf_recattn's ``cache_dtype`` rounding, bit for
     bit (the worker imports no hf_recattn: its functions are read from its source)."""
     assert kn.coded_bytes_per_token(PER_TOKEN, 64, cache_dtype) == per_token

@@ -5,6 +5,10 @@ each key and each value as symmetric integer codes with float32 scales (float64 
   pairs per byte as float32.
 - ``int4``: one scale per group of 32 dimensions (per vector when it has fewer; its largest magnitude maps to 7), two
   codes per byte: about 6.4 times as many pairs per byte as float32 for 64 dimensions, 1.7 times int8's.
+- ``int4g16``: int4 codes with one float16 scale per 16 dimensions, the same bytes as ``int4`` (twice the scales at
+  half their bytes): a large coordinate spoils the step of 15 others instead of 31. Each scale is the float16 at or
+  above the group's largest magnitude / 7 (so no code clips), at most float16's largest (65,504: a group beyond
+  about 458,000 clips).
 
 A pair is quantized once, when a decision first keeps it; the forms carry it dequantized beside its scales, so a
 pair that stays cached is never rounded twice and every form reads the same numbers. The state holds the codes and
@@ -20,8 +24,10 @@ import torch
 MODEL = "model"
 INT8 = "int8"
 INT4 = "int4"
-#: bytes of one stored scale (float32)
+#: bytes of one stored scale (float32, unless a format says otherwise)
 SCALE_BYTES = 4
+#: the dtype a format whose scales take 2 bytes stores them in
+HALF_SCALE = torch.float16
 
 
 def scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,12 +38,14 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class CodeFormat:
     """Symmetric integer codes of ``bits`` bits, 8 or 4 (-levels..levels), with one scale per ``group`` dimensions
-    (None: per vector; a vector of fewer dimensions has one); 4-bit codes are packed two per byte. ``description``
-    is how cards and reports name the format."""
+    (None: per vector; a vector of fewer dimensions has one); 4-bit codes are packed two per byte. ``scale_bytes``:
+    4 (float32 scales, float64 in a float64 model) or 2 (each rounded up to a float16 and stored as one).
+    ``description`` is how cards and reports name the format."""
 
     bits: int
     group: int | None
     description: str
+    scale_bytes: int = SCALE_BYTES
 
     @property
     def levels(self) -> int:
@@ -61,7 +69,19 @@ class CodeFormat:
 
     def vector_bytes(self, head_dim: int) -> int:
         """The bytes of one coded vector: its codes and its scales."""
-        return self.stored_dims(head_dim) + SCALE_BYTES * self.groups(head_dim)
+        return self.stored_dims(head_dim) + self.scale_bytes * self.groups(head_dim)
+
+    def stored_scales(self, scale: torch.Tensor) -> torch.Tensor:
+        """The scales as the state stores them: float16 for 2-byte scales (exact: ``quantize`` rounded them)."""
+        return scale.to(HALF_SCALE) if self.scale_bytes == 2 else scale
+
+    def _rounded_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """2-byte scales: each the float16 at or above it (none below: no code clips), at most float16's largest."""
+        if self.scale_bytes != 2:
+            return scale
+        half = scale.clamp(max=torch.finfo(HALF_SCALE).max).to(HALF_SCALE)
+        up = torch.nextafter(half, torch.full_like(half, torch.inf)).clamp(max=torch.finfo(HALF_SCALE).max)
+        return torch.where(half.to(scale.dtype) < scale, up, half).to(scale.dtype)
 
     def unfit(self, head_dim: int) -> str | None:
         """Why vectors of ``head_dim`` dimensions cannot take these codes, or None."""
@@ -87,7 +107,7 @@ class CodeFormat:
         """x [..., D] -> its stored codes [..., ``stored_dims``] and scales [..., ``groups``] (``scale_dtype``; a zero
         group: scale 0, codes 0)."""
         x32 = x.detach().to(scale_dtype(x.dtype))
-        scale = self._grouped(x32).abs().amax(-1) / self.levels
+        scale = self._rounded_scale(self._grouped(x32).abs().amax(-1) / self.levels)
         return self._codes(x32, scale), scale
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,6 +137,8 @@ CODE_FORMATS = {
     INT8: CodeFormat(bits=8, group=None, description="int8 codes with a float32 scale per key and per value"),
     INT4: CodeFormat(bits=4, group=32, description="int4 codes (two per byte) with a float32 scale per 32 dimensions "
                                                    "of each key and value"),
+    "int4g16": CodeFormat(bits=4, group=16, scale_bytes=2, description="int4 codes (two per byte) with a float16 "
+                                                                       "scale per 16 dimensions of each key and value"),
 }
 CACHE_DTYPES = (MODEL, *CODE_FORMATS)
 

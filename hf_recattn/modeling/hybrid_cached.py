@@ -56,7 +56,8 @@ CACHE_OPTIONS = {
         (str,), MODEL, "how the exact cache holds its keys and values: as the model computes them ('model') or "
         "as int8 codes with a float32 scale per key and per value ('int8', about a quarter of float32's bytes) or "
         "as int4 codes with a float32 scale per 32 dimensions ('int4', 1.7 times int8's pairs per byte at 64 "
-        "dimensions); modeling/cache_precision.py", choices=CACHE_DTYPES,
+        "dimensions) or a float16 scale per 16 ('int4g16', int4's bytes, finer steps); modeling/cache_precision.py",
+        choices=CACHE_DTYPES,
     ),
 }
 #: what each cache option does, for the error when it is set with the cache off
@@ -512,7 +513,8 @@ class ExactCacheForms:
         it dequantized, ``_cache_out`` under autograd, as it is)."""
         if self.cache_dtype == MODEL:
             return Cache(state["ck"], state["cv"], state["cmask"], state.get("cpos"))
-        key_scales, value_scales, dtype = state["cks"], state["cvs"], state["wk"].dtype
+        dtype = state["wk"].dtype
+        key_scales, value_scales = (state[name].to(scale_dtype(dtype)) for name in ("cks", "cvs"))
         keys, values = state["ck"], state["cv"]
         if not keys.is_floating_point():
             codes = self._code_format
@@ -525,10 +527,11 @@ class ExactCacheForms:
         the queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
         if cache.key_scales is None:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
-        scales_and_mask = {"cks": cache.key_scales, "cvs": cache.value_scales, "cmask": cache.mask}
+        codes = self._code_format
+        scales_and_mask = {"cks": codes.stored_scales(cache.key_scales), "cvs": codes.stored_scales(cache.value_scales),
+                           "cmask": cache.mask}
         if torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
             return {"ck": cache.keys, "cv": cache.values, **scales_and_mask}
-        codes = self._code_format
         return {"ck": codes.codes_of(cache.keys, cache.key_scales),
                 "cv": codes.codes_of(cache.values, cache.value_scales), **scales_and_mask}
 
@@ -537,8 +540,8 @@ class ExactCacheForms:
         return ("ck", "cv", "cmask") if self.cache_dtype == MODEL else ("ck", "cv", "cks", "cvs", "cmask")
 
     def _init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> State:
-        """The pending buffer (W slots) and the cache (G slots per KV head), empty; codes with float32 scales when
-        ``cache_dtype`` is coded."""
+        """The pending buffer (W slots) and the cache (G slots per KV head), empty; codes with their scales (as the
+        format stores them) when ``cache_dtype`` is coded."""
         hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
         coded = self.cache_dtype != MODEL
         held, stored = (self._code_format.codes_dtype, self._code_format.stored_dims(d)) if coded else (dtype, d)
@@ -551,7 +554,7 @@ class ExactCacheForms:
             "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
         }
         if coded:
-            scales = (batch_size, hk, slots, self._code_format.groups(d))
-            state["cks"] = torch.zeros(scales, device=device, dtype=scale_dtype(dtype))
-            state["cvs"] = torch.zeros(scales, device=device, dtype=scale_dtype(dtype))
+            codes = self._code_format
+            scales = torch.zeros(batch_size, hk, slots, codes.groups(d), device=device, dtype=scale_dtype(dtype))
+            state["cks"], state["cvs"] = codes.stored_scales(scales), codes.stored_scales(scales.clone())
         return state
