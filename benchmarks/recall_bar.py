@@ -8,7 +8,9 @@ figure of the window of 512 + 4 sinks and of every kvpress press that keeps no m
     python benchmarks/recall_bar.py --student gemma3-270m "NAME (default)" --out /tmp/bar.json   # another row
 
 A student counts as within the bar on a cell when it is no further below the teacher than the bar allows; the
-last column names the cells where it is not.
+last column names the cells where it is not. A cell measured on more prompts (a ``wider`` file: a natural_recall
+run with a larger ``--prompts``, its kvpress rivals in ``wider_presses``) is read from there when that file holds
+both the student and the teacher: the student, the teacher and the rivals of a cell always answer the same prompts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from results_file import RESULTS, add_out_argument, run_record, write_results
+
+from hf_recattn.evaluation.needles import NEEDLE_PROMPTS
 
 #: per teacher: its label and the result files the bar reads
 SOURCES: dict[str, dict[str, Any]] = {
@@ -40,6 +44,9 @@ SOURCES: dict[str, dict[str, Any]] = {
         "perplexity": "natural_perplexity_gemma3_cpu.json",
         "presses": ["kv_needles_gemma3_int4_cpu.json", "kv_needles_gemma3_int4_aware_cpu.json",
                     "kv_needles_gemma3_multi_int4_cpu.json"],
+        "wider": ["natural_recall_multikey40_gemma3_cpu.json"],
+        "wider_presses": ["kv_needles_gemma3_multikey40_int4_cpu.json",
+                          "kv_needles_gemma3_multikey40_int4g16_cpu.json"],
     },
 }
 
@@ -82,7 +89,7 @@ def _accuracy(row: dict[str, Any], task: str, haystack: str, length: str) -> flo
 def _press_rows(files: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every press row of the kvpress results (by file name): its name, cache MiB, accuracy per
     "task/haystack/length", and the cells whose every prompt its budget held whole (``whole``: nothing pressed,
-    the teacher's cache only rounded to the row's dtype)."""
+    the teacher's cache only rounded to the row's dtype), and each cell's prompt count."""
     rows = []
     for results in files.values():
         coded = results["settings"].get("cache_dtype") or "fp32"
@@ -96,45 +103,65 @@ def _press_rows(files: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             mode = str(row.get("mode", "")).removeprefix("question-")
             rows.append({"name": f"{row['press']} {mode}, {coded}".replace(" ,", ","), "cache_mib": row["cache_mib"],
                          "accuracy": {key: cell["summary"]["accuracy"] for key, cell in cells.items()},
+                         "prompts": {key: cell["summary"].get("prompts") for key, cell in cells.items()},
                          "whole": whole})
     return rows
 
 
-def _student(name: str, rows: dict[str, dict[str, Any]], teacher: dict[str, dict[str, Any]],
-             presses: list[dict[str, Any]]) -> dict[str, Any]:
-    """One student's cells, the teacher's beside them, and the cells where it misses the bar."""
-    single, multi, ppl = rows["single"][name], rows["multi"].get(name, {}), rows["perplexity"].get(name)
+def _widest(name: str, task: str, haystack: str, length: str,
+            sources: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The (student row, window row) of the source that measured the cell on the most prompts while holding the
+    student's and the teacher's cell (the first source, the cell's own file, wins ties and stands when none does)."""
+    def prompts(models: dict[str, Any]) -> int:
+        cells = [models.get(who, {}).get("cells", {}).get(task, {}).get(haystack, {}).get(length)
+                 for who in (name, "teacher")]
+        return -1 if None in cells else min(cell.get("prompts", 0) for cell in cells)
+
+    best = max(sources, key=prompts)  # max keeps the first of equals
+    if prompts(best) < 0:
+        best = sources[0]
+    return best, best.get(WINDOW)
+
+
+def _student(name: str, rows: dict[str, Any], presses: list[dict[str, Any]]) -> dict[str, Any]:
+    """One student's cells, the teacher's beside them (both from the file that measured the cell on the most
+    prompts), and the cells where it misses the bar."""
+    teacher_ppl = rows["perplexity"].get("teacher")
+    single, ppl = rows["single"][name], rows["perplexity"].get(name)
     mib = single["cache_mib"]["4096"]
     out: dict[str, Any] = {"cache_mib": mib, "recall": {}, "perplexity": {}, "misses": [], "rivals": {}}
+    measured: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {}
     for column, task, length, points in RECALL_CELLS:
-        source = single if task == "single_number" else multi
-        teacher_row = teacher["single"] if task == "single_number" else teacher["multi"]
+        own = rows["single"] if task == "single_number" else rows["multi"]
         for h in HAYSTACKS:
-            got, ref = _accuracy(source, task, h, length), _accuracy(teacher_row, task, h, length)
-            out["recall"][f"{column}/{h}"] = {"student": got, "teacher": ref}
+            source = measured[f"{column}/{h}"] = _widest(name, task, h, length, [own, *rows["wider"]])
+            got = _accuracy(source[0].get(name, {}), task, h, length)
+            ref = _accuracy(source[0].get("teacher", {}), task, h, length)
+            cell = source[0].get(name, {}).get("cells", {}).get(task, {}).get(h, {}).get(length) or {}
+            out["recall"][f"{column}/{h}"] = {"student": got, "teacher": ref, "prompts": cell.get("prompts")}
             if got is None or ref is None or got < ref - points / 100 - 1e-9:
                 out["misses"].append(f"{column} {h}")
     for column, length, most in PERPLEXITY_CELLS:
         for h in HAYSTACKS:
             ratio = None
-            if ppl is not None and teacher["perplexity"] is not None:
-                ratio = ppl["perplexity"][h][length] / teacher["perplexity"]["perplexity"][h][length]
+            if ppl is not None and teacher_ppl is not None:
+                ratio = ppl["perplexity"][h][length] / teacher_ppl["perplexity"][h][length]
             out["perplexity"][f"{column}/{h}"] = ratio
             if ratio is None or ratio > most:
                 out["misses"].append(f"{column} {h}")
     for column, task, length, _points in RECALL_CELLS:
-        source = single if task == "single_number" else multi
-        window = rows["single" if task == "single_number" else "multi"].get(WINDOW)
         for h in HAYSTACKS:
-            key = f"{task}/{h}/{length}"
+            key, (source, window) = f"{task}/{h}/{length}", measured[f"{column}/{h}"]
+            prompts = out["recall"][f"{column}/{h}"]["prompts"]
             rivals = [(p["accuracy"][key], p["name"] + (WHOLE if key in p["whole"] else "")) for p in presses
-                      if key in p["accuracy"] and p["cache_mib"] <= mib * (1 + SAME_BYTES)]
+                      if key in p["accuracy"] and p["cache_mib"] <= mib * (1 + SAME_BYTES)
+                      and (prompts is None or p["prompts"].get(key) in (None, prompts))]
             window_accuracy = None if window is None else _accuracy(window, task, h, length)
             if window_accuracy is not None:
                 rivals.append((window_accuracy, WINDOW))
             if rivals:
                 best, who = max(rivals)
-                mine = _accuracy(source, task, h, length)
+                mine = _accuracy(source.get(name, {}), task, h, length)
                 out["rivals"][f"{column}/{h}"] = {"accuracy": best, "name": who, "student": mine}
                 if mine is not None and mine < 1.0 and best >= mine:
                     out["misses"].append(f"{column} {h} (not ahead of {who})")
@@ -146,20 +173,21 @@ def collect(teachers: dict[str, list[str]]) -> dict[str, Any]:
     data: dict[str, Any] = {"teachers": {}, "sources": {}, "notes": []}
     for key, students in teachers.items():
         files = SOURCES[key]
+        wider, wider_presses = files.get("wider", []), files.get("wider_presses", [])
         loaded = {name: _load(name) for name in (files["single"], files["multi"], files["perplexity"],
-                                                 *files["presses"])}
+                                                 *files["presses"], *wider, *wider_presses)}
         for name, results in loaded.items():
             data["sources"][name] = {"commit": results["provenance"]["commit"],
                                      "date": results["provenance"]["date"]}
-        rows = {kind: loaded[files[kind]]["models"] for kind in ("single", "multi", "perplexity")}
+        rows: dict[str, Any] = {kind: loaded[files[kind]]["models"] for kind in ("single", "multi", "perplexity")}
+        rows["wider"] = [loaded[name]["models"] for name in wider]
         missing = [name for name in students if name not in rows["single"]]
         if missing:
             raise SystemExit(f"recall_bar: {files['single']} has no row {missing[0]!r}: measure it first")
-        teacher = {kind: rows[kind].get("teacher") for kind in rows}
-        presses = _press_rows({name: loaded[name] for name in files["presses"]})
+        presses = _press_rows({name: loaded[name] for name in (*files["presses"], *wider_presses)})
         data["teachers"][key] = {"label": files["label"],
                                  "teacher_cache_mib_8k": rows["single"]["teacher"]["cache_mib"]["8192"],
-                                 "students": {name: _student(name, rows, teacher, presses) for name in students}}
+                                 "students": {name: _student(name, rows, presses) for name in students}}
     return data
 
 
@@ -189,7 +217,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             cells = [per_teacher["label"], name.removesuffix(" (default)"), f"{row['cache_mib']:.2f}"]
             for column, *_ in RECALL_CELLS:
                 got = {h: row["recall"][f"{column}/{h}"] for h in HAYSTACKS}
-                cells.append(f"{_pair(got, 'student')} ({_pair(got, 'teacher')})")
+                counts = sorted({c["prompts"] for c in got.values() if c.get("prompts") not in (None, NEEDLE_PROMPTS)})
+                wider = "".join(f", {n} prompts" for n in counts)
+                cells.append(f"{_pair(got, 'student')} ({_pair(got, 'teacher')}){wider}")
             for column, *_ in PERPLEXITY_CELLS:
                 ratios = [row["perplexity"][f"{column}/{h}"] for h in HAYSTACKS]
                 cells.append(" / ".join("-" if r is None else f"{r:.3f}" for r in ratios))
@@ -198,14 +228,15 @@ def render_markdown(results: dict[str, Any]) -> str:
             cells.append(_misses(row["misses"]))
             lines.append("| " + " | ".join(cells) + " |")
     notes = [
-        "Each cell: held-out corpus documents / the corpus's license texts; recall in % of 20 prompts, the "
-        "teacher's in brackets. The bar: single needles within 10 points of the teacher, multi-key and multi-query "
-        "within 20, perplexity at most 1.10x the teacher's (docs/recall.md). MiB: the student's state per sequence "
-        "at any context. The rival column: the best of the window of 512 + 4 sinks and of every kvpress press "
-        "(question-agnostic or question-aware, any cache dtype) that keeps no more bytes than the student (within "
-        "0.1%: a press keeps whole tokens), shown for single needles at 4k; the bar asks the student to be ahead "
-        "of the best rival in every recall cell where the student answers less than all prompts, and the last "
-        "column names each cell where it is not.",
+        f"Each cell: held-out corpus documents / the corpus's license texts; recall in % of {NEEDLE_PROMPTS} prompts "
+        "(of more where the cell says so: a cell measured on more prompts for the student and the teacher is read "
+        "from that run, its rivals at the same count), the teacher's in brackets. The bar: single needles within 10 "
+        "points of the teacher, multi-key and multi-query within 20, perplexity at most 1.10x the teacher's "
+        "(docs/recall.md). MiB: the student's state per sequence at any context. The rival column: the best of the "
+        "window of 512 + 4 sinks and of every kvpress press (question-agnostic or question-aware, any cache dtype) "
+        "that keeps no more bytes than the student (within 0.1%: a press keeps whole tokens), shown for single "
+        "needles at 4k; the bar asks the student to be ahead of the best rival in every recall cell where the student"
+        " answers less than all prompts, and the last column names each cell where it is not.",
         "Read from " + ", ".join(f"{name} ({s['commit'][:10]}, {s['date'][:10]})"
                                  for name, s in sorted(results["sources"].items())) + ".",
     ]

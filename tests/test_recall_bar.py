@@ -10,13 +10,14 @@ from script_modules import load_script
 
 bar = load_script("benchmarks", "recall_bar")
 
+WINDOW_ROW = "window 512 + 4 sinks"
 RECORD = {"commit": "0123456789abcdef", "date": "2026-11-30T00:00:00"}
 LENGTHS = {"single_number": ("1024", "4096"), "multi_key": ("2048",), "multi_query": ("2048",)}
 
 
 def _row(accuracy: dict[str, float], mib: float = 22.0) -> dict:
     """A natural_recall row answering ``accuracy[task]`` on every haystack and length of the task."""
-    cells = {task: {h: {n: {"accuracy": acc} for n in LENGTHS[task]} for h in ("heldout", "ood")}
+    cells = {task: {h: {n: {"accuracy": acc, "prompts": 20} for n in LENGTHS[task]} for h in ("heldout", "ood")}
              for task, acc in accuracy.items()}
     return {"cache_mib": {"1024": mib, "4096": mib, "8192": mib}, "cells": cells}
 
@@ -36,7 +37,7 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "teacher": teacher,
         "within": _row({"single_number": 0.7, "multi_key": 0.4, "multi_query": 0.4}),
         "short": _row({"single_number": 0.65, "multi_key": 0.35, "multi_query": 0.6}),
-        "window 512 + 4 sinks": _row({"single_number": 0.1}, mib=22.7),
+        WINDOW_ROW: _row({"single_number": 0.1}, mib=22.7),
     }
     _write(tmp_path, "single.json", {"models": models})
     _write(tmp_path, "multi.json", {"models": models})
@@ -66,7 +67,7 @@ def test_multi_key_and_multi_query_cells_have_their_rivals(results: Path) -> Non
     bytes that answers as many multi-query queries as the student is a miss there, named as holding every prompt
     whole where its budget pressed none of them (one held-out prompt longer than the budget: pressed there)."""
     multi = json.loads((results / "multi.json").read_text())
-    multi["models"]["window 512 + 4 sinks"] = _row({"multi_key": 0.2}, mib=22.7)
+    multi["models"][WINDOW_ROW] = _row({"multi_key": 0.2}, mib=22.7)
     (results / "multi.json").write_text(json.dumps(multi))
     presses = json.loads((results / "presses.json").read_text())
     fits = {"heldout": [{"cache_tokens": 1_900}, {"cache_tokens": 3_269}], "ood": [{"cache_tokens": 1_900}] * 2}
@@ -96,6 +97,36 @@ def test_the_table_shows_each_cell_beside_the_teacher(results: Path) -> None:
     table = bar.render_markdown({**data, "provenance": RECORD})
     line = next(line for line in table.splitlines() if "| within |" in line)
     assert "70 / 70 (80 / 80)" in line and "1.100 / 1.100" in line
+
+
+def test_a_cell_measured_on_more_prompts_is_read_with_its_teacher_and_rivals_at_that_count(
+        results: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wider run (40 prompts) holding the student and the teacher replaces their 20-prompt multi-key cells, its
+    window and only the presses measured on 40 prompts are the rivals there; a student the wider run lacks keeps its
+    own file's cells, and a 40-prompt press is no rival of a 20-prompt cell."""
+    def multi_key(accuracy: float, prompts: int) -> dict:
+        cell = {"accuracy": accuracy, "prompts": prompts}
+        return {"cells": {"multi_key": {h: {"2048": cell} for h in ("heldout", "ood")}}}
+
+    wider = {"teacher": multi_key(0.6, 40), "short": multi_key(0.45, 40), WINDOW_ROW: multi_key(0.1, 40)}
+    _write(results, "wider.json", {"models": wider})
+    cells = {h: {"2048": {"summary": {"accuracy": 0.45, "prompts": 40}, "prompts": [{"cache_tokens": 1_900}]}}
+             for h in ("heldout", "ood")}
+    press = {"press": "KNorm", "mode": "question-agnostic", "cache_mib": 21.0, "kept_tokens": 1_721,
+             "cells": {"multi_key": cells}}
+    _write(results, "wider_presses.json", {"settings": {"cache_dtype": "int4"}, "rows": {"knorm": press}})
+    monkeypatch.setitem(bar.SOURCES["t"], "wider", ["wider.json"])
+    monkeypatch.setitem(bar.SOURCES["t"], "wider_presses", ["wider_presses.json"])
+    rows = bar.collect({"t": ["short", "within"]})["teachers"]["t"]["students"]
+    short, within = rows["short"], rows["within"]
+    assert short["recall"]["multi-key 2k/ood"] == {"student": 0.45, "teacher": 0.6, "prompts": 40}
+    assert "multi-key 2k ood" not in short["misses"]  # 35 against 60 on 20 prompts; 45 against 60 on 40
+    assert short["rivals"]["multi-key 2k/ood"] == {"accuracy": 0.45, "name": "KNorm agnostic, int4", "student": 0.45}
+    assert "multi-key 2k ood (not ahead of KNorm agnostic, int4)" in short["misses"]
+    assert within["recall"]["multi-key 2k/ood"]["student"] == 0.4  # not in the wider run: its own 20 prompts
+    assert "multi-key 2k/ood" not in within["rivals"]  # the 40-prompt press answered other prompts
+    table = bar.render_markdown({**bar.collect({"t": ["short"]}), "provenance": RECORD})
+    assert "45 / 45 (60 / 60), 40 prompts" in table
 
 
 def test_a_student_without_a_row_is_named(results: Path) -> None:
