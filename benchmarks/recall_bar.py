@@ -81,8 +81,12 @@ def _load(name: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _cell(row: dict[str, Any], task: str, haystack: str, length: str) -> dict[str, Any] | None:
+    return row.get("cells", {}).get(task, {}).get(haystack, {}).get(length)
+
+
 def _accuracy(row: dict[str, Any], task: str, haystack: str, length: str) -> float | None:
-    cell = row.get("cells", {}).get(task, {}).get(haystack, {}).get(length)
+    cell = _cell(row, task, haystack, length)
     return None if cell is None else cell["accuracy"]
 
 
@@ -108,19 +112,15 @@ def _press_rows(files: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _widest(name: str, task: str, haystack: str, length: str,
-            sources: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The (student row, window row) of the source that measured the cell on the most prompts while holding the
-    student's and the teacher's cell (the first source, the cell's own file, wins ties and stands when none does)."""
+def _widest(name: str, task: str, haystack: str, length: str, sources: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rows of the source that measured the cell on the most prompts while holding the student's and the
+    teacher's cell (the first source, the cell's own file, wins ties and stands when none does)."""
     def prompts(models: dict[str, Any]) -> int:
-        cells = [models.get(who, {}).get("cells", {}).get(task, {}).get(haystack, {}).get(length)
-                 for who in (name, "teacher")]
+        cells = [_cell(models.get(who, {}), task, haystack, length) for who in (name, "teacher")]
         return -1 if None in cells else min(cell.get("prompts", 0) for cell in cells)
 
     best = max(sources, key=prompts)  # max keeps the first of equals
-    if prompts(best) < 0:
-        best = sources[0]
-    return best, best.get(WINDOW)
+    return best if prompts(best) >= 0 else sources[0]
 
 
 def _student(name: str, rows: dict[str, Any], presses: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,14 +130,14 @@ def _student(name: str, rows: dict[str, Any], presses: list[dict[str, Any]]) -> 
     single, ppl = rows["single"][name], rows["perplexity"].get(name)
     mib = single["cache_mib"]["4096"]
     out: dict[str, Any] = {"cache_mib": mib, "recall": {}, "perplexity": {}, "misses": [], "rivals": {}}
-    measured: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {}
+    measured: dict[str, dict[str, Any]] = {}
     for column, task, length, points in RECALL_CELLS:
         own = rows["single"] if task == "single_number" else rows["multi"]
         for h in HAYSTACKS:
             source = measured[f"{column}/{h}"] = _widest(name, task, h, length, [own, *rows["wider"]])
-            got = _accuracy(source[0].get(name, {}), task, h, length)
-            ref = _accuracy(source[0].get("teacher", {}), task, h, length)
-            cell = source[0].get(name, {}).get("cells", {}).get(task, {}).get(h, {}).get(length) or {}
+            got = _accuracy(source.get(name, {}), task, h, length)
+            ref = _accuracy(source.get("teacher", {}), task, h, length)
+            cell = _cell(source.get(name, {}), task, h, length) or {}
             out["recall"][f"{column}/{h}"] = {"student": got, "teacher": ref, "prompts": cell.get("prompts")}
             if got is None or ref is None or got < ref - points / 100 - 1e-9:
                 out["misses"].append(f"{column} {h}")
@@ -151,7 +151,8 @@ def _student(name: str, rows: dict[str, Any], presses: list[dict[str, Any]]) -> 
                 out["misses"].append(f"{column} {h}")
     for column, task, length, _points in RECALL_CELLS:
         for h in HAYSTACKS:
-            key, (source, window) = f"{task}/{h}/{length}", measured[f"{column}/{h}"]
+            key, source = f"{task}/{h}/{length}", measured[f"{column}/{h}"]
+            window = source.get(WINDOW)
             prompts = out["recall"][f"{column}/{h}"]["prompts"]
             rivals = [(p["accuracy"][key], p["name"] + (WHOLE if key in p["whole"] else "")) for p in presses
                       if key in p["accuracy"] and p["cache_mib"] <= mib * (1 + SAME_BYTES)
