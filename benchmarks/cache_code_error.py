@@ -28,7 +28,7 @@ from hf_recattn import from_teacher
 from hf_recattn.conversion.teacher import load_teacher, teacher_name
 from hf_recattn.evaluation.heldout import long_rows
 from hf_recattn.evaluation.needles import NEEDLE_HAYSTACKS, natural_haystacks
-from hf_recattn.modeling.cache_precision import CODE_FORMATS, code_format
+from hf_recattn.modeling.cache_precision import PAIR_CODES
 
 Captured = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -73,9 +73,8 @@ def layer_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int 
     q = q[:, -queries:]
     exact_weights, exact_out = attention(q, k, v, window)
     errors = {}
-    for name in CODE_FORMATS:
-        codes = code_format(name)
-        held_k, held_v = codes.round_trip(k)[0], codes.round_trip(v)[0]
+    for name, codes in PAIR_CODES.items():
+        held_k, held_v = codes.keys.round_trip(k)[0], codes.values.round_trip(v)[0]
         weights, out = attention(q, held_k, held_v, window)
         errors[name] = {
             "attention_l1": float((weights - exact_weights).abs().sum(-1).mean()),
@@ -109,7 +108,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "teacher": teacher_name(args.teacher), "head_dim": head_dim, "num_key_value_heads": kv_heads,
         "layers": {kind: sum(1 for k in kinds.values() if k == kind) for kind in sums},
         "blocks": len(blocks), "length": args.length, "queries": args.queries,
-        "bytes_per_pair": {name: 2 * code_format(name).vector_bytes(head_dim) for name in CODE_FORMATS},
+        "bytes_per_pair": {name: codes.pair_bytes(head_dim) for name, codes in PAIR_CODES.items()},
         "cells": {kind: {name: {h: {metric: sum(values) / len(values) for metric, values in per_h.items()}
                                 for h, per_h in per_name.items()} for name, per_name in per_kind.items()}
                   for kind, per_kind in sums.items()},

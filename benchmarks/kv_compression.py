@@ -300,10 +300,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     needles.add_argument("--seed", type=int, default=0)
     needles.add_argument("--modes", nargs="+", default=["question-agnostic", "question-aware"],
                          choices=("question-agnostic", "question-aware"))
-    needles.add_argument("--cache-dtype", default="model", choices=("model", "int8", "int4", "int4g16"),
+    needles.add_argument("--cache-dtype", default="model", choices=("model", "int8", "int4", "int4g16", "k8v4g16"),
                          help="int8: every run holds its cache as int8 codes with a float32 scale per key and per "
                               "value, a budget buying about four times the tokens; int4: as int4 codes with a "
-                              "float32 scale per 32 dimensions; int4g16: with a float16 scale per 16 (kv_needles.py)")
+                              "float32 scale per 32 dimensions; int4g16: with a float16 scale per 16; k8v4g16: keys "
+                              "as int8, values as int4g16 (kv_needles.py)")
     needles.add_argument("--verify", type=int, default=1, metavar="N",
                          help="the first N prompts of the first cell also run each press in a real prefill")
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-kvpress")

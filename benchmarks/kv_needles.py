@@ -30,7 +30,8 @@ full-attention layers, the same kept tokens in each. Kept tokens then count per 
 int8 codes with a float32 scale per key and per value, the rounding of the students' ``cache_dtype: int8``: a
 budget then buys about four times the tokens, so eviction rules compare at the precision of an int8 student;
 ``--cache-dtype int4`` likewise at ``cache_dtype: int4``'s (a float32 scale per 32 dimensions), ``int4g16`` at
-``cache_dtype: int4g16``'s (a float16 scale per 16).
+``cache_dtype: int4g16``'s (a float16 scale per 16), ``k8v4g16`` at ``cache_dtype: k8v4g16``'s (int8 keys, int4g16
+values).
 
     nice python benchmarks/kv_compression.py --probe needles --threads 2 \\
         --recall benchmarks/results/natural_recall_single_cpu.json --out benchmarks/results/kv_needles_cpu.json
@@ -57,7 +58,7 @@ from hf_recattn.evaluation.needles import (
     needle_template,
     wilson_interval,
 )
-from hf_recattn.modeling.cache_precision import MODEL, code_format
+from hf_recattn.modeling.cache_precision import MODEL, pair_codes
 from hf_recattn.prompting.haystack import Haystack
 from hf_recattn.provenance import provenance
 
@@ -136,9 +137,9 @@ def plan_needle_runs(presses: list[str], modes: list[str], kept: dict[int, list[
 
 def coded_bytes_per_token(per_token: int, head_dim: int, cache_dtype: str) -> int:
     """A teacher's KV cache per token held as a coded ``cache_dtype`` (its codes and scales per key and per value,
-    cache_precision.CodeFormat), from its float32 bytes per token and its heads' dimension."""
-    vectors = per_token // (4 * head_dim)  # the keys and values of every layer and KV head
-    return vectors * code_format(cache_dtype).vector_bytes(head_dim)
+    cache_precision.PairCodes), from its float32 bytes per token and its heads' dimension."""
+    pairs = per_token // (8 * head_dim)  # the key-value pairs of every layer and KV head
+    return pairs * pair_codes(cache_dtype).pair_bytes(head_dim)
 
 
 def recall_budgets(recall: dict[str, Any] | None) -> dict[str, float]:
@@ -383,7 +384,7 @@ def notes(results: dict[str, Any]) -> list[str]:
                for per_n in per_h.values() for cell in per_n.values() if "verified" in cell]
     budgets = {row["kept_tokens"]: row["budget_of"] for row in results["rows"].values() if row["budget_of"]}
     coded = results["settings"].get("cache_dtype")
-    held = (f"{code_format(coded).description}, the press's choice and the unpressed teacher's cache alike" if coded
+    held = (f"{pair_codes(coded).description}, the press's choice and the unpressed teacher's cache alike" if coded
             else "fp32")
     out = ["A cell: the share of the prompts answered, with its Wilson 95% interval. Kept tokens: the bytes of "
            + "; ".join(f"{', '.join(names)} ({kept})" for kept, names in sorted(budgets.items(), reverse=True)) + ".",

@@ -265,19 +265,20 @@ def coded_round_trip(x: torch.Tensor, levels: int, group: int | None, half_scale
     return (torch.round(grouped / safe).clamp(-levels, levels) * scale).flatten(-2).to(x.dtype)
 
 
-#: (levels, dimensions per scale, float16 scales) of each coded cache_dtype, as hf_recattn's
-#: modeling/cache_precision.py codes them
-CODES: dict[str, tuple[int, int | None, bool]] = {"int8": (127, None, False), "int4": (7, 32, False),
-                                                  "int4g16": (7, 16, True)}
+#: (levels, dimensions per scale, float16 scales) of the keys' and of the values' codes of each coded cache_dtype,
+#: as hf_recattn's modeling/cache_precision.py codes them
+CODES: dict[str, tuple[tuple[int, int | None, bool], tuple[int, int | None, bool]]] = {
+    "int8": ((127, None, False), (127, None, False)), "int4": ((7, 32, False), (7, 32, False)),
+    "int4g16": ((7, 16, True), (7, 16, True)), "k8v4g16": ((127, None, False), (7, 16, True))}
 
 
 def held_as(cache: DynamicCache, cache_dtype: str) -> DynamicCache:
     """The cache as the run holds it: its keys and values rounded in place to a coded ``cache_dtype``."""
     if cache_dtype in CODES:
-        levels, group, half_scales = CODES[cache_dtype]
+        key_codes, value_codes = CODES[cache_dtype]
         for layer in cache.layers:
-            layer.keys = coded_round_trip(layer.keys, levels, group, half_scales)
-            layer.values = coded_round_trip(layer.values, levels, group, half_scales)
+            layer.keys = coded_round_trip(layer.keys, *key_codes)
+            layer.values = coded_round_trip(layer.values, *value_codes)
     return cache
 
 

@@ -19,7 +19,7 @@ from .atomic import write_text
 from .conversion.baselines import WINDOW_LABEL
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
-from .modeling.cache_precision import CODE_FORMATS, code_format
+from .modeling.cache_precision import PAIR_CODES, pair_codes
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_dtypes, hybrid_cache_scores, hybrid_cache_slots
@@ -94,7 +94,7 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
     if slots:
         cache = exact_cache_bytes(config, contexts[-1], BYTES_PER_ELEMENT)
         keeps = "; ".join(CACHE_SCORES[score].keeps for score in hybrid_cache_scores(config))
-        coded = [code_format(d).description for d in hybrid_cache_dtypes(config) if d in CODE_FORMATS]
+        coded = [pair_codes(d).description for d in hybrid_cache_dtypes(config) if d in PAIR_CODES]
         held = f", its slots holding {' or '.join(coded)}" if coded else ""
         lines += ["", f"Of this model's state, the exact cache of its hybrid layers (`cache_slots` {slots}: {keeps}, "
                   f"and the buffer of those waiting to be ranked) takes {human_bytes(cache)} at every context{held}."]

@@ -34,7 +34,8 @@ def test_the_captured_layers_attend_as_the_model_does() -> None:
 def test_errors_grow_as_the_codes_coarsen() -> None:
     """Keys and values that int8 holds exactly (integers within 127) cost int8 nothing; on random vectors with
     one large coordinate per head, int4's attention and output errors exceed int8's, and int4g16 (a scale per 16
-    dimensions) errs less than int4 (per 32)."""
+    dimensions) errs less than int4 (per 32). k8v4g16 holds the keys as int8 does (the same attention weights and
+    key error) and the values as int4g16 does: its output errs between int8's and int4g16's."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(4, 40, 32, generator=gen)
     exact_k = torch.randint(-127, 128, (2, 40, 32), generator=gen).float()
@@ -46,3 +47,6 @@ def test_errors_grow_as_the_codes_coarsen() -> None:
     errors = error.layer_errors(q, k, v, None, 8)
     for metric in ("attention_l1", "output_rel", "key_rel"):
         assert 0 < errors["int8"][metric] < errors["int4g16"][metric] < errors["int4"][metric], metric
+    for metric in ("attention_l1", "key_rel"):
+        assert errors["k8v4g16"][metric] == errors["int8"][metric]
+    assert errors["int8"]["output_rel"] < errors["k8v4g16"]["output_rel"] < errors["int4g16"]["output_rel"]

@@ -1,10 +1,10 @@
-"""The hybrid's exact cache held as integer codes (``cache_dtype: int8``, ``int4`` or ``int4g16``,
+"""The hybrid's exact cache held as integer codes (``cache_dtype: int8``, ``int4``, ``int4g16`` or ``k8v4g16``,
 modeling/cache_precision.py): every form against the float64 per-token reference of test_hybrid_cache.py, which
-rounds a pair once, when a decision first scores it (``HOLDS``, written there): fp32 forms there
+rounds a pair once, when a decision first scores it (``PAIR_HOLDS``, written there): fp32 forms there
 (``test_options_match_the_reference``), float64 forms and gradients here; decisions bit for bit across forms; the
 codes never rounded twice, int4's packed two per byte with a scale per 32 dimensions (int4g16: a float16 scale per
-16); the state's bytes; generation; bad specs. Tolerances as there: fp32 within 1e-5 relative, float64 within 1e-10,
-float64 gradients within 1e-9.
+16; k8v4g16: keys as int8, values as int4g16); the state's bytes; generation; bad specs. Tolerances as there: fp32
+within 1e-5 relative, float64 within 1e-10, float64 gradients within 1e-9.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from test_hybrid_cache import (
 )
 
 from hf_recattn.model_card import state_table
-from hf_recattn.modeling.cache_precision import code_format, slot_elements
+from hf_recattn.modeling.cache_precision import code_format, pair_codes, slot_elements
 from hf_recattn.modeling.hybrid_options import with_hybrid_options
 from hf_recattn.modeling.mixer_base import MixerShape
 from hf_recattn.modeling.registry import build_mixer, validate_spec
@@ -37,9 +37,13 @@ HK, D = SHAPE.num_kv_heads, SHAPE.head_dim
 INT8 = {"cache_dtype": "int8"}
 INT4 = {"cache_dtype": "int4"}
 INT4G16 = {"cache_dtype": "int4g16"}
+K8V4G16 = {"cache_dtype": "k8v4g16"}
 #: the bytes of one coded vector of SHAPE's 8 dimensions: int8's 8 codes, int4's 4 bytes of codes; one scale each
 #: (int4g16's of 2 bytes)
 VECTOR_BYTES = {"int8": D + 4, "int4": D // 2 + 4, "int4g16": D // 2 + 2}
+#: the bytes of one coded key and its value
+PAIR_BYTES = {**{name: 2 * size for name, size in VECTOR_BYTES.items()},
+              "k8v4g16": VECTOR_BYTES["int8"] + VECTOR_BYTES["int4g16"]}
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +54,8 @@ def _one_thread() -> None:
 @pytest.mark.parametrize(("far", "score", "codes"), [("linear-elu", "far", INT8), ("delta", "novelty", INT8),
                                                      ("none", "keydiff", INT8), ("linear-elu", "far", INT4),
                                                      ("none", "keydiff", INT4), ("delta", "novelty", INT4G16),
-                                                     ("none", "keydiff", INT4G16)])
+                                                     ("none", "keydiff", INT4G16), ("delta", "far", K8V4G16),
+                                                     ("none", "keydiff", K8V4G16)])
 def test_coded_float64_forms_match_the_reference_closely(far: str, score: str, codes: dict[str, str]) -> None:
     assert_float64_forms_match(make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score, **codes),
                                seed=22)
@@ -118,7 +123,7 @@ def test_a_held_pair_keeps_its_codes(dtype: torch.dtype, cache_dtype: str, dims:
     assert ((held.double() - x.double()).abs() <= step / 2 + x.double().abs() * 2 ** -7).all()
 
 
-@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16])
+@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16, K8V4G16])
 def test_coded_state_counts_its_bytes(codes: dict[str, str]) -> None:
     """The state holds the codes and the scales of each cached key and value; state_size counts the cache's keys and
     values at their bytes over four, the rest as before, and that is the state's real size in bytes (masks at four
@@ -126,19 +131,22 @@ def test_coded_state_counts_its_bytes(codes: dict[str, str]) -> None:
     slots = 6
     mixer, plain = make("linear-elu", window=3, slots=slots, sink_tokens=2, **codes), make(
         "linear-elu", window=3, slots=slots, sink_tokens=2)
-    cache_bytes = 2 * HK * slots * VECTOR_BYTES[codes["cache_dtype"]]
+    cache_bytes = HK * slots * PAIR_BYTES[codes["cache_dtype"]]
     assert slot_elements(HK, D, slots, codes["cache_dtype"]) == cache_bytes // 4
     assert mixer.state_size(7) == mixer.state_size(10**6) == plain.state_size(1) - 2 * HK * D * slots + cache_bytes // 4
     state = mixer.init_state(1, torch.device("cpu"), torch.float32)
-    assert state["ck"].dtype == state["cv"].dtype == code_format(codes["cache_dtype"]).codes_dtype
-    assert state["cks"].dtype == state["cvs"].dtype == (torch.float16 if codes == INT4G16 else torch.float32)
+    pair = pair_codes(codes["cache_dtype"])
+    assert (state["ck"].dtype, state["cv"].dtype) == (pair.keys.codes_dtype, pair.values.codes_dtype)
+    assert state["ck"].shape[-1] == pair.keys.stored_dims(D) and state["cv"].shape[-1] == pair.values.stored_dims(D)
+    assert state["cks"].dtype == (torch.float16 if codes == INT4G16 else torch.float32)
+    assert state["cvs"].dtype == (torch.float16 if codes in (INT4G16, K8V4G16) else torch.float32)
     real_bytes = sum(t.numel() * (4 if t.dtype == torch.bool else t.element_size()) for t in state.values())
     assert real_bytes == 4 * mixer.state_size(1)
     assert mixer.code_bytes() == cache_bytes and plain.code_bytes() == 0
 
 
 @pytest.mark.parametrize("bytes_per_element", [2, 4])
-@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16])
+@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16, K8V4G16])
 def test_reported_bytes_count_codes_at_their_bytes(bytes_per_element: int, codes: dict[str, str]) -> None:
     """The state-size report (cards, zoo, ``hf-recattn state-size``) counts a model's floating-point elements at the
     width asked for and its codes and scales at their own bytes: at bf16's two bytes an int8 cache is half its bf16
@@ -148,7 +156,7 @@ def test_reported_bytes_count_codes_at_their_bytes(bytes_per_element: int, codes
     rows, plain_rows = state_size_report(coded.config, 64), state_size_report(model.config, 64)
     config = model.config
     slots = MODEL_SPECS["delta-novelty"]["cache_slots"]
-    cache_bytes = 2 * config.num_key_value_heads * slots * VECTOR_BYTES[codes["cache_dtype"]]
+    cache_bytes = config.num_key_value_heads * slots * PAIR_BYTES[codes["cache_dtype"]]
     for row, plain in zip(rows, plain_rows, strict=True):
         assert row.code_bytes == cache_bytes and plain.code_bytes == 0
         float_slots = 2 * config.num_key_value_heads * slots * config.head_dim
@@ -157,7 +165,7 @@ def test_reported_bytes_count_codes_at_their_bytes(bytes_per_element: int, codes
         assert plain.state_bytes(bytes_per_element) == plain.state_elements * bytes_per_element
 
 
-@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16])
+@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16, K8V4G16])
 def test_a_trained_model_runs_with_a_coded_cache(codes: dict[str, str]) -> None:
     """``cache_dtype`` adds no weights: a model trained as computed takes it as an option; its cache then holds codes,
     its exact-cache bytes fall, and greedy generation through the cache equals the full forward's."""
@@ -175,9 +183,10 @@ def test_a_trained_model_runs_with_a_coded_cache(codes: dict[str, str]) -> None:
 def test_int4_holds_more_pairs_per_byte_than_int8() -> None:
     """At 64 dimensions (SmolLM2's heads) an int4 pair takes 80 bytes (32 + 32 bytes of codes, four scales), int8's
     136 and float32's 512; at 256 (Gemma 3's) 320, 520 and 2,048. int4g16's twice as many float16 scales take
-    int4's bytes."""
-    assert [code_format(d).vector_bytes(64) * 2 for d in ("int4", "int4g16", "int8")] == [80, 80, 136]
-    assert [code_format(d).vector_bytes(256) * 2 for d in ("int4", "int4g16", "int8")] == [320, 320, 520]
+    int4's bytes; k8v4g16's int8 key and int4g16 value 108 and 420."""
+    names = ("int4", "int4g16", "k8v4g16", "int8")
+    assert [pair_codes(d).pair_bytes(64) for d in names] == [80, 80, 108, 136]
+    assert [pair_codes(d).pair_bytes(256) for d in names] == [320, 320, 420, 520]
 
 
 def test_bad_cache_dtype_names_layer_and_option() -> None:
@@ -186,7 +195,8 @@ def test_bad_cache_dtype_names_layer_and_option() -> None:
          r"layer 2: option 'cache_dtype'='int8' sets how the exact cache holds its pairs, which is off "
          r"\(cache_slots: 0\)"),
         ({"mixer": "hybrid", "cache_slots": 2, "cache_dtype": "int2"}, "layer 2",
-         r"layer 2: option 'cache_dtype' must be one of \['model', 'int8', 'int4', 'int4g16'\], got 'int2'"),
+         r"layer 2: option 'cache_dtype' must be one of \['model', 'int8', 'int4', 'int4g16', 'k8v4g16'\], "
+         r"got 'int2'"),
     ])
     spec = validate_spec({"mixer": "hybrid", "far": "none", "cache_slots": 2, "cache_score": "keydiff", **INT4},
                          "layer 3")
@@ -197,12 +207,19 @@ def test_bad_cache_dtype_names_layer_and_option() -> None:
     with pytest.raises(ValueError, match=r"layer 3: option 'cache_dtype'='int4g16' packs 2 codes per byte with a "
                                          r"scale per 16 dimensions, which head_dim 24 does not divide into"):
         build_mixer(spec, MixerShape(hidden_size=48, num_heads=2, num_kv_heads=1, head_dim=24, layer_idx=3))
+    spec = validate_spec({**spec, **K8V4G16}, "layer 3")
+    with pytest.raises(ValueError, match=r"layer 3: option 'cache_dtype'='k8v4g16' packs 2 codes per byte with a "
+                                         r"scale per 16 dimensions, which head_dim 24 does not divide into \(its "
+                                         r"values' codes\)"):
+        build_mixer(spec, MixerShape(hidden_size=48, num_heads=2, num_kv_heads=1, head_dim=24, layer_idx=3))
 
 
 @pytest.mark.parametrize(("codes", "words"), [
     (INT8, "int8 codes with a float32 scale per key and per value"),
     (INT4, "int4 codes (two per byte) with a float32 scale per 32 dimensions"),
     (INT4G16, "int4 codes (two per byte) with a float16 scale per 16 dimensions"),
+    (K8V4G16, "int8 codes with a float32 scale per key, int4 codes (two per byte) with a float16 scale per 16 "
+              "dimensions of each value"),
 ])
 def test_the_card_says_how_the_cache_is_coded(codes: dict[str, str], words: str) -> None:
     """The model card's state table names how the exact cache holds its pairs, and its bytes shrink with the codes."""

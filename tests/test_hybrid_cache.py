@@ -224,19 +224,22 @@ HOLDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "int4": lambda x: coded_held(x, 4, min(32, len(x))),
     "int4g16": lambda x: coded_held(x, 4, min(16, len(x)), half_scales=True),
 }
+#: how each ``cache_dtype`` holds a key and its value: k8v4g16 the key as int8 does, the value as int4g16 does; the
+#: others both alike
+PAIR_HOLDS = {**{name: (hold, hold) for name, hold in HOLDS.items()}, "k8v4g16": (HOLDS["int8"], HOLDS["int4g16"])}
 
 
 def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mixer: Mixer,
                      far: Leaving | Arriving | None) -> torch.Tensor:
     """The hybrid with the cache, token by token, one row and key head at a time: lists of token positions for the
     sinks, the cache, the pending buffer and the evicted pairs. With a coded ``cache_dtype`` a decision scores and
-    keeps the pending pairs as the codes hold them (``HOLDS``, once); a pending pair evicted at once leaves as
+    keeps the pending pairs as the codes hold them (``PAIR_HOLDS``, once); a pending pair evicted at once leaves as
     computed, a cached one as it was held."""
     q, k, v = q.double(), k.double(), v.double()
     bsz, heads, seq, _ = q.shape
     groups, window, slots = heads // HK, mixer.window, mixer.cache_slots
     share = torch.sigmoid(mixer.mix_logit.double())
-    hold = HOLDS[mixer.spec.get("cache_dtype", "model")]
+    hold_key, hold_value = PAIR_HOLDS[mixer.spec.get("cache_dtype", "model")]
     rows: dict[tuple[int, int, int], torch.Tensor] = {}
     for b in range(bsz):
         real = [t for t in range(seq) if bool(mask[b, t])]
@@ -262,7 +265,7 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                         rows[(b, t, h)] = _output(far, share, mixer.combine, b, t, h, hk, q[b, h, t], terms, pairs)
                 if len(pending) == window:
                     leaving = {s: pair(s) for s in cache + pending}  # before the pending ones are rounded
-                    held.update({s: (hold(k[b, hk, s]), hold(v[b, hk, s])) for s in pending})
+                    held.update({s: (hold_key(k[b, hk, s]), hold_value(v[b, hk, s])) for s in pending})
                     candidates = cache + pending
                     pairs = evicted
                     if mixer.spec["cache_score"] == "novelty":
@@ -385,15 +388,19 @@ OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int4"}, {"cache_score"
                                             ("none", "keydiff", 1))]
 OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "int4g16"}, {"cache_score": score, "cache_dtype": "int8"},
                    far, sinks, 25) for far, score, sinks in (("delta", "far", 1), ("none", "keydiff", 0))]
+OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "k8v4g16"}, {"cache_score": score, "cache_dtype": other},
+                   far, sinks, 26) for far, score, sinks, other in (("delta", "far", 1, "int8"),
+                                                                    ("none", "keydiff", 0, "int4g16"))]
 
 
 @pytest.mark.parametrize(("options", "other_options", "far", "sinks", "seed"), OTHER_OPTIONS)
 def test_options_match_the_reference(options: Options, other_options: Options, far: str, sinks: int,
                                      seed: int) -> None:
     """cache_score 'novelty' (by the window's values) and 'keydiff' (by how far each candidate's key points from the
-    candidates' mean unit key), and cache_dtype 'int8', 'int4' and 'int4g16' (pairs rounded once, when first
-    scored), fp32 as above: the same forms, with a far part and without one; the other options decide otherwise on
-    the same inputs (for the codes: the rounding is really there, and int4's is not int8's)."""
+    candidates' mean unit key), and cache_dtype 'int8', 'int4', 'int4g16' and 'k8v4g16' (pairs rounded once, when
+    first scored), fp32 as above: the same forms, with a far part and without one; the other options decide otherwise
+    on the same inputs (for the codes: the rounding is really there, int4's is not int8's, and k8v4g16 rounds its
+    keys as int8 does and its values as int4g16 does, so it differs from both)."""
     assert_matches_the_reference_and_differs(far, {"sink_tokens": sinks, **options},
                                              {"sink_tokens": sinks, **other_options}, seed, 14)
 

@@ -19,7 +19,7 @@ from script_modules import load_script
 from hf_recattn.evaluation import Continuation, needle_probe
 from hf_recattn.evaluation import needles as needles_module
 from hf_recattn.evaluation.needles import needle_template
-from hf_recattn.modeling.cache_precision import code_format
+from hf_recattn.modeling.cache_precision import pair_codes
 
 PER_TOKEN = 46_080  # SmolLM2-135M: 30 layers x (keys + values) x 3 heads x 64 dims x 4 bytes
 
@@ -201,12 +201,14 @@ def test_results_of_other_settings_are_not_resumed(kn: ModuleType, tmp_path: Pat
 
 
 @pytest.mark.parametrize(("cache_dtype", "per_token", "kept"),
-                         [("int8", 12_240, 1923), ("int4", 7_200, 3269), ("int4g16", 7_200, 3269)])
+                         [("int8", 12_240, 1923), ("int4", 7_200, 3269), ("int4g16", 7_200, 3269),
+                          ("k8v4g16", 9_720, 2421)])
 def test_coded_presses_keep_more_tokens_rounded_as_the_students_round(kn: ModuleType, cache_dtype: str,
                                                                       per_token: int, kept: int) -> None:
-    """``--cache-dtype int8`` / ``int4`` / ``int4g16``: a teacher token's keys and values cost their codes and scales
-    (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes for int8, x (32 + 2 x 4) = 7,200 for int4, x (32 + 4
-    x 2) for int4g16's float16 scales), every
+    """``--cache-dtype int8`` / ``int4`` / ``int4g16`` / ``k8v4g16``: a teacher token's keys and values cost their
+    codes and scales (SmolLM2: 30 layers x 2 x 3 heads x (64 + 4) = 12,240 bytes for int8, x (32 + 2 x 4) = 7,200 for
+    int4, x (32 + 4 x 2) for int4g16's float16 scales; 30 x 3 x (68 + 40) = 9,720 for k8v4g16's int8 keys and int4g16
+    values), every
     run is marked to hold its cache so, and the worker's rounding is hf_recattn's ``cache_dtype`` rounding, bit for
     bit (the worker imports no hf_recattn: its functions are read from its source)."""
     assert kn.coded_bytes_per_token(PER_TOKEN, 64, cache_dtype) == per_token
@@ -223,9 +225,11 @@ def test_coded_presses_keep_more_tokens_rounded_as_the_students_round(kn: Module
     x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 64)
     x[0, 0, 0] = 0.0
     x[0, 0, 1, :32] = 0.0  # a zero group beside a filled one
-    codes, scale = code_format(cache_dtype).quantize(x)
-    held = namespace["coded_round_trip"](x, *namespace["CODES"][cache_dtype])
-    assert torch.equal(held, code_format(cache_dtype).dequantize(codes, scale, x.dtype))
+    pair = pair_codes(cache_dtype)
+    for vectors, worker_codes in zip((pair.keys, pair.values), namespace["CODES"][cache_dtype], strict=True):
+        codes, scale = vectors.quantize(x)
+        held = namespace["coded_round_trip"](x, *worker_codes)
+        assert torch.equal(held, vectors.dequantize(codes, scale, x.dtype))
 
 
 def test_the_figure_puts_every_row_and_press_at_its_bytes(kn: ModuleType, tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ each key and each value as symmetric integer codes with float32 scales (float64 
   half their bytes): a large coordinate spoils the step of 15 others instead of 31. Each scale is the float16 at or
   above the group's largest magnitude / 7 (so no code clips), at most float16's largest (65,504: a group beyond
   about 458,000 clips).
+- ``k8v4g16``: each key as ``int8`` codes, each value as ``int4g16`` codes: the keys set the attention weights, and
+  int4 keys cost a teacher's attention far more than int4 values cost its output (benchmarks/cache_code_error.py).
 
 A pair is quantized once, when a decision first keeps it; the forms carry it dequantized beside its scales, so a
 pair that stays cached is never rounded twice and every form reads the same numbers. The state holds the codes and
@@ -132,7 +134,7 @@ class CodeFormat:
         return self._codes(held.detach().to(scale.dtype), scale)
 
 
-#: the coded ``cache_dtype`` choices
+#: the vector codes, by name
 CODE_FORMATS = {
     INT8: CodeFormat(bits=8, group=None, description="int8 codes with a float32 scale per key and per value"),
     INT4: CodeFormat(bits=4, group=32, description="int4 codes (two per byte) with a float32 scale per 32 dimensions "
@@ -140,17 +142,57 @@ CODE_FORMATS = {
     "int4g16": CodeFormat(bits=4, group=16, scale_bytes=2, description="int4 codes (two per byte) with a float16 "
                                                                        "scale per 16 dimensions of each key and value"),
 }
-CACHE_DTYPES = (MODEL, *CODE_FORMATS)
 
 
-def code_format(cache_dtype: str) -> CodeFormat:
-    """The codes of a coded ``cache_dtype``."""
-    return CODE_FORMATS[cache_dtype]
+@dataclass(frozen=True)
+class PairCodes:
+    """How a coded ``cache_dtype`` holds a pair: its key's codes and its value's."""
+
+    keys: CodeFormat
+    values: CodeFormat
+    description: str
+
+    def pair_bytes(self, head_dim: int) -> int:
+        """The bytes of one coded key and its value."""
+        return self.keys.vector_bytes(head_dim) + self.values.vector_bytes(head_dim)
+
+    def unfit(self, head_dim: int) -> str | None:
+        """Why heads of ``head_dim`` dimensions cannot take these codes, or None."""
+        if self.keys == self.values:
+            return self.keys.unfit(head_dim)
+        for part, vectors in (("keys", self.keys), ("values", self.values)):
+            why = vectors.unfit(head_dim)
+            if why:
+                return f"{why} (its {part}' codes)"
+        return None
+
+
+def _same_codes(name: str) -> PairCodes:
+    return PairCodes(CODE_FORMATS[name], CODE_FORMATS[name], CODE_FORMATS[name].description)
+
+
+#: the coded ``cache_dtype`` choices
+PAIR_CODES = {
+    **{name: _same_codes(name) for name in CODE_FORMATS},
+    "k8v4g16": PairCodes(CODE_FORMATS[INT8], CODE_FORMATS["int4g16"], "int8 codes with a float32 scale per key, "
+                         "int4 codes (two per byte) with a float16 scale per 16 dimensions of each value"),
+}
+CACHE_DTYPES = (MODEL, *PAIR_CODES)
+
+
+def code_format(name: str) -> CodeFormat:
+    """The vector codes ``name`` (``CODE_FORMATS``)."""
+    return CODE_FORMATS[name]
+
+
+def pair_codes(cache_dtype: str) -> PairCodes:
+    """The keys' and values' codes of a coded ``cache_dtype``."""
+    return PAIR_CODES[cache_dtype]
 
 
 def coded_slot_bytes(num_kv_heads: int, head_dim: int, slots: int, cache_dtype: str) -> int:
-    """The bytes of a coded cache's keys and values: their codes and scales (``CodeFormat.vector_bytes``)."""
-    return 2 * num_kv_heads * slots * code_format(cache_dtype).vector_bytes(head_dim)
+    """The bytes of a coded cache's keys and values: their codes and scales (``PairCodes.pair_bytes``)."""
+    return num_kv_heads * slots * pair_codes(cache_dtype).pair_bytes(head_dim)
 
 
 def slot_elements(num_kv_heads: int, head_dim: int, slots: int, cache_dtype: str) -> int:

@@ -7,8 +7,8 @@ A decision scores the cache's pairs and the pending ones with the layer's ``cach
 reads the layer's ``ScoreParts``: its far part and, for ``learned``, its retention head (retention_head.py). Without
 a far part (``far: none``, a score that reads no far state) the evicted pairs are dropped and the queries see only
 the sinks, the cache and the tokens not decided yet: a learned-eviction softmax cache. The cache's options
-(``CACHE_OPTIONS``), their checks and its share of the state size are here; ``cache_dtype: int8`` or ``int4`` holds
-its pairs as cache_precision.py says.
+(``CACHE_OPTIONS``), their checks and its share of the state size are here; a coded ``cache_dtype`` (``int8``,
+``int4``, ``int4g16``, ``k8v4g16``) holds its pairs as cache_precision.py says.
 
 A block runs its queries in spans cut after each decision; where the decisions keep the newest pairs (``recent``, or
 nothing evicted) and no far part takes them, in one pass instead (hybrid_cache_newest.py).
@@ -21,7 +21,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cache_precision import CACHE_DTYPES, MODEL, CodeFormat, code_format, coded_slot_bytes, scale_dtype, slot_elements
+from .cache_precision import (
+    CACHE_DTYPES,
+    MODEL,
+    CodeFormat,
+    PairCodes,
+    coded_slot_bytes,
+    pair_codes,
+    scale_dtype,
+    slot_elements,
+)
 from .cache_scores import CACHE_SCORES, Decision, ScoreParts, recency
 from .far_part import ARRIVING, FarTerms
 from .hybrid_cache import (
@@ -56,7 +65,8 @@ CACHE_OPTIONS = {
         (str,), MODEL, "how the exact cache holds its keys and values: as the model computes them ('model') or "
         "as int8 codes with a float32 scale per key and per value ('int8', about a quarter of float32's bytes) or "
         "as int4 codes with a float32 scale per 32 dimensions ('int4', 1.7 times int8's pairs per byte at 64 "
-        "dimensions) or a float16 scale per 16 ('int4g16', int4's bytes, finer steps); modeling/cache_precision.py",
+        "dimensions) or a float16 scale per 16 ('int4g16', int4's bytes, finer steps), or keys as int8 and values as "
+        "int4g16 ('k8v4g16'); modeling/cache_precision.py",
         choices=CACHE_DTYPES,
     ),
 }
@@ -98,7 +108,7 @@ def check_cache_fits(spec: dict[str, Any], shape: MixerShape, config: Any) -> No
     if limit is not None and spec["cache_slots"] > limit and spec["distant_positions"] != CLAMP:
         raise ValueError(f"layer {shape.layer_idx}: option 'cache_slots'={spec['cache_slots']} exceeds "
                          f"max_position_embeddings={limit}, the most tokens a sequence can hold")
-    unfit = None if spec["cache_dtype"] == MODEL else code_format(spec["cache_dtype"]).unfit(shape.head_dim)
+    unfit = None if spec["cache_dtype"] == MODEL else pair_codes(spec["cache_dtype"]).unfit(shape.head_dim)
     if unfit:
         raise ValueError(f"layer {shape.layer_idx}: option 'cache_dtype'={spec['cache_dtype']!r} {unfit}")
 
@@ -264,8 +274,9 @@ class ExactCacheForms:
         undecided = undecided_visible(blk.timing, blk.real, w, 0, t, new_sink)
         held_keys, held_values, key_scales, value_scales = blk.keys, blk.values, None, None
         if cache.key_scales is not None:
-            (held_keys, key_scales), (held_values, value_scales) = map(self._code_format.round_trip,
-                                                                       (blk.keys, blk.values))
+            codes = self._pair_codes
+            held_keys, key_scales = codes.keys.round_trip(blk.keys)
+            held_values, value_scales = codes.values.round_trip(blk.values)
         keys, values = [cache.keys, held_keys], [cache.values, held_values]
         visible = [old_visible.expand(-1, -1, -1, t, -1), new_visible]
         if key_scales is None:  # the cache holds the keys as computed: one set of columns for both
@@ -381,9 +392,9 @@ class ExactCacheForms:
         ck, cv, cmask, cpos, key_scales, value_scales = cache
         pending_keys, pending_values = pending[0], pending[1]
         if key_scales is not None:
-            codes = self._code_format
-            (pending_keys, pending_key_scales), (pending_values, pending_value_scales) = map(
-                codes.round_trip, pending[:2])
+            codes = self._pair_codes
+            pending_keys, pending_key_scales = codes.keys.round_trip(pending[0])
+            pending_values, pending_value_scales = codes.values.round_trip(pending[1])
         keys = torch.cat([ck, pending_keys], dim=2)
         values = torch.cat([cv, pending_values], dim=2)
         filled = torch.cat([cmask, torch.ones_like(cmask[:, :1]).expand(-1, self.window)], dim=1)
@@ -505,8 +516,8 @@ class ExactCacheForms:
         return coded_slot_bytes(self.shape.num_kv_heads, self.shape.head_dim, self.cache_slots, self.cache_dtype)
 
     @property
-    def _code_format(self) -> CodeFormat:
-        return code_format(self.cache_dtype)
+    def _pair_codes(self) -> PairCodes:
+        return pair_codes(self.cache_dtype)
 
     def _cache_in(self, state: State) -> Cache:
         """The cache of a state as the forms carry it (codes dequantized to the window's dtype; a state that carries
@@ -517,8 +528,9 @@ class ExactCacheForms:
         key_scales, value_scales = (state[name].to(scale_dtype(dtype)) for name in ("cks", "cvs"))
         keys, values = state["ck"], state["cv"]
         if not keys.is_floating_point():
-            codes = self._code_format
-            keys, values = codes.dequantize(keys, key_scales, dtype), codes.dequantize(values, value_scales, dtype)
+            codes = self._pair_codes
+            keys = codes.keys.dequantize(keys, key_scales, dtype)
+            values = codes.values.dequantize(values, value_scales, dtype)
         return Cache(keys, values, state["cmask"], state.get("cpos"), key_scales, value_scales)
 
     def _cache_out(self, cache: Cache) -> State:
@@ -527,13 +539,13 @@ class ExactCacheForms:
         the queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
         if cache.key_scales is None:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
-        codes = self._code_format
-        scales_and_mask = {"cks": codes.stored_scales(cache.key_scales), "cvs": codes.stored_scales(cache.value_scales),
-                           "cmask": cache.mask}
+        codes = self._pair_codes
+        scales_and_mask = {"cks": codes.keys.stored_scales(cache.key_scales),
+                           "cvs": codes.values.stored_scales(cache.value_scales), "cmask": cache.mask}
         if torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
             return {"ck": cache.keys, "cv": cache.values, **scales_and_mask}
-        return {"ck": codes.codes_of(cache.keys, cache.key_scales),
-                "cv": codes.codes_of(cache.values, cache.value_scales), **scales_and_mask}
+        return {"ck": codes.keys.codes_of(cache.keys, cache.key_scales),
+                "cv": codes.values.codes_of(cache.values, cache.value_scales), **scales_and_mask}
 
     def _cache_out_names(self) -> tuple[str, ...]:
         """The state's entries ``_cache_out`` writes."""
@@ -543,18 +555,23 @@ class ExactCacheForms:
         """The pending buffer (W slots) and the cache (G slots per KV head), empty; codes with their scales (as the
         format stores them) when ``cache_dtype`` is coded."""
         hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
-        coded = self.cache_dtype != MODEL
-        held, stored = (self._code_format.codes_dtype, self._code_format.stored_dims(d)) if coded else (dtype, d)
+        coded = None if self.cache_dtype == MODEL else self._pair_codes
+
+        def slots_of(vectors: CodeFormat | None) -> torch.Tensor:
+            if vectors is None:
+                return torch.zeros(batch_size, hk, slots, d, device=device, dtype=dtype)
+            return torch.zeros(batch_size, hk, slots, vectors.stored_dims(d), device=device, dtype=vectors.codes_dtype)
+
         state = {
             "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
-            "ck": torch.zeros(batch_size, hk, slots, stored, device=device, dtype=held),
-            "cv": torch.zeros(batch_size, hk, slots, stored, device=device, dtype=held),
+            "ck": slots_of(None if coded is None else coded.keys),
+            "cv": slots_of(None if coded is None else coded.values),
             "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
         }
         if coded:
-            codes = self._code_format
-            scales = torch.zeros(batch_size, hk, slots, codes.groups(d), device=device, dtype=scale_dtype(dtype))
-            state["cks"], state["cvs"] = codes.stored_scales(scales), codes.stored_scales(scales.clone())
+            for name, vectors in (("cks", coded.keys), ("cvs", coded.values)):
+                scales = torch.zeros(batch_size, hk, slots, vectors.groups(d), device=device, dtype=scale_dtype(dtype))
+                state[name] = vectors.stored_scales(scales)
         return state
