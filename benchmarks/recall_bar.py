@@ -46,7 +46,8 @@ SOURCES: dict[str, dict[str, Any]] = {
                     "kv_needles_gemma3_multi_int4_cpu.json"],
         "wider": ["natural_recall_multikey40_gemma3_cpu.json"],
         "wider_presses": ["kv_needles_gemma3_multikey40_int4_cpu.json",
-                          "kv_needles_gemma3_multikey40_int4g16_cpu.json"],
+                          "kv_needles_gemma3_multikey40_int4g16_cpu.json",
+                          "kv_needles_gemma3_multikey40_k8v4g16_cpu.json"],
     },
 }
 
@@ -58,7 +59,8 @@ STUDENTS: dict[str, list[str]] = {
                     "gemma3-270m-w4-recent240-int8keydiff1505 (default)",
                     "gemma3-270m-w4-recent120-int8keydiff1878 (default)",
                     "gemma3-270m-w4-recent120-int4keydiff3036 (default)",
-                    "gemma3-270m-w4-recent120-int4keydiffspan3036 (default)"],
+                    "gemma3-270m-w4-recent120-int4keydiffspan3036 (default)",
+                    "gemma3-270m-w4-recent120-int4keydiffspan3036 weights, full-attention caches k8v4g16 2313"],
 }
 
 WINDOW = "window 512 + 4 sinks"
