@@ -43,7 +43,7 @@ SOURCES: dict[str, dict[str, Any]] = {
         "multi": "natural_recall_multi_gemma3_cpu.json",
         "perplexity": "natural_perplexity_gemma3_cpu.json",
         "presses": ["kv_needles_gemma3_int4_cpu.json", "kv_needles_gemma3_int4_aware_cpu.json",
-                    "kv_needles_gemma3_multi_int4_cpu.json"],
+                    "kv_needles_gemma3_multi_int4_cpu.json", "kv_needles_gemma3_multi_int4g16_cpu.json"],
         "wider": ["natural_recall_multikey40_gemma3_cpu.json"],
         "wider_presses": ["kv_needles_gemma3_multikey40_int4_cpu.json",
                           "kv_needles_gemma3_multikey40_int4g16_cpu.json",
