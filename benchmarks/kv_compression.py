@@ -57,6 +57,7 @@ from hf_recattn.data.pinned import CORPUS_SHA256
 from hf_recattn.evaluation import PASSKEY_DEPTHS, passkey_ids, perplexity
 from hf_recattn.evaluation.needles import NEEDLE_HAYSTACKS, NEEDLE_TASKS
 from hf_recattn.evaluation.passkey import passkey_answered, passkey_question_ids
+from hf_recattn.modeling.cache_precision import CACHE_DTYPES, MODEL
 from hf_recattn.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -300,7 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     needles.add_argument("--seed", type=int, default=0)
     needles.add_argument("--modes", nargs="+", default=["question-agnostic", "question-aware"],
                          choices=("question-agnostic", "question-aware"))
-    needles.add_argument("--cache-dtype", default="model", choices=("model", "int8", "int4", "int4g16", "k8v4g16"),
+    needles.add_argument("--cache-dtype", default=MODEL, choices=CACHE_DTYPES,
                          help="int8: every run holds its cache as int8 codes with a float32 scale per key and per "
                               "value, a budget buying about four times the tokens; int4: as int4 codes with a "
                               "float32 scale per 32 dimensions; int4g16: with a float16 scale per 16; k8v4g16: keys "

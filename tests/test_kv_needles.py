@@ -19,7 +19,7 @@ from script_modules import load_script
 from hf_recattn.evaluation import Continuation, needle_probe
 from hf_recattn.evaluation import needles as needles_module
 from hf_recattn.evaluation.needles import needle_template
-from hf_recattn.modeling.cache_precision import pair_codes
+from hf_recattn.modeling.cache_precision import PAIR_CODES, pair_codes
 
 PER_TOKEN = 46_080  # SmolLM2-135M: 30 layers x (keys + values) x 3 heads x 64 dims x 4 bytes
 
@@ -225,6 +225,7 @@ def test_coded_presses_keep_more_tokens_rounded_as_the_students_round(kn: Module
     x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 64)
     x[0, 0, 0] = 0.0
     x[0, 0, 1, :32] = 0.0  # a zero group beside a filled one
+    assert set(namespace["CODES"]) == set(PAIR_CODES)  # the mirror covers every coded cache_dtype
     pair = pair_codes(cache_dtype)
     for vectors, worker_codes in zip((pair.keys, pair.values), namespace["CODES"][cache_dtype], strict=True):
         codes, scale = vectors.quantize(x)
