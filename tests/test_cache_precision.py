@@ -27,7 +27,7 @@ from test_hybrid_cache import (
 )
 
 from hf_recattn.model_card import state_table
-from hf_recattn.modeling.cache_precision import code_format, pair_codes, slot_elements
+from hf_recattn.modeling.cache_precision import CODE_FORMATS, pair_codes, slot_elements
 from hf_recattn.modeling.hybrid_options import with_hybrid_options
 from hf_recattn.modeling.mixer_base import MixerShape
 from hf_recattn.modeling.registry import build_mixer, validate_spec
@@ -103,7 +103,7 @@ def test_a_held_pair_keeps_its_codes(dtype: torch.dtype, cache_dtype: str, dims:
     the stored codes read back from it are the codes it was rounded to (so a pair that stays cached through many
     decisions is never rounded again), in a byte each for int8 and two to a byte for int4; a zero vector stays zero;
     the error is at most half a step of its group's scale."""
-    codes_format = code_format(cache_dtype)
+    codes_format = CODE_FORMATS[cache_dtype]
     x = torch.randn(3, 2, 50, dims, dtype=torch.float64).to(dtype) * torch.logspace(-3, 3, 50)[:, None].to(dtype)
     x[0, 0, 0] = 0
     codes, scale = codes_format.quantize(x)

@@ -180,11 +180,6 @@ PAIR_CODES = {
 CACHE_DTYPES = (MODEL, *PAIR_CODES)
 
 
-def code_format(name: str) -> CodeFormat:
-    """The vector codes ``name`` (``CODE_FORMATS``)."""
-    return CODE_FORMATS[name]
-
-
 def pair_codes(cache_dtype: str) -> PairCodes:
     """The keys' and values' codes of a coded ``cache_dtype``."""
     return PAIR_CODES[cache_dtype]

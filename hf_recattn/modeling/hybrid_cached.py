@@ -556,6 +556,7 @@ class ExactCacheForms:
         format stores them) when ``cache_dtype`` is coded."""
         hk, d, w, slots = self.shape.num_kv_heads, self.shape.head_dim, self.window, self.cache_slots
         coded = None if self.cache_dtype == MODEL else self._pair_codes
+        keys, values = (None, None) if coded is None else (coded.keys, coded.values)
 
         def slots_of(vectors: CodeFormat | None) -> torch.Tensor:
             if vectors is None:
@@ -566,12 +567,12 @@ class ExactCacheForms:
             "pk": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pv": torch.zeros(batch_size, hk, w, d, device=device, dtype=dtype),
             "pmask": torch.zeros(batch_size, w, dtype=torch.bool, device=device),
-            "ck": slots_of(None if coded is None else coded.keys),
-            "cv": slots_of(None if coded is None else coded.values),
+            "ck": slots_of(keys),
+            "cv": slots_of(values),
             "cmask": torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
         }
         if coded:
-            for name, vectors in (("cks", coded.keys), ("cvs", coded.values)):
+            for name, vectors in (("cks", keys), ("cvs", values)):
                 scales = torch.zeros(batch_size, hk, slots, vectors.groups(d), device=device, dtype=scale_dtype(dtype))
                 state[name] = vectors.stored_scales(scales)
         return state
