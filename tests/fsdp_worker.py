@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hf_recattn.cli import main
 
-STATE: dict[str, Any] = {"notes": {}, "steps": 0, "stop": None}
+STATE: dict[str, Any] = {"notes": [], "steps": 0, "stop": None}
 
 
 def _note(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -35,7 +35,10 @@ def _note(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         raise KeyboardInterrupt
     params = [p for group in optimizer.param_groups for p in group["params"]]
     held = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-    note = STATE["notes"].setdefault(id(optimizer), {"steps": 0})
+    note = getattr(optimizer, "_worker_note", None)
+    if note is None:  # kept on the optimizer: a freed optimizer's id() may come back for the next one
+        note = optimizer._worker_note = {"steps": 0}
+        STATE["notes"].append(note)
     note.update(params=len(params), dtensors=sum(isinstance(p, DTensor) for p in params),
                 local=sum(p.numel() for p in held), total=sum(p.numel() for p in params))
     note["steps"] += 1
@@ -57,8 +60,8 @@ if __name__ == "__main__":
     register_optimizer_step_pre_hook(_note)
     record = []
     for stop, args in _commands(sys.argv[2:]):
-        STATE.update(notes={}, steps=0, stop=stop)
+        STATE.update(notes=[], steps=0, stop=stop)
         code = main(args)
-        record.append({"code": code, "optimizers": list(STATE["notes"].values())})
+        record.append({"code": code, "optimizers": STATE["notes"]})
     path = Path(sys.argv[1])
     path.with_name(f"{path.stem}-rank{os.environ.get('RANK', '0')}{path.suffix}").write_text(json.dumps(record))

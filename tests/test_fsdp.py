@@ -117,7 +117,7 @@ def _launch(launcher: list[str], notes: Path, *commands: list[str]) -> list[list
 def _assert_sharded(ranks: list[list[dict[str, Any]]], command: int, steps: list[int]) -> None:
     """In ``command``, each optimizer made ``steps`` steps on DTensors, each process holding a part of them."""
     first, second = (notes[command]["optimizers"] for notes in ranks)
-    assert [note["steps"] for note in first] == steps
+    assert [note["steps"] for note in first] == [note["steps"] for note in second] == steps
     for a, b in zip(first, second, strict=True):
         assert a["dtensors"] == a["params"] == b["dtensors"] > 0
         assert a["total"] == b["total"] == a["local"] + b["local"] and 0 < b["local"] <= a["local"] < a["total"]
