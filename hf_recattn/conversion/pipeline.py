@@ -1,5 +1,6 @@
 """The whole conversion: teacher -> student (new attention, or the converted checkpoint a recipe's ``init``
-names, to train it further) -> stage 1 -> [retrieval heads] -> stage 2 -> evaluation -> checkpoint.
+names, to train it further) -> stage 1 -> [retrieval heads] -> stage 2 -> [serve_overrides] -> evaluation ->
+checkpoint.
 
 ``convert(...)`` is what ``hf-recattn convert`` runs. Its output folder::
 
@@ -37,6 +38,7 @@ from .. import evaluation
 from ..atomic import atomic_folder, write_json
 from ..data.corpus import is_embedded, load_splits
 from ..model_card import write_model_card
+from ..modeling.hybrid_options import with_config
 from ..provenance import provenance
 from ..training import parallel, sharding
 from ..training.run_config import tokenizer_max_length
@@ -45,7 +47,7 @@ from .comparison import compare_models, report_sample
 from .from_teacher import student_from_teacher
 from .init_checkpoint import check_init, init_facts, load_converted
 from .job import Job, Log, Teacher, read_json
-from .recipe import Recipe, check_against_teacher, load_recipe
+from .recipe import Recipe, check_against_teacher, load_recipe, served_config
 from .stage1 import keep_retrieval_heads, stage1
 from .stage2 import stage2
 from .teacher import load_teacher, teacher_license, teacher_name
@@ -225,6 +227,9 @@ def _stage2_and_save(label: str, job: Job, teacher: Teacher, first: Trained, tra
         timings["stage2"] = summary["seconds"]
     else:
         job.log(f"{label} stage 2: skipped (stage2.tokens is 0)")
+    if job.recipe.serve_overrides:
+        student = with_config(student, served_config(job.recipe, student.config), "serve_overrides")
+        job.log(f"{label} serving with {job.recipe.serve_overrides} (serve_overrides; the same weights)")
     if parallel.is_main():
         with atomic_folder(job.model_dir) as tmp:
             student.save_pretrained(tmp)

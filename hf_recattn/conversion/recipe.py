@@ -65,6 +65,10 @@ class Recipe:
     init: str | None = None
     #: which teacher layers convert (layer_selection.py); the others keep the teacher's attention. None: all
     layers: dict[str, Any] | None = None
+    #: hybrid options (without weights of their own) set on the trained student before it is saved, by layer key
+    #: as in ``attention_overrides``: the model trains with ``attention`` and serves with these (e.g. another
+    #: ``cache_dtype``)
+    serve_overrides: dict[str, dict[str, Any]] | None = None
     source: str = "<dict>"
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +95,8 @@ class Recipe:
             values.pop("init")
         if self.layers is None:  # added later, as above
             values.pop("layers")
+        if self.serve_overrides is None:  # added later, as above
+            values.pop("serve_overrides")
         if values["stage2"]["method"] == "lora":  # the default spelled out: the same run as leaving it unset
             values["stage2"]["method"] = None
         if values["stage2"]["loss_kernel"] == "auto":  # the default spelled out, as above
@@ -158,6 +164,7 @@ _TOP_KEYS = {
     "retrieval_heads",
     "init",
     "layers",
+    "serve_overrides",
     "budgets",
     "extends",
 }
@@ -282,6 +289,7 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
         expects=dict(expects),
         init=typed(merged["init"], str, f"{source}: init") if merged.get("init") is not None else None,
         layers=check_layers(merged.get("layers"), f"{source}: layers"),
+        serve_overrides=_check_serve_overrides(merged.get("serve_overrides"), source),
         source=source,
         **{key: build_settings(cls, merged.get(key), f"{source}: {key}") for key, cls in SECTIONS.items()},
     )
@@ -302,6 +310,39 @@ def _check_attention(attention: Any, overrides: Any, source: str) -> None:
         raise ValueError(f"{source}: attention_overrides must map a layer key ('3', 'every:4') to a spec")
     for key, spec in overrides.items():
         validate_spec(spec, f"{source}: attention_overrides[{str(key)!r}]")
+
+
+def _check_serve_overrides(overrides: Any, source: str) -> dict[str, dict[str, Any]] | None:
+    """``serve_overrides``: a layer key ('3', 'every:6') to the hybrid options its layers serve with; unknown
+    options fail here, the rest against the teacher's layers (``check_against_teacher``)."""
+    from ..modeling.mixer_hybrid import HybridMixer
+
+    if not overrides:
+        return None
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) and v for v in overrides.values()):
+        raise ValueError(f"{source}: serve_overrides must map a layer key ('3', 'every:6') to hybrid options "
+                         "({cache_dtype: int8})")
+    for key, options in overrides.items():
+        unknown = sorted(set(options) - set(HybridMixer.options))
+        if unknown:
+            raise ValueError(f"{source}: serve_overrides[{str(key)!r}]: {unknown} unknown; the hybrid's options are "
+                             f"{sorted(HybridMixer.options)}")
+    return {str(key): dict(options) for key, options in overrides.items()}
+
+
+def served_config(recipe: Recipe, config: Any) -> Any:
+    """The student's config as it is saved: ``config`` with the recipe's ``serve_overrides`` set (itself when there
+    are none); ValueError naming the recipe and the key when they do not fit or would change the parameters."""
+    from ..modeling.hybrid_options import config_with_layer_options, same_parameters
+
+    if not recipe.serve_overrides:
+        return config
+    try:
+        served = config_with_layer_options(config, recipe.serve_overrides)
+        same_parameters(config, served, f"serve_overrides {recipe.serve_overrides}")
+    except ValueError as err:
+        raise ValueError(f"{recipe.source}: {err}") from None
+    return served
 
 
 # ----- the recipe against a teacher -------------------------------------------------------------------------
@@ -342,6 +383,7 @@ def check_against_teacher(recipe: Recipe, teacher_config: Any, tokenizer: Any = 
                     "(Llama names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)"
                 )
     _check_loss_kernel(recipe, config, teacher_config)
+    served_config(recipe, config)
     kv_heads = config.num_hidden_layers * config.num_key_value_heads
     if recipe.retrieval_heads.max_heads > kv_heads:
         raise ValueError(f"{src}: retrieval_heads.max_heads {recipe.retrieval_heads.max_heads} exceeds the teacher's "

@@ -26,9 +26,10 @@ LENGTH_DEPENDENT_ROPE = frozenset({"dynamic"})
 expose_architecture("RecAttnForCausalLM")
 
 
-def _override_layers(key: str, num_layers: int) -> list[int]:
-    """Layers selected by an override key: "3", "-1", "every:4" (3, 7, ...), "every:4:0" (0, 4, ...)."""
-    where = f"attention_overrides[{key!r}]"
+def override_layers(key: str, num_layers: int, section: str = "attention_overrides") -> list[int]:
+    """Layers selected by an override key: "3", "-1", "every:4" (3, 7, ...), "every:4:0" (0, 4, ...); errors name
+    ``section[key]``."""
+    where = f"{section}[{key!r}]"
     if key.startswith("every:"):
         parts = key.split(":")[1:]
         try:
@@ -65,7 +66,7 @@ def resolve_layer_specs(attention: Any, overrides: dict | None, num_layers: int)
         )
     # patterns first, explicit indices last so that they win
     for key in sorted(overrides, key=lambda k: not str(k).startswith("every:")):
-        for i in _override_layers(str(key), num_layers):
+        for i in override_layers(str(key), num_layers):
             raw[i] = copy.deepcopy(overrides[key])
     return [validate_spec(spec, f"layer {i}") for i, spec in enumerate(raw)]
 

@@ -8,7 +8,7 @@ import copy
 from collections.abc import Collection, Iterator
 from typing import Any
 
-from .configuration import RecAttnConfig
+from .configuration import RecAttnConfig, override_layers
 from .mixer_hybrid import HybridMixer
 from .modeling import RecAttnForCausalLM
 
@@ -112,18 +112,56 @@ def config_with_hybrid_options(config: RecAttnConfig, options: dict[str, Any],
     return changed
 
 
+def config_with_layer_options(config: RecAttnConfig, overrides: dict[str, dict[str, Any]],
+                              section: str = "serve_overrides") -> RecAttnConfig:
+    """A copy of ``config`` in which each entry of ``overrides`` (a layer key as in ``attention_overrides``: "3",
+    "every:6"; patterns first, indices last) sets its hybrid options on the layers it selects. ValueError naming
+    ``section[key]`` when a key is bad or its options do not fit its layers."""
+    changed = config
+    for key in sorted(overrides, key=lambda k: not str(k).startswith("every:")):
+        layers = override_layers(str(key), config.num_hidden_layers, section)
+        try:
+            changed = config_with_hybrid_options(changed, overrides[key], layers)
+        except ValueError as err:
+            raise ValueError(f"{section}[{str(key)!r}]: {err}") from None
+    return changed
+
+
+def with_config(model: RecAttnForCausalLM, config: RecAttnConfig, what: str) -> RecAttnForCausalLM:
+    """A copy of ``model`` (in eval mode) built from ``config`` with the same weights; ValueError naming ``what``
+    when ``config`` adds or drops parameters, since the trained weights would then not be the whole model."""
+    changed = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
+    result = changed.load_state_dict(model.state_dict(), strict=False)
+    missing = [k for k in result.missing_keys if k != "lm_head.weight"]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{what} change the parameters (missing {missing[:4]}, unexpected "
+                         f"{result.unexpected_keys[:4]}); only options without weights of their own can be changed")
+    if config.tie_word_embeddings:
+        changed.tie_weights()
+    return changed.eval()
+
+
+def same_parameters(config: RecAttnConfig, changed: RecAttnConfig, what: str) -> None:
+    """ValueError naming ``what`` when a model cannot be built from ``changed`` (a cache that does not fit its
+    layer) or would not hold the parameters one built from ``config`` holds (checked on the meta device, without
+    allocating weights)."""
+    import torch
+
+    with torch.device("meta"):
+        before = set(RecAttnForCausalLM(copy.deepcopy(config)).state_dict())
+        try:
+            names = [before, set(RecAttnForCausalLM(copy.deepcopy(changed)).state_dict())]
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+    if names[0] != names[1]:
+        raise ValueError(f"{what} change the parameters (missing {sorted(names[0] - names[1])[:4]}, unexpected "
+                         f"{sorted(names[1] - names[0])[:4]}); only options without weights of their own can be "
+                         "changed")
+
+
 def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any],
                         layers: Collection[int] | None = None) -> RecAttnForCausalLM:
     """A copy of ``model`` (in eval mode) whose hybrid layers (those among ``layers`` when given) take ``options``
     (``{"cache_slots": 64}``), with the same weights. ValueError as ``config_with_hybrid_options`` says, or when the
     change adds or drops parameters (named), since the trained weights would then not be the whole model."""
-    config = config_with_hybrid_options(model.config, options, layers)
-    changed = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
-    result = changed.load_state_dict(model.state_dict(), strict=False)
-    missing = [k for k in result.missing_keys if k != "lm_head.weight"]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"hybrid options {options} change the parameters (missing {missing[:4]}, unexpected "
-                         f"{result.unexpected_keys[:4]}); only options without weights of their own can be changed")
-    if config.tie_word_embeddings:
-        changed.tie_weights()
-    return changed.eval()
+    return with_config(model, config_with_hybrid_options(model.config, options, layers), f"hybrid options {options}")
