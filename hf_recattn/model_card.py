@@ -217,6 +217,11 @@ def _provenance(report: dict[str, Any] | None, teacher: str | None) -> str:
             f"- continued from the converted checkpoint `{init['checkpoint']}` (recipe `{init.get('recipe')}`, "
             f"{init['training_tokens']:,} training tokens): {report['training_tokens']:,} training tokens in all."
         )
+    if recipe.get("serve_overrides"):
+        served = "; ".join(f"layers `{key}`: " + ", ".join(f"`{k}: {v}`" for k, v in options.items())
+                           for key, options in recipe["serve_overrides"].items())
+        lines.append(f"- then saved to serve with other options of its hybrid layers, the weights unchanged "
+                     f"(`serve_overrides`): {served}.")
     if recipe.get("description"):
         lines += ["", str(recipe["description"]).strip()]
     import yaml

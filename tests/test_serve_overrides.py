@@ -62,6 +62,9 @@ def test_the_served_model_is_the_trained_one_with_the_options(assets: dict[str, 
     assert specs == [{**trained[0], "cache_dtype": "int8"}, {**trained[1], "cache_dtype": "int8", "cache_slots": 3}]
     report = json.loads((served / "report.json").read_text())
     assert report["recipe"]["serve_overrides"] == SERVED
+    card = (served / "model" / "README.md").read_text()
+    assert "(`serve_overrides`): layers `1`: `cache_slots: 3`; layers `every:1`: `cache_dtype: int8`." in card
+    assert "then saved to serve" not in (plain / "model" / "README.md").read_text()
 
     ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(0))
     rebuilt = type(loaded[0])(loaded[1].config).eval()
