@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from pareto import cache_mib
 
-from hf_recattn.atomic import write_json
+from hf_recattn.atomic import atomic_folder, write_json
 from hf_recattn.conversion.from_teacher import recattn_config_from
 from hf_recattn.conversion.teacher import load_teacher
 from hf_recattn.data.corpus import load_splits, token_blocks
@@ -85,10 +85,12 @@ def ensure_env(venv: Path, rebuild: bool = False) -> Path:
 
 
 def save_teacher(teacher: Any, tokenizer: Any, folder: Path) -> Path:
-    """The teacher as a safetensors folder the worker loads (written once)."""
-    if not (folder / "config.json").is_file():
-        teacher.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+    """The teacher as a safetensors folder the worker loads, written once and whole (runs started together: the
+    first to finish writing it wins, none reads a half-written one)."""
+    if not folder.is_dir():
+        with atomic_folder(folder, replace=False) as tmp:
+            teacher.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     return folder
 
 
@@ -311,7 +313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-kvpress")
     parser.add_argument("--setup", action="store_true", help="(re)build the presses' environment first")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "kv_compression",
-                        help="where the saved teacher and the probe file go")
+                        help="where the saved teacher and the probe files go (one per --out, so runs with distinct "
+                             "outputs can share it)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None,
                         help="default benchmarks/results/kv_compression.json (kv_needles.json with --probe needles)")
@@ -371,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(bytes_per_token=per_token, teacher_perplexity=perplexity(
         teacher.eval(), torch.tensor(ppl["blocks"]), batch_size=2))
     args.work.mkdir(parents=True, exist_ok=True)
-    probes = args.work / "probes.json"
+    probes = args.work / f"probes-{args.out.stem}.json"  # runs with distinct outputs run side by side
     write_probes(probes, save_teacher(teacher, tokenizer, args.work / args.teacher), cases, ppl, runs)
     del teacher
     args.out.parent.mkdir(parents=True, exist_ok=True)

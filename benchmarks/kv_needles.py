@@ -323,7 +323,7 @@ def run(args: argparse.Namespace, python: Any) -> int:
     probes = probe_file(args, results, teacher, tokenizer)
     del teacher
     args.work.mkdir(parents=True, exist_ok=True)
-    path = args.work / "needle_probes.json"
+    path = args.work / f"needle_probes-{args.out.stem}.json"  # runs with distinct outputs run side by side
     write_json(path, probes, indent=0)
     cells = {cell["key"]: cell for cell in probes["cells"]}
     print(f"{len(cells)} cells to measure, {sum(len(c['runs']) for c in cells.values())} (run, cell) pairs",

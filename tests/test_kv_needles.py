@@ -403,3 +403,29 @@ def test_the_replay_is_checked_on_the_first_cell_where_a_press_compresses(kn: Mo
         cell["runs"] = [kn.kv.NO_PRESS]
     kn.mark_verified_cell(cells, runs, 2)
     assert [cell["verify"] for cell in cells] == [0, 0, 0]
+
+
+class _Saved:
+    """Stands in for a model or tokenizer: ``save_pretrained`` writes one file, or fails."""
+
+    def __init__(self, name: str, text: str, fail: bool = False) -> None:
+        self.name, self.text, self.fail = name, text, fail
+
+    def save_pretrained(self, folder: Path) -> None:
+        if self.fail:
+            raise OSError("disk full")
+        (Path(folder) / self.name).write_text(self.text)
+
+
+def test_the_teacher_folder_is_written_once_and_whole(tmp_path: Path) -> None:
+    """The worker's teacher folder appears whole or not at all (an interrupted save leaves nothing a later run
+    would take for it) and is written once: a second run reuses it."""
+    kv = load_script("benchmarks", "kv_compression")
+    folder = tmp_path / "work" / "teacher"
+    with pytest.raises(OSError, match="disk full"):
+        kv.save_teacher(_Saved("config.json", "{}"), _Saved("tokenizer.json", "", fail=True), folder)
+    assert not folder.exists() and not list(folder.parent.iterdir())
+    assert kv.save_teacher(_Saved("config.json", "first"), _Saved("tokenizer.json", "t"), folder) == folder
+    kv.save_teacher(_Saved("config.json", "second"), _Saved("tokenizer.json", "t"), folder)
+    assert (folder / "config.json").read_text() == "first"
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["teacher"]
