@@ -25,8 +25,8 @@ SERVED = {"1": {"cache_slots": 3}, "every:1": {"cache_dtype": "int8"}}
 
 
 @pytest.fixture(autouse=True)
-def _one_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    torch.set_num_threads(1)
+def _private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test's own data cache (one thread: conftest.py)."""
     monkeypatch.setenv("HF_RECATTN_CACHE", str(tmp_path / "cache"))
 
 
