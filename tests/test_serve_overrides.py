@@ -79,6 +79,20 @@ def test_the_served_model_is_the_trained_one_with_the_options(assets: dict[str, 
     assert (served / weights).stat().st_mtime_ns == before
 
 
+def test_a_converted_checkpoint_reoptioned_without_training(assets: dict[str, Path], tmp_path: Path) -> None:
+    """``init`` (a converted checkpoint), no tokens in either stage and ``serve_overrides``: the checkpoint saved
+    again with the options, its weights byte for byte."""
+    first = tmp_path / "first"
+    assert _convert(assets, _recipe(assets, "first"), first) == 0
+    recipe = _recipe(assets, "reoption", init=str(first / "model"), stage1={"tokens": 0},
+                     stage2={**tiny_recipe_dict()["stage2"], "tokens": 0}, serve_overrides=SERVED)
+    assert _convert(assets, recipe, tmp_path / "again") == 0
+    weights = "model/model.safetensors"
+    assert (first / weights).read_bytes() == (tmp_path / "again" / weights).read_bytes()
+    config = AutoModelForCausalLM.from_pretrained(tmp_path / "again" / "model").config
+    assert [(s["cache_dtype"], s["cache_slots"]) for s in config.layer_specs()] == [("int8", 4), ("int8", 3)]
+
+
 def test_the_fingerprint_names_the_served_options(assets: dict[str, Path]) -> None:
     """Without ``serve_overrides`` (or with an empty one) a recipe keeps the fingerprint it had before the key
     existed (test_recipe.py pins the packaged ones'); with them, the run is another one."""
