@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import torch
-from natural_recall import add_row_arguments, measure_rows, run_settings
+from natural_recall import add_row_arguments, measure_rows, measured_elsewhere, run_settings
 from results_file import add_out_argument
 
 from hf_recattn.data.corpus import embedded_texts
@@ -89,7 +89,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     blocks = next(iter(rows.values()))["blocks"] if rows else {}
     counts = ", ".join(f"{n}: " + " / ".join(f"{v} x {k}" for k, v in b.items()) for n, b in blocks.items())
-    return "\n".join(lines) + f"\n\nBlocks: {counts}. " + " ".join(results.get("notes", [])) + "\n"
+    elsewhere = measured_elsewhere(results)
+    return ("\n".join(lines) + f"\n\nBlocks: {counts}. " + " ".join(results.get("notes", [])) + "\n"
+            + (f"\n{elsewhere}\n" if elsewhere else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,9 @@ license texts, ``ood``, worded by the held-out templates), greedy answers throug
 the share answered, its prompt count and a Wilson 95% interval. The cache columns count every state element at 4
 bytes (as benchmarks/pareto.py) at the ``--contexts`` given; a model whose cache is the same at every context keeps
 constant memory. Results go to ``--out`` (rewritten after every model; a rerun with the same settings skips the
-models already measured) and the table is printed.
+models already measured) and the table is printed. Each row keeps the commit and date it was measured at, and the
+table's notes name the rows measured at another commit than the file's last run; ``--merge`` takes in the rows of
+other runs' files of the same settings (runs side by side, each with its own ``--out``).
 
     nice python benchmarks/natural_recall.py --threads 2 --converted runs/hybrid-w64-sink4-gdn-learned64 \\
         --out benchmarks/results/natural_recall_cpu.json
@@ -19,6 +21,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +57,9 @@ def add_row_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--converted-swap", nargs="*", default=[], metavar="NAME=SPEC",
                         help='a converted checkpoint\'s weights under another attention, nothing trained: SPEC as '
                         '--swap\'s with "weights": the checkpoint\'s folder')
+    parser.add_argument("--merge", nargs="*", type=Path, default=[], metavar="JSON",
+                        help="take in the rows of other runs' results files of the same settings (their --out) that "
+                        "--out lacks, each with the commit and date it was measured at")
     parser.add_argument("--threads", type=int, default=None)
 
 
@@ -160,34 +166,71 @@ def render_markdown(results: dict[str, Any]) -> str:
         cells = [name, *(f"{cache[n]:.2f}" for n in contexts), f"{share:.3f}"]
         cells += [_cell(row["cells"].get(t, {}).get(h, {}).get(n)) for t, h, n in columns]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + "\n".join(results.get("notes", NOTES))
+    elsewhere = measured_elsewhere(results)
+    return "\n".join(lines) + "\n\n" + "\n".join([*results.get("notes", NOTES), *([elsewhere] if elsewhere else [])])
 
 
 #: one row's measurement: (name, model, config, tokenizer) -> the row's figures, with "seconds"
 Measure = Callable[[str, torch.nn.Module, RecAttnConfig, Any], dict[str, Any]]
 
 
+def measured(record: dict[str, Any]) -> dict[str, Any]:
+    """What a row keeps of the run that measured it: its commit and date."""
+    return {"commit": record.get("commit"), "date": record.get("date")}
+
+
+def _rows_of(path: Path, run_settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rows of a results file, each with the commit and date it was measured at (a row written before rows
+    kept theirs takes its file's); SystemExit naming the file when its settings differ."""
+    earlier = json.loads(path.read_text())
+    if earlier.get("settings") != run_settings:
+        raise SystemExit(f"{path}: measured with other settings ({earlier.get('settings')}), not {run_settings}")
+    stamp = measured(earlier.get("provenance", {}))
+    return {name: {**row, "measured": row.get("measured", stamp)} for name, row in earlier.get("models", {}).items()}
+
+
+def measured_elsewhere(results: dict[str, Any]) -> str:
+    """A line naming the rows measured at another commit than the file's provenance (taken in from an earlier run or
+    by ``--merge``); empty when there are none."""
+    commit = results.get("provenance", {}).get("commit")
+    other = [f"{name} ({(row['measured'].get('commit') or '?')[:10]}, {row['measured'].get('date')})"
+             for name, row in results["models"].items() if row.get("measured", {}).get("commit", commit) != commit]
+    return "Rows measured at another commit than the line below: " + "; ".join(other) + "." if other else ""
+
+
 def measure_rows(args: argparse.Namespace, benchmark: str, run_settings: dict[str, Any], notes: list[str],
                  measure_row: Measure, summary: str) -> dict[str, Any]:
     """Every row of ``models`` through ``measure_row``, the results rewritten to ``args.out`` after each; rows of
-    an earlier run with the same settings are kept, not measured again. ``summary``: the field printed per row."""
+    an earlier run with the same settings are kept, not measured again, and so are those of ``args.merge``'s files
+    (each row keeps the commit and date it was measured at). ``summary``: the field printed per row."""
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
     results: dict[str, Any] = {"settings": run_settings, "models": {}, "notes": notes}
-    if args.out.is_file():
-        earlier = json.loads(args.out.read_text())
-        if earlier.get("settings") == results["settings"]:
-            results["models"] = earlier.get("models", {})
+    if args.out.is_file() and json.loads(args.out.read_text()).get("settings") == run_settings:
+        results["models"] = _rows_of(args.out, run_settings)
+    merged = 0
+    for path in args.merge:
+        for name, row in _rows_of(path, run_settings).items():
+            if name not in results["models"]:
+                results["models"][name] = row
+                merged += 1
+                print(f"{name}: taken in from {path}", flush=True)
+
+    def write() -> dict[str, Any]:
+        return write_results(args.out, benchmark, record,
+                             {k: v for k, v in results.items() if k not in ("benchmark", "provenance")})
+
+    if merged:
+        results = write()
     teacher, tokenizer = load_teacher(args.teacher)
     teacher.requires_grad_(False)
     for name, model, config, facts in models(args, teacher):
         if name in results["models"]:
             print(f"{name}: measured earlier", flush=True)
             continue
-        results["models"][name] = {**facts, **measure_row(name, model, config, tokenizer)}
-        results = write_results(args.out, benchmark, record, {k: v for k, v in results.items()
-                                                              if k not in ("benchmark", "provenance")})
+        results["models"][name] = {**facts, **measure_row(name, model, config, tokenizer), "measured": measured(record)}
+        results = write()
         row = results["models"][name]
         print(f"{name}: {row[summary]} ({row['seconds']:.0f} s)", flush=True)
     return results

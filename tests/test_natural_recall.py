@@ -57,3 +57,45 @@ def test_weights_that_do_not_fit_the_attention_are_refused(tmp_path: Path) -> No
 def test_a_spec_without_its_weights_folder_is_refused(text: str) -> None:
     with pytest.raises(SystemExit, match="--converted-swap x: SPEC"):
         natural_recall.parse_converted_swap(text)
+
+
+def _measured_run(monkeypatch: pytest.MonkeyPatch, out: Path, commit: str, rows: list[str],
+                  merge: list[Path] | None = None, settings: dict | None = None) -> dict:
+    """``measure_rows`` at ``commit`` with ``rows`` to measure (each answering its name's length), no model run."""
+    monkeypatch.setattr(natural_recall, "run_record", lambda: {"commit": commit, "date": f"day of {commit}"})
+    monkeypatch.setattr(natural_recall, "load_teacher", lambda spec: (torch.nn.Linear(1, 1), None))
+    monkeypatch.setattr(natural_recall, "models", lambda args, teacher: ((name, None, None, {}) for name in rows))
+    args = argparse.Namespace(threads=None, out=out, merge=merge or [], teacher="tiny")
+    return natural_recall.measure_rows(args, "natural_recall", settings or {"prompts": 20}, [],
+                                       lambda name, *_: {"accuracy": len(name), "seconds": 0.0}, "accuracy")
+
+
+def test_rows_keep_the_commit_they_were_measured_at(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun measures only the new rows; every row keeps its own commit and date (one from a file written before
+    rows kept theirs takes that file's), and the rendered notes name the rows measured at another commit."""
+    out = tmp_path / "out.json"
+    first = _measured_run(monkeypatch, out, "aaa", ["teacher", "old"])
+    del first["models"]["old"]["measured"]  # as files written before rows kept their commit
+    out.write_text(json.dumps(first))
+    again = _measured_run(monkeypatch, out, "bbb", ["teacher", "old", "new"])
+    stamps = {name: row["measured"]["commit"] for name, row in again["models"].items()}
+    assert stamps == {"teacher": "aaa", "old": "aaa", "new": "bbb"}
+    assert again["provenance"]["commit"] == "bbb"
+    assert natural_recall.measured_elsewhere(again) == ("Rows measured at another commit than the line below: "
+                                                        "teacher (aaa, day of aaa); old (aaa, day of aaa).")
+    assert natural_recall.measured_elsewhere(first) == ""
+
+
+def test_merge_takes_in_the_rows_the_output_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--merge``: rows of another run's file that ``--out`` lacks come in with their own commit, rows it has stay
+    as they are, nothing is measured again; a file of other settings is refused, named."""
+    out, side = tmp_path / "out.json", tmp_path / "side.json"
+    _measured_run(monkeypatch, out, "aaa", ["teacher", "old"])
+    _measured_run(monkeypatch, side, "bbb", ["teacher", "swap"])
+    merged = _measured_run(monkeypatch, out, "ccc", ["teacher", "old", "swap"], merge=[side])
+    stamps = {name: row["measured"]["commit"] for name, row in merged["models"].items()}
+    assert stamps == {"teacher": "aaa", "old": "aaa", "swap": "bbb"}
+    assert json.loads(out.read_text())["models"] == merged["models"]
+    _measured_run(monkeypatch, tmp_path / "other.json", "ddd", ["teacher"], settings={"prompts": 40})
+    with pytest.raises(SystemExit, match=r"other\.json: measured with other settings"):
+        _measured_run(monkeypatch, out, "eee", ["teacher"], merge=[tmp_path / "other.json"])
