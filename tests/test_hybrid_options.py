@@ -41,6 +41,20 @@ def test_the_cache_added_after_training_is_the_model_built_with_it() -> None:
     assert bigger > sum(r.state_elements for r in state_size_report(model.config, 1024))
 
 
+def test_the_changed_model_holds_the_same_tensors_not_copies() -> None:
+    """No second copy of the weights: every parameter of the changed model is the trained model's tensor (the same
+    storage), its buffers are real tensors made for its own config, and the model given still computes as before."""
+    model = tiny_perturbed_model(HYBRID)
+    with torch.no_grad():
+        before = model(input_ids=ids()).logits
+    cached = with_hybrid_options(model, {"cache_slots": 4, "cache_dtype": "int8"})
+    trained = dict(model.named_parameters())
+    assert all(p.data_ptr() == trained[name].data_ptr() for name, p in cached.named_parameters())
+    assert not any(b.is_meta for b in cached.buffers())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids()).logits, before)
+
+
 def test_only_the_hybrid_layers_change_nested_ones_included() -> None:
     """A softmax layer stays as it was; a hybrid inside retrieval heads' ``others`` takes the options too."""
     nested = {"mixer": "retrieval_heads", "heads": [1], "others": HYBRID}

@@ -4,9 +4,12 @@ to a hybrid trained without it): options that add no parameters, so the trained 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Collection, Iterator
 from typing import Any
+
+from torch import nn
 
 from .configuration import RecAttnConfig, override_layers
 from .mixer_hybrid import HybridMixer
@@ -127,18 +130,41 @@ def config_with_layer_options(config: RecAttnConfig, overrides: dict[str, dict[s
     return changed
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside are put on the meta device (no storage, their initialisation a no-op); buffers
+    are made as usual, from the config being built."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def with_config(model: RecAttnForCausalLM, config: RecAttnConfig, what: str) -> RecAttnForCausalLM:
-    """A copy of ``model`` (in eval mode) built from ``config`` with the same weights; ValueError naming ``what``
-    when ``config`` adds or drops parameters, since the trained weights would then not be the whole model."""
-    changed = RecAttnForCausalLM(config).to(next(model.parameters()).dtype)
-    result = changed.load_state_dict(model.state_dict(), strict=False)
+    """A model (in eval mode) built from ``config`` that holds ``model``'s weights, the same tensors (no copy: a
+    7B student stays one 7B student in memory); ValueError naming ``what`` when ``config`` adds or drops
+    parameters, since the trained weights would then not be the whole model."""
+    with _parameters_on_meta():
+        changed = RecAttnForCausalLM(config)
+    result = changed.load_state_dict(model.state_dict(), strict=False, assign=True)
     missing = [k for k in result.missing_keys if k != "lm_head.weight"]
     if missing or result.unexpected_keys:
         raise ValueError(f"{what} change the parameters (missing {missing[:4]}, unexpected "
                          f"{result.unexpected_keys[:4]}); only options without weights of their own can be changed")
     if config.tie_word_embeddings:
         changed.tie_weights()
-    return changed.eval()
+    on_meta = [name for name, p in changed.named_parameters() if p.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"{what}: parameters {on_meta[:4]} have no trained weights to take")
+    return changed.to(next(model.parameters()).dtype).eval()
 
 
 def same_parameters(config: RecAttnConfig, changed: RecAttnConfig, what: str) -> None:
@@ -161,7 +187,8 @@ def same_parameters(config: RecAttnConfig, changed: RecAttnConfig, what: str) ->
 
 def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any],
                         layers: Collection[int] | None = None) -> RecAttnForCausalLM:
-    """A copy of ``model`` (in eval mode) whose hybrid layers (those among ``layers`` when given) take ``options``
-    (``{"cache_slots": 64}``), with the same weights. ValueError as ``config_with_hybrid_options`` says, or when the
-    change adds or drops parameters (named), since the trained weights would then not be the whole model."""
+    """``model`` as a model (in eval mode) whose hybrid layers (those among ``layers`` when given) take ``options``
+    (``{"cache_slots": 64}``), holding the same weight tensors (``with_config``). ValueError as
+    ``config_with_hybrid_options`` says, or when the change adds or drops parameters (named), since the trained
+    weights would then not be the whole model."""
     return with_config(model, config_with_hybrid_options(model.config, options, layers), f"hybrid options {options}")
