@@ -9,6 +9,7 @@ import copy
 from collections.abc import Collection, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from .configuration import RecAttnConfig, override_layers
@@ -130,6 +131,11 @@ def config_with_layer_options(config: RecAttnConfig, overrides: dict[str, dict[s
     return changed
 
 
+def _changed_parameters(what: str, missing: list[str], unexpected: list[str]) -> ValueError:
+    return ValueError(f"{what} change the parameters (missing {missing[:4]}, unexpected {unexpected[:4]}); only "
+                      "options without weights of their own can be changed")
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Parameters registered inside are put on the meta device (no storage, their initialisation a no-op); buffers
@@ -157,8 +163,7 @@ def with_config(model: RecAttnForCausalLM, config: RecAttnConfig, what: str) -> 
     result = changed.load_state_dict(model.state_dict(), strict=False, assign=True)
     missing = [k for k in result.missing_keys if k != "lm_head.weight"]
     if missing or result.unexpected_keys:
-        raise ValueError(f"{what} change the parameters (missing {missing[:4]}, unexpected "
-                         f"{result.unexpected_keys[:4]}); only options without weights of their own can be changed")
+        raise _changed_parameters(what, missing, result.unexpected_keys)
     if config.tie_word_embeddings:
         changed.tie_weights()
     on_meta = [name for name, p in changed.named_parameters() if p.device.type == "meta"]
@@ -171,18 +176,14 @@ def same_parameters(config: RecAttnConfig, changed: RecAttnConfig, what: str) ->
     """ValueError naming ``what`` when a model cannot be built from ``changed`` (a cache that does not fit its
     layer) or would not hold the parameters one built from ``config`` holds (checked on the meta device, without
     allocating weights)."""
-    import torch
-
     with torch.device("meta"):
         before = set(RecAttnForCausalLM(copy.deepcopy(config)).state_dict())
         try:
-            names = [before, set(RecAttnForCausalLM(copy.deepcopy(changed)).state_dict())]
+            after = set(RecAttnForCausalLM(copy.deepcopy(changed)).state_dict())
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from None
-    if names[0] != names[1]:
-        raise ValueError(f"{what} change the parameters (missing {sorted(names[0] - names[1])[:4]}, unexpected "
-                         f"{sorted(names[1] - names[0])[:4]}); only options without weights of their own can be "
-                         "changed")
+    if before != after:
+        raise _changed_parameters(what, sorted(before - after), sorted(after - before))
 
 
 def with_hybrid_options(model: RecAttnForCausalLM, options: dict[str, Any],
