@@ -179,12 +179,12 @@ def measured(record: dict[str, Any]) -> dict[str, Any]:
     return {"commit": record.get("commit"), "date": record.get("date")}
 
 
-def _rows_of(path: Path, run_settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _rows_of(path: Path, run_settings: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
     """The rows of a results file, each with the commit and date it was measured at (a row written before rows
-    kept theirs takes its file's); SystemExit naming the file when its settings differ."""
+    kept theirs takes its file's); None when the file was measured with other settings."""
     earlier = json.loads(path.read_text())
     if earlier.get("settings") != run_settings:
-        raise SystemExit(f"{path}: measured with other settings ({earlier.get('settings')}), not {run_settings}")
+        return None
     stamp = measured(earlier.get("provenance", {}))
     return {name: {**row, "measured": row.get("measured", stamp)} for name, row in earlier.get("models", {}).items()}
 
@@ -207,11 +207,14 @@ def measure_rows(args: argparse.Namespace, benchmark: str, run_settings: dict[st
         torch.set_num_threads(args.threads)
     record = run_record()
     results: dict[str, Any] = {"settings": run_settings, "models": {}, "notes": notes}
-    if args.out.is_file() and json.loads(args.out.read_text()).get("settings") == run_settings:
-        results["models"] = _rows_of(args.out, run_settings)
+    if args.out.is_file():
+        results["models"] = _rows_of(args.out, run_settings) or {}
     merged = 0
     for path in args.merge:
-        for name, row in _rows_of(path, run_settings).items():
+        rows = _rows_of(path, run_settings)
+        if rows is None:
+            raise SystemExit(f"{path}: measured with other settings than {run_settings}")
+        for name, row in rows.items():
             if name not in results["models"]:
                 results["models"][name] = row
                 merged += 1

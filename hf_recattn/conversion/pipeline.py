@@ -38,7 +38,7 @@ from .. import evaluation
 from ..atomic import atomic_folder, write_json
 from ..data.corpus import is_embedded, load_splits
 from ..model_card import write_model_card
-from ..modeling.hybrid_options import with_config
+from ..modeling.hybrid_options import config_with_layer_options, with_config
 from ..provenance import provenance
 from ..training import parallel, sharding
 from ..training.run_config import tokenizer_max_length
@@ -47,7 +47,7 @@ from .comparison import compare_models, report_sample
 from .from_teacher import student_from_teacher
 from .init_checkpoint import check_init, init_facts, load_converted
 from .job import Job, Log, Teacher, read_json
-from .recipe import Recipe, check_against_teacher, load_recipe, served_config
+from .recipe import Recipe, check_against_teacher, load_recipe
 from .stage1 import keep_retrieval_heads, stage1
 from .stage2 import stage2
 from .teacher import load_teacher, teacher_license, teacher_name
@@ -228,7 +228,8 @@ def _stage2_and_save(label: str, job: Job, teacher: Teacher, first: Trained, tra
     else:
         job.log(f"{label} stage 2: skipped (stage2.tokens is 0)")
     if job.recipe.serve_overrides:
-        student = with_config(student, served_config(job.recipe, student.config), "serve_overrides")
+        served = config_with_layer_options(student.config, job.recipe.serve_overrides)  # checked with the teacher
+        student = with_config(student, served, "serve_overrides")
         job.log(f"{label} serving with {job.recipe.serve_overrides} (serve_overrides; the same weights)")
     if parallel.is_main():
         with atomic_folder(job.model_dir) as tmp:

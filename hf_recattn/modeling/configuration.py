@@ -49,6 +49,12 @@ def override_layers(key: str, num_layers: int, section: str = "attention_overrid
     return [index % num_layers]
 
 
+def override_order(overrides: dict) -> list:
+    """The keys of an overrides mapping in the order they apply: patterns first, explicit indices last (so that
+    they win)."""
+    return sorted(overrides, key=lambda k: not str(k).startswith("every:"))
+
+
 def resolve_layer_specs(attention: Any, overrides: dict | None, num_layers: int) -> list[dict[str, Any]]:
     """Expand (one spec or a list) plus overrides into one validated spec per layer."""
     if isinstance(attention, list):
@@ -64,8 +70,7 @@ def resolve_layer_specs(attention: Any, overrides: dict | None, num_layers: int)
         raise ValueError(
             f"attention_overrides must be a dict of layer key -> spec, got {type(overrides).__name__}"
         )
-    # patterns first, explicit indices last so that they win
-    for key in sorted(overrides, key=lambda k: not str(k).startswith("every:")):
+    for key in override_order(overrides):
         for i in override_layers(str(key), num_layers):
             raw[i] = copy.deepcopy(overrides[key])
     return [validate_spec(spec, f"layer {i}") for i, spec in enumerate(raw)]

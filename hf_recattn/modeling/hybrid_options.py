@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .configuration import RecAttnConfig, override_layers
+from .configuration import RecAttnConfig, override_layers, override_order
 from .mixer_hybrid import HybridMixer
 from .modeling import RecAttnForCausalLM
 
@@ -122,7 +122,7 @@ def config_with_layer_options(config: RecAttnConfig, overrides: dict[str, dict[s
     "every:6"; patterns first, indices last) sets its hybrid options on the layers it selects. ValueError naming
     ``section[key]`` when a key is bad or its options do not fit its layers."""
     changed = config
-    for key in sorted(overrides, key=lambda k: not str(k).startswith("every:")):
+    for key in override_order(overrides):
         layers = override_layers(str(key), config.num_hidden_layers, section)
         try:
             changed = config_with_hybrid_options(changed, overrides[key], layers)
