@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from distill_fixtures import tiny_recipe_dict, write_recipe
-from transformers import LlamaConfig
+from transformers import Gemma3TextConfig, LlamaConfig
 
 from hf_recattn.conversion.recipe import (
     available_recipes,
@@ -15,12 +15,13 @@ from hf_recattn.conversion.recipe import (
     check_against_teacher,
     load_recipe,
     recipe_from_dict,
+    served_config,
 )
 from hf_recattn.conversion.retrieval_heads import config_with_retrieval_heads
 from hf_recattn.conversion.settings import RETRIEVAL_KINDS, Stage2Settings
 from hf_recattn.evaluation import RecallSizes
 from hf_recattn.modeling.configuration import RecAttnConfig
-from hf_recattn.state_size import state_size_report
+from hf_recattn.state_size import state_bytes, state_size_report
 from hf_recattn.training.checks import build_settings
 from hf_recattn.training.distill_settings import DistillSettings
 
@@ -416,6 +417,40 @@ def test_cache_recipes_keep_a_constant_state(name: str) -> None:
     states, kv = _states_and_kv_cache(config)
     assert len(set(states.values())) == 1, states
     assert states[8192] / kv <= CACHED[name]
+
+
+#: the benchmark recipe the packaged Gemma 3 recipe's recall figures were measured on (docs/recall.md)
+MEASURED_GEMMA3 = Path(__file__).parents[1] / "benchmarks/recipes/gemma3-270m-w4-recent120-k8v4g16keydiffspan2313.yaml"
+
+
+def test_packaged_gemma3_recipe_trains_and_serves_as_the_measured_one() -> None:
+    """gemma3-270m-exact-cache-k8v4g16's full budget is the measured recipe in every setting that changes the
+    weights or the caches: only its name, budget, evaluation and prose differ."""
+    packaged = load_recipe("gemma3-270m-exact-cache-k8v4g16", "full").as_dict()
+    measured = load_recipe(MEASURED_GEMMA3).as_dict()
+    differ = {key for key in packaged if packaged[key] != measured[key]}
+    assert differ == {"name", "budget", "eval", "description", "source"}, differ
+    assert packaged["serve_overrides"] and packaged["stage2"]["tokens"] == 65536
+
+
+@pytest.mark.parametrize("budget", ["quick", "full"])
+def test_packaged_gemma3_recipe_fits_a_sixteenth_of_its_teachers_kv_cache(budget: str) -> None:
+    """On Gemma 3 270M's shape, as trained and as served: the same bytes at 1k, 8k and 32k tokens, at most 1/16 of
+    the teacher's float32 KV cache at 8k (its 15 sliding-window layers hold 512 tokens, its 3 global ones all)."""
+    from test_conversion_memory import GEMMA3_270M
+
+    teacher = Gemma3TextConfig(**GEMMA3_270M, sliding_window=512)
+    recipe = load_recipe("gemma3-270m-exact-cache-k8v4g16", budget)
+    trained = check_against_teacher(recipe, teacher)
+    served = served_config(recipe, trained)
+    assert [spec["cache_dtype"] for spec in served.layer_specs()] == ["int4g16"] * 5 + ["k8v4g16"] + (
+        ["int4g16"] * 5 + ["k8v4g16"]) * 2
+    tokens = [8192 if kind == "full_attention" else 512 for kind in teacher.layer_types]
+    kv_bytes = sum(tokens) * teacher.num_key_value_heads * teacher.head_dim * 2 * 4
+    for config in (trained, served):
+        sizes = {n: state_bytes(state_size_report(config, n), 4) for n in (1024, 8192, 32768)}
+        assert len(set(sizes.values())) == 1, sizes
+        assert sizes[8192] * 16 <= kv_bytes, (sizes[8192] / 2**20, kv_bytes / 16 / 2**20)
 
 
 def _costliest_heads(config: RecAttnConfig, count: int) -> dict[int, list[int]]:
