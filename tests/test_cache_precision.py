@@ -13,7 +13,7 @@ import mixer_checks as checks
 import pytest
 import torch
 from generation_cases import Case, one_thread, tiny_model
-from mixer_checks import SHAPE
+from mixer_checks import PAD, SHAPE
 from mixer_steps import left_padded, run_steps
 from test_hybrid_cache import (
     GRAD,
@@ -28,8 +28,9 @@ from test_hybrid_cache import (
 
 from hf_recattn.model_card import state_table
 from hf_recattn.modeling.cache_precision import CODE_FORMATS, pair_codes, slot_elements
+from hf_recattn.modeling.hybrid_cached import slice_inputs
 from hf_recattn.modeling.hybrid_options import with_hybrid_options
-from hf_recattn.modeling.mixer_base import MixerShape
+from hf_recattn.modeling.mixer_base import MixerInputs, MixerShape
 from hf_recattn.modeling.registry import build_mixer, validate_spec
 from hf_recattn.state_size import exact_cache_bytes, state_size_report
 
@@ -92,6 +93,32 @@ def test_coded_decisions_equal_across_forms_and_chunk_sizes(far: str, codes: dic
     assert torch.equal(fast, slow)
     for name in fast_state:
         assert torch.equal(fast_state[name], slow_state[name]), name
+
+
+@pytest.mark.parametrize("codes", [INT8, INT4, INT4G16, K8V4G16])
+def test_a_call_codes_its_cache_once(codes: dict[str, str]) -> None:
+    """Within one chunked call the cache passes from chunk to chunk as its codes give it and is coded after the last
+    chunk: the outputs and the final state equal, bit for bit, those of one call per chunk (the cache coded after
+    each), over 23 left-padded tokens in chunks of 5 (a cache of 4 slots that fills and evicts), and the state
+    leaves the call as codes."""
+    mixer = make("none", window=3, slots=4, sink_tokens=1, cache_score="keydiff", **codes)
+    mixer.chunk_size = 5
+    q, k, v, x = checks.random_inputs(SHAPE, 23, seed=31)
+    inputs = MixerInputs(x, left_padded(23, PAD))
+    with torch.no_grad():
+        whole, whole_state = mixer.chunked(q, k, v, inputs, mixer.init_state(q.shape[0], q.device, q.dtype))
+        state, outs = mixer.init_state(q.shape[0], q.device, q.dtype), []
+        for start in range(0, 23, 5):
+            part = slice(start, start + 5)
+            out, state = mixer.chunked(q[:, :, part], k[:, :, part], v[:, :, part],
+                                       slice_inputs(inputs, start, min(start + 5, 23)), state)
+            outs.append(out)
+    assert torch.equal(whole, torch.cat(outs, dim=1))
+    assert whole_state.keys() == state.keys()
+    for name in whole_state:
+        assert torch.equal(whole_state[name], state[name]), name
+    assert not whole_state["ck"].is_floating_point() and not whole_state["cv"].is_floating_point()
+    assert bool(whole_state["cmask"].all())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])

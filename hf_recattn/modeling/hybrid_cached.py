@@ -195,11 +195,13 @@ class ExactCacheForms:
     newest_pass: bool = True
 
     def _cached_block(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm,
+        coded: bool = True,
     ) -> tuple[torch.Tensor, State]:
         """``_block`` with the cache: the queries run in spans cut after each decision; a decision moves pairs
         between the cache and (a far part reading leaving keys) the far state. Where the decisions keep the newest
-        pairs and there is no far part, in one pass instead (``_newest_pass``)."""
+        pairs and there is no far part, in one pass instead (``_newest_pass``). ``coded=False``: the state carries
+        a coded cache as its codes give it (for the next block of the same call, which would decode it again)."""
         blk, new_state = self._cache_block_of(q, k, v, inputs, state)
         cache, far = self._cache_in(state), far_state(state)
         if self._keeps_newest(blk, cache):
@@ -219,7 +221,7 @@ class ExactCacheForms:
             "wk": blk.keys[:, :, -w:], "wv": blk.values[:, :, -w:], "wmask": blk.real[:, -w:],
             "pk": torch.where(keep, gather_tokens(blk.keys, slots), 0.0),
             "pv": torch.where(keep, gather_tokens(blk.values, slots), 0.0),
-            "pmask": pmask, **self._cache_out(cache),
+            "pmask": pmask, **self._cache_out(cache, coded),
         })
         if blk.positions is not None:
             new_state.update({"ppos": torch.where(pmask, blk.positions.gather(1, slots), 0),
@@ -270,6 +272,10 @@ class ExactCacheForms:
         they are not decided."""
         w, g, t = self.window, self.cache_slots, blk.q.shape[2]
         old_visible, new_visible = newest_visible(blk.timing, cache.mask, w, g)
+        # the cache's filled slots come first: the columns past the fullest row's are empty in every row, so the
+        # softmax leaves them out (the same weights: an empty slot's weight is zero)
+        filled = int(cache.mask.sum(1).max()) if cache.mask.device.type == "cpu" else g  # no host wait elsewhere
+        old_visible = old_visible[..., :filled]
         new_sink = None if blk.sinks is None else blk.sinks[3]
         undecided = undecided_visible(blk.timing, blk.real, w, 0, t, new_sink)
         held_keys, held_values, key_scales, value_scales = blk.keys, blk.values, None, None
@@ -277,7 +283,7 @@ class ExactCacheForms:
             codes = self._pair_codes
             held_keys, key_scales = codes.keys.round_trip(blk.keys)
             held_values, value_scales = codes.values.round_trip(blk.values)
-        keys, values = [cache.keys, held_keys], [cache.values, held_values]
+        keys, values = [cache.keys[:, :, :filled], held_keys], [cache.values[:, :, :filled], held_values]
         visible = [old_visible.expand(-1, -1, -1, t, -1), new_visible]
         if key_scales is None:  # the cache holds the keys as computed: one set of columns for both
             visible[1] = new_visible | undecided
@@ -296,7 +302,8 @@ class ExactCacheForms:
         if self.distance is not None:  # the cached columns clamped (the undecided ones are within the window's reach)
             held_positions = blk.positions[:, None].expand(-1, cache.positions.shape[1], -1)
             cached_positions = torch.cat([cache.positions, held_positions], dim=2)
-            key_pos, new_pos = self._clamped_positions(blk, cached_positions)
+            read_positions = torch.cat([cache.positions[..., :filled], held_positions], dim=2)
+            key_pos, new_pos = self._clamped_positions(blk, read_positions)
             scores = self.distance.clamp(scores, qg, keys, key_pos, new_pos, self.scale)
         scores = scores.masked_fill(~torch.cat(visible, dim=-1), float("-inf"))
         out, _ = self._mix_cached(blk.q, blk.k, blk.v, blk.inputs, {}, scores, torch.cat(values, dim=2),
@@ -533,16 +540,17 @@ class ExactCacheForms:
             values = codes.values.dequantize(values, value_scales, dtype)
         return Cache(keys, values, state["cmask"], state.get("cpos"), key_scales, value_scales)
 
-    def _cache_out(self, cache: Cache) -> State:
+    def _cache_out(self, cache: Cache, coded: bool = True) -> State:
         """The state's entries of the cache (its positions aside): keys, values (codes and scales when coded) and
-        mask. While autograd records through the cache (a chunked training forward), coded keys and values stay as
-        the queries read them, the same numbers as their codes give, so that their gradients reach the next chunk."""
+        mask. While autograd records through the cache (a chunked training forward), or with ``coded=False``, coded
+        keys and values stay as the queries read them, the same numbers as their codes give, so that their gradients
+        reach the next chunk (and the next chunk need not decode them)."""
         if cache.key_scales is None:
             return {"ck": cache.keys, "cv": cache.values, "cmask": cache.mask}
         codes = self._pair_codes
         scales_and_mask = {"cks": codes.keys.stored_scales(cache.key_scales),
                            "cvs": codes.values.stored_scales(cache.value_scales), "cmask": cache.mask}
-        if torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
+        if not coded or torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad):
             return {"ck": cache.keys, "cv": cache.values, **scales_and_mask}
         return {"ck": codes.keys.codes_of(cache.keys, cache.key_scales),
                 "cv": codes.values.codes_of(cache.values, cache.value_scales), **scales_and_mask}

@@ -308,11 +308,12 @@ class HybridMixer(ExactCacheForms, Mixer):
         return keys, values, new_sink, visible, sink_state
 
     def _block(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: MixerInputs, state: State, far_form: FarForm,
+        coded: bool = True,
     ) -> tuple[torch.Tensor, State]:
         w, t = self.window, q.shape[2]
         if self.cache_slots:
-            return self._cached_block(q, k, v, inputs, state, far_form)
+            return self._cached_block(q, k, v, inputs, state, far_form, coded)
         new_real = real_tokens(inputs, q)
         new_state: State = {}
         qg = group_queries(q, self.shape.num_kv_heads)
@@ -445,7 +446,7 @@ class HybridMixer(ExactCacheForms, Mixer):
     ) -> torch.Tensor:
         # with the cache an arriving far part runs chunked: each decision scores against its state at that token
         form = self._far_chunked if self.cache_slots else self._far_parallel
-        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), form)
+        out, _ = self._block(q, k, v, inputs, self.init_state(q.shape[0], q.device, q.dtype), form, coded=False)
         return out
 
     def chunked(
@@ -456,8 +457,8 @@ class HybridMixer(ExactCacheForms, Mixer):
         for start in range(0, t, self.chunk_size):
             stop = min(start + self.chunk_size, t)
             sub = slice_inputs(inputs, start, stop)
-            out, state = self._block(
-                q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, self._far_chunked
+            out, state = self._block(  # a coded cache coded once, after the last chunk
+                q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], sub, state, self._far_chunked, stop == t
             )
             outs.append(out)
         return torch.cat(outs, dim=1), state
