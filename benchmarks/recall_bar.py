@@ -36,6 +36,9 @@ SOURCES: dict[str, dict[str, Any]] = {
         "presses": ["kv_needles_cpu.json", "kv_needles_int8_cpu.json", "kv_needles_int4_cpu.json",
                     "kv_needles_int4_ood_cpu.json", "kv_needles_multi_cpu.json", "kv_needles_multi_int8_cpu.json",
                     "kv_needles_multi_int4_cpu.json"],
+        "wider": ["natural_recall_multikey40_cpu.json"],
+        "wider_presses": ["kv_needles_multikey40_cpu.json", "kv_needles_multikey40_int8_cpu.json",
+                          "kv_needles_multikey40_int4_cpu.json"],
     },
     "gemma3-270m": {
         "label": "Gemma 3 270M",
@@ -53,7 +56,8 @@ SOURCES: dict[str, dict[str, Any]] = {
 
 #: the students the table shows, per teacher (row names of the result files)
 STUDENTS: dict[str, list[str]] = {
-    "embedded": ["retrieval9-int8-int4keydiff (default)", "retrieval9-int8-int4keydiff-w16 (quick)"],
+    "embedded": ["retrieval9-int8-int4keydiff (default)", "retrieval9-int8-int4keydiff-w16 (quick)",
+                 "retrieval9-int8-int4keydiff-lora32-multikey (quick)"],
     "gemma3-270m": ["gemma3-270m-w16-sink4c-int8keydiff1960 (default)",
                     "gemma3-270m-w8-recent240-int4keydiff1960 (default)",
                     "gemma3-270m-w4-recent240-int8keydiff1505 (default)",

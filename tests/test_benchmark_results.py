@@ -36,6 +36,7 @@ RESULTS = {
     "natural_recall_gemma3_selection_cpu.json": "natural_recall",
     "natural_perplexity_gemma3_cpu.json": "natural_perplexity",
     "natural_recall_multikey40_gemma3_cpu.json": "natural_recall",
+    "natural_recall_multikey40_cpu.json": "natural_recall",
     "cache_code_error_cpu.json": "cache_code_error",
     "cache_code_error_gemma3_cpu.json": "cache_code_error",
     "recall_by_distance_cpu.json": "recall_by_distance",

@@ -118,8 +118,8 @@ def test_small_teachers_keep_both_options_off() -> None:
     """The embedded teacher's shape with every packaged recipe's quick and full budget, Gemma 3 270M's with its
     recipes' quick budget, and the tiny test teacher: nothing chosen on a machine with 16 GiB free (SmolLM2's quick
     budgets: down to 9 GiB), except where the exact cache's attention keeps gigabytes for the backward
-    (``Mixer.backward_numbers``: the full budgets of the cached hybrids, 2,048 tokens a step): checkpointing then,
-    chosen or given, and the estimate within the budget."""
+    (``Mixer.backward_numbers``: the budgets that train the cached hybrids, 2,048 tokens a step): checkpointing
+    then, chosen or given, and the estimate within the budget."""
     config = LlamaConfig(**SMOLLM2)
     heavy = []
     for name in (name for name in available_recipes() if not name.startswith("gemma")):
@@ -132,7 +132,7 @@ def test_small_teachers_keep_both_options_off() -> None:
             choice = choose_memory_options(recipe.stage2, shape, free * GIB)
             if sum(shape.mixer_numbers) * 4 > GIB:
                 heavy.append(name)
-                assert budget == "full" and choice.gradient_checkpointing, choice.line()
+                assert choice.gradient_checkpointing, (name, budget, choice.line())
                 assert set(choice.chosen) <= {"gradient_checkpointing"}, choice.line()
                 assert choice.estimate < 7.5 * GIB < shape.total(choice.loss_chunk_size, False), choice.line()
                 continue

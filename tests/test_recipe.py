@@ -433,6 +433,26 @@ def test_packaged_gemma3_recipe_trains_and_serves_as_the_measured_one() -> None:
     assert packaged["serve_overrides"] and packaged["stage2"]["tokens"] == 65536
 
 
+#: the benchmark recipe the packaged SmolLM2 recall recipe's figures were measured on (docs/recall.md)
+MEASURED_SMOLLM2 = Path(__file__).parents[1] / "benchmarks/recipes/retrieval9-int8-int4keydiff-lora32-multikey.yaml"
+
+
+def test_packaged_smollm2_recall_recipe_trains_as_the_measured_one() -> None:
+    """retrieval9-int8-int4keydiff-multikey's full budget is the measured recipe in every setting that changes the
+    weights or the caches (gradient checkpointing recomputes the same activations: on here, off in the measured
+    file); its quick budget runs the same path for two steps."""
+    packaged = load_recipe("retrieval9-int8-int4keydiff-multikey", "full").as_dict()
+    measured = load_recipe(MEASURED_SMOLLM2).as_dict()
+    assert packaged["stage2"]["gradient_checkpointing"] and not measured["stage2"]["gradient_checkpointing"]
+    for recipe in (packaged, measured):
+        recipe["stage2"].pop("gradient_checkpointing")
+    differ = {key for key in packaged if packaged[key] != measured[key]}
+    assert differ == {"name", "budget", "eval", "description", "source"}, differ
+    assert packaged["stage2"]["tokens"] == 65536 and "multi_key" in packaged["stage2"]["retrieval_kinds"]
+    quick = load_recipe("retrieval9-int8-int4keydiff-multikey", "quick").as_dict()
+    assert quick["stage2"] == packaged["stage2"] | {"tokens": 4096, "gradient_checkpointing": True}
+
+
 @pytest.mark.parametrize("budget", ["quick", "full"])
 def test_packaged_gemma3_recipe_fits_a_sixteenth_of_its_teachers_kv_cache(budget: str) -> None:
     """On Gemma 3 270M's shape, as trained and as served: the same bytes at 1k, 8k and 32k tokens, at most 1/16 of
