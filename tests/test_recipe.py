@@ -419,8 +419,16 @@ def test_cache_recipes_keep_a_constant_state(name: str) -> None:
     assert states[8192] / kv <= CACHED[name]
 
 
+BENCHMARK_RECIPES = Path(__file__).parents[1] / "benchmarks/recipes"
 #: the benchmark recipe the packaged Gemma 3 recipe's recall figures were measured on (docs/recall.md)
-MEASURED_GEMMA3 = Path(__file__).parents[1] / "benchmarks/recipes/gemma3-270m-w4-recent120-k8v4g16keydiffspan2313.yaml"
+MEASURED_GEMMA3 = BENCHMARK_RECIPES / "gemma3-270m-w4-recent120-k8v4g16keydiffspan2313.yaml"
+#: what a packaged recipe may change from the file it was measured as: nothing that trains or serves
+ONLY_NAMES_AND_PROSE = {"name", "budget", "eval", "description", "source"}
+
+
+def _settings_apart(packaged: dict, measured: dict) -> set[str]:
+    """The top-level settings in which two recipes (``Recipe.as_dict()``) differ."""
+    return {key for key in packaged if packaged[key] != measured[key]}
 
 
 def test_packaged_gemma3_recipe_trains_and_serves_as_the_measured_one() -> None:
@@ -428,13 +436,13 @@ def test_packaged_gemma3_recipe_trains_and_serves_as_the_measured_one() -> None:
     weights or the caches: only its name, budget, evaluation and prose differ."""
     packaged = load_recipe("gemma3-270m-exact-cache-k8v4g16", "full").as_dict()
     measured = load_recipe(MEASURED_GEMMA3).as_dict()
-    differ = {key for key in packaged if packaged[key] != measured[key]}
-    assert differ == {"name", "budget", "eval", "description", "source"}, differ
+    differ = _settings_apart(packaged, measured)
+    assert differ == ONLY_NAMES_AND_PROSE, differ
     assert packaged["serve_overrides"] and packaged["stage2"]["tokens"] == 65536
 
 
 #: the benchmark recipe the packaged SmolLM2 recall recipe's figures were measured on (docs/recall.md)
-MEASURED_SMOLLM2 = Path(__file__).parents[1] / "benchmarks/recipes/retrieval9-int8-int4keydiff-lora32-multikey.yaml"
+MEASURED_SMOLLM2 = BENCHMARK_RECIPES / "retrieval9-int8-int4keydiff-lora32-multikey.yaml"
 
 
 def test_packaged_smollm2_recall_recipe_trains_as_the_measured_one() -> None:
@@ -446,8 +454,8 @@ def test_packaged_smollm2_recall_recipe_trains_as_the_measured_one() -> None:
     assert packaged["stage2"]["gradient_checkpointing"] and not measured["stage2"]["gradient_checkpointing"]
     for recipe in (packaged, measured):
         recipe["stage2"].pop("gradient_checkpointing")
-    differ = {key for key in packaged if packaged[key] != measured[key]}
-    assert differ == {"name", "budget", "eval", "description", "source"}, differ
+    differ = _settings_apart(packaged, measured)
+    assert differ == ONLY_NAMES_AND_PROSE, differ
     assert packaged["stage2"]["tokens"] == 65536 and "multi_key" in packaged["stage2"]["retrieval_kinds"]
     quick = load_recipe("retrieval9-int8-int4keydiff-multikey", "quick").as_dict()
     assert quick["stage2"] == packaged["stage2"] | {"tokens": 4096, "gradient_checkpointing": True}
