@@ -16,6 +16,7 @@ from typing import Any
 from .atomic import write_text
 from .conversion.recipe import report_training_tokens
 from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
+from .evaluation.needles import NEEDLE_HAYSTACKS
 from .model_card import BYTES_PER_ELEMENT, build_model_card
 from .modeling.configuration import read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_slots
@@ -83,11 +84,22 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "teacher_associative_recall": (teacher.get("associative_recall") or {}).get("mean_accuracy"),
         "recall_by_distance": (student.get("recall_by_distance") or {}).get("accuracy"),
         "teacher_recall_by_distance": (teacher.get("recall_by_distance") or {}).get("accuracy"),
-        "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {recipe['name']} --budget {budget} "
-        f"--output runs/{recipe['name']}",
+        "needles": (student.get("needles") or {}).get("accuracy"),
+        "teacher_needles": (teacher.get("needles") or {}).get("accuracy"),
+        "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {_recipe_argument(recipe)} "
+        f"--budget {budget} --output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
         "provenance": report["provenance"],
     }
+
+
+def _recipe_argument(recipe: dict[str, Any]) -> str:
+    """What ``--recipe`` takes to convert the run again: a packaged recipe's name, else its file's path (as the
+    report's ``source`` gives it)."""
+    source = recipe.get("source")
+    if not source or source == "<dict>" or source.startswith("hf_recattn/recipes/"):
+        return recipe["name"]
+    return source
 
 
 def _entry_name(teacher: str, recipe: str) -> str:
@@ -108,8 +120,8 @@ def format_zoo(entries: list[dict[str, Any]], card_prefix: str = "") -> str:
         return "The zoo is empty (no zoo.json shipped)."
     lines = [
         "| name | recipe | training tokens | state at 8k | × teacher's KV | exact cache | perplexity (× teacher) "
-        "| passkey | recall by distance | associative recall | card |",
-        "|---|---|---:|---:|---:|---|---:|---|---|---:|---|",
+        "| needles held-out / OOD (teacher) | passkey (synthetic) | recall by distance | associative recall | card |",
+        "|---|---|---:|---:|---:|---|---:|---|---|---|---:|---|",
     ]
     for e in entries:
         recall = "-" if e.get("associative_recall") is None else f"{e['associative_recall']:.0%}"
@@ -117,7 +129,7 @@ def format_zoo(entries: list[dict[str, Any]], card_prefix: str = "") -> str:
         lines.append(
             f"| {e['name']} | `{e['recipe']}` ({e['budget']}) | {e['training_tokens']:,} | "
             f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | {cache} | "
-            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {_by_length(e.get('passkey'))} | "
+            f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {_needles(e)} | {_by_length(e.get('passkey'))} | "
             f"{_by_length(e.get('recall_by_distance'))} | {recall} | [{e['card']}]({card_prefix}{e['card']}) |"
         )
     machine = _main_machine(entries)
@@ -133,6 +145,18 @@ def _main_machine(entries: list[dict[str, Any]]) -> Any:
     """The machine most entries were measured on (the earliest listed of equally many)."""
     machines = [e["provenance"].get("machine") for e in entries]
     return max(machines, key=machines.count)
+
+
+def _needles(entry: dict[str, Any]) -> str:
+    """The natural-text needles' accuracy on held-out and on out-of-distribution haystacks, the teacher's beside
+    it (``85 / 95% (90 / 95%)``); ``-`` for an entry indexed before the index kept them."""
+    def pair(accuracy: dict[str, float] | None) -> str:
+        return " / ".join("-" if accuracy.get(h) is None else f"{100 * accuracy[h]:.0f}" for h in NEEDLE_HAYSTACKS) \
+            + "%"
+    if not entry.get("needles"):
+        return "-"
+    teacher = entry.get("teacher_needles")
+    return pair(entry["needles"]) + (f" ({pair(teacher)})" if teacher else "")
 
 
 def _by_length(accuracy: dict[str, float] | None) -> str:
@@ -186,7 +210,11 @@ def build_zoo(
         "corpus, as each run's "
         "conversion report measured it: state per sequence at 8k tokens (bf16 elements at 2 bytes, int8 cache "
         "codes at 1) against the teacher's KV "
-        "cache, held-out perplexity against the teacher's on the same tokens, and passkey retrieval. Each entry's "
+        "cache, held-out perplexity against the teacher's on the same tokens, recall of facts hidden in natural text "
+        "(needles: the mean over the run's needle tasks and lengths on held-out documents / on the license texts, "
+        "the teacher's in brackets; - for entries indexed before this column, whose cards may give it) and the "
+        "synthetic "
+        "passkey (a key in repeated filler, which a cache can pass without recall). Each entry's "
         "card is beside this file; its `command` (in `zoo.json`) reproduces it. In Python: "
         "`hf_recattn.zoo.zoo_entries()`; on the command line: `hf-recattn zoo`.",
         "",

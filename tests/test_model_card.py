@@ -164,6 +164,7 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
         report = fake_report(ppl=ppl)
         report["recipe"]["name"] = name
         report["student"]["associative_recall"] = {"mean_accuracy": 0.25}
+        report["recipe"]["source"] = f"hf_recattn/recipes/{name}.yaml" if name == "hyb" else f"my/{name}.yaml"
         (run / "report.json").write_text(json.dumps(report))
         runs.append(run)
     entries = build_zoo(runs, tmp_path / "cards", "python scripts/build_zoo.py ...")
@@ -173,7 +174,8 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
     assert hyb["associative_recall"] == 0.25 and hyb["teacher_associative_recall"] is None
     assert "| 25% |" in format_zoo(entries)
     assert hyb["teacher_kv_mib_at_8k"] == round(2 * HKV * HEAD_DIM * 8192 * 2 * 2 / 2**20, 3)
-    assert hyb["command"].endswith("--recipe hyb --budget quick --output runs/hyb")
+    assert hyb["command"].endswith("--recipe hyb --budget quick --output runs/hyb")  # packaged: by its name
+    assert entries[0]["command"].endswith("--recipe my/lin.yaml --budget quick --output runs/lin")  # a file: its path
     assert zoo_entries(tmp_path / "cards" / "zoo.json") == entries
     index = (tmp_path / "cards" / "README.md").read_text()
     assert format_zoo(entries) in index and "python scripts/build_zoo.py ..." in index
@@ -232,6 +234,8 @@ def test_cached_hybrid_entry_and_card_show_the_cache_and_recall(tmp_path: Path) 
     report["student"]["passkey"] = {"accuracy": {"4096": 0.5, "1024": 1.0}, "mean_accuracy": 0.75}
     report["student"]["recall_by_distance"] = {"accuracy": {"100": 1.0, "1000": 0.5}}
     report["comparison"]["teacher"]["recall_by_distance"] = {"accuracy": {"100": 1.0, "1000": 1.0}}
+    report["student"]["needles"] = {"accuracy": {"heldout": 0.85, "ood": 0.95}}
+    report["comparison"]["teacher"]["needles"] = {"accuracy": {"heldout": 0.9, "ood": 1.0}}
     report["provenance"] = {**PROVENANCE, "machine": {"cpu": "Other CPU", "cores": 2, "gpu": None,
                                                        "platform": "Linux"}}
     for folder in (run, run / "model"):  # a conversion writes it into both
@@ -246,9 +250,13 @@ def test_cached_hybrid_entry_and_card_show_the_cache_and_recall(tmp_path: Path) 
     assert entry["exact_cache_mib_at_8k"] == round((8 + 4) * (2 * HKV * HEAD_DIM + 1) * 2 / 2**20, 3)
     assert entry["recall_by_distance"] == {"100": 1.0, "1000": 0.5}
     assert entry["teacher_recall_by_distance"] == {"100": 1.0, "1000": 1.0}
+    assert entry["needles"] == {"heldout": 0.85, "ood": 0.95} and entry["teacher_needles"]["ood"] == 1.0
     assert next(e for e in entries if e["recipe"] == "tiny")["cache_slots"] == 0
     table = format_zoo(entries)
-    assert "| 8 slots, 0.00 MiB |" in table and "| 1024: 100%, 4096: 50% | 100: 100%, 1000: 50% |" in table
+    assert "| 8 slots, 0.00 MiB |" in table
+    assert "| 85 / 95% (90 / 100%) | 1024: 100%, 4096: 50% | 100: 100%, 1000: 50% |" in table  # needles, passkey
+    assert "| - | 1024: 50% |" in table  # a report without the needle probe
+    assert "| needles held-out / OOD (teacher) | passkey (synthetic) |" in table
     assert ("Measured on another machine than the line below says: smollm2-135m-cached: embedded corpus v3 (sha256 "
             "abababababab); Other CPU, 2 cores") in table
     assert json.loads((tmp_path / "cards" / "zoo.json").read_text())["provenance"] == PROVENANCE
