@@ -2,7 +2,8 @@
 
 The front matter follows the Hub's conventions (``huggingface_hub.ModelCardData``): ``library_name``,
 ``pipeline_tag``, ``base_model`` (the teacher), ``license`` (the teacher's), tags, and a ``model-index`` with the
-held-out perplexity, passkey accuracy and associative recall accuracy of a conversion report. The body is built
+held-out perplexity, recall of facts hidden in natural text (needles), the synthetic passkey and associative recall
+accuracy of a conversion report. The body is built
 from the checkpoint's config (attention per layer, state size against the teacher's KV cache) and, when there is
 one, its ``report.json``.
 """
@@ -19,6 +20,7 @@ from .atomic import write_text
 from .conversion.baselines import WINDOW_LABEL
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
+from .evaluation.needles import NEEDLE_HAYSTACK_NAMES
 from .modeling.cache_precision import PAIR_CODES, pair_codes
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
@@ -116,13 +118,19 @@ def _eval_results(report: dict[str, Any], model_name: str) -> list[Any]:
         results.append(EvalResult(task_type="text-generation", metric_type="perplexity_ratio",
                                   metric_name="perplexity / teacher's",
                                   metric_value=round(student["perplexity"] / teacher["perplexity"], 4), **dataset))
+    needles = student.get("needles") or {}
+    for haystack, accuracy in (needles.get("accuracy") or {}).items():
+        results.append(EvalResult(task_type="text-generation", metric_type=f"needle_accuracy_{haystack}",
+                                  metric_name=f"needle recall ({_needle_scope(needles)})",
+                                  metric_value=round(accuracy, 4), dataset_type=f"hf_recattn/needles_{haystack}",
+                                  dataset_name=f"facts hidden in {NEEDLE_HAYSTACK_NAMES.get(haystack, haystack)}"))
     passkey = (student.get("passkey") or {})
     if passkey.get("mean_accuracy") is not None:
         lengths = ", ".join(sorted(passkey.get("accuracy", {}), key=int))
         results.append(EvalResult(task_type="text-generation", metric_type="passkey_accuracy",
-                                  metric_name=f"passkey accuracy ({lengths} tokens)",
-                                  metric_value=round(passkey["mean_accuracy"], 4),
-                                  dataset_type="hf_recattn/passkey", dataset_name="passkey retrieval"))
+                                  metric_name=f"synthetic passkey accuracy ({lengths} tokens)",
+                                  metric_value=round(passkey["mean_accuracy"], 4), dataset_type="hf_recattn/passkey",
+                                  dataset_name="synthetic passkey retrieval (a key in repeated filler)"))
     recall = student.get("associative_recall") or {}
     if recall.get("mean_accuracy") is not None:
         lengths = ", ".join(sorted(recall.get("accuracy", {}), key=int))
@@ -133,6 +141,25 @@ def _eval_results(report: dict[str, Any], model_name: str) -> list[Any]:
                                   dataset_type="hf_recattn/associative_recall",
                                   dataset_name=f"associative recall in the {_corpus_name(report)}"))
     return results
+
+
+def _needle_scope(needles: dict[str, Any]) -> str:
+    """The needle probe's tasks and lengths, as a card names them: ``single_number, multi_key; 1024 tokens``."""
+    lengths = ", ".join(str(n) for n in needles.get("lengths", []))
+    return f"{', '.join(needles.get('tasks', []))}; {lengths} tokens"
+
+
+def _needle_text(needles: dict[str, Any]) -> str:
+    """This model's needle cells: accuracy and Wilson 95% interval per task, haystack and length."""
+    cells = []
+    for task, by_haystack in (needles.get("cells") or {}).items():
+        for haystack, by_length in by_haystack.items():
+            for length, cell in _by_length(by_length):
+                low, high = cell["interval"]
+                cells.append(f"{task} in {NEEDLE_HAYSTACK_NAMES.get(haystack, haystack)} at {length} tokens "
+                             f"{cell['accuracy']:.0%} [{low:.0%}-{high:.0%}] of {cell['n']}")
+    return ("Recall of facts stated once in natural text and asked at the end (greedy; wording and documents no "
+            f"training block uses; 95% intervals): {'; '.join(cells)}.")
 
 
 def _corpus_name(report: dict[str, Any]) -> str:
@@ -150,7 +177,9 @@ def _evaluation(report: dict[str, Any] | None) -> str:
     recall = "associative_recall" in student
     parts = [
         f"Held-out perplexity on {student.get('eval_tokens', '?')} tokens of the {_corpus_name(report)} in blocks "
-        f"of {student.get('block_size', '?')} (the same tokens for every row); passkey retrieval accuracy; "
+        f"of {student.get('block_size', '?')} (the same tokens for every row); recall of facts hidden in natural text "
+        "(needles, the mean over the probe's tasks and lengths); the synthetic passkey (a key in repeated filler, "
+        "which a cache can pass without recall); "
         + ("associative recall accuracy (codes of made-up people planted in held-out text, then asked); "
            if recall else "")
         + "greedy decode cost through the cache. For hybrids, window-only and far-only are this model with one "
@@ -159,12 +188,14 @@ def _evaluation(report: dict[str, Any] | None) -> str:
            "the first 4: the constant-memory cache this model is read against." if WINDOW_LABEL in rows else ""),
         comparison_table(rows),
     ]
+    if (student.get("needles") or {}).get("cells"):
+        parts.append(_needle_text(student["needles"]))
     if per_length:
-        parts.append(f"Passkey accuracy of this model by context: {per_length}.")
+        parts.append(f"Synthetic passkey accuracy of this model by context: {per_length}.")
     by_depth = "; ".join(f"{k} tokens: " + ", ".join(f"{d}: {v:.0%}" for d, v in depths.items())
                          for k, depths in _by_length(passkey.get("accuracy_by_depth", {})))
     if by_depth:
-        parts.append(f"Passkey accuracy by depth of the key (0 = start of the context): {by_depth}.")
+        parts.append(f"Synthetic passkey accuracy by depth of the key (0 = start of the context): {by_depth}.")
     if recall:
         parts.append(_recall_text(student["associative_recall"]))
     distance = ", ".join(f"{k} tokens back: {v:.0%}"
@@ -247,16 +278,26 @@ def _limitations(config: RecAttnConfig, report: dict[str, Any] | None) -> str:
         ratio = student["perplexity"] / teacher["perplexity"]
         lines.append(f"- Held-out perplexity is {ratio:.2f}x the teacher's, measured on one corpus; other text "
                      "may fare differently.")
+    needles = (student.get("needles") or {}).get("accuracy") or {}
     passkey = (student.get("passkey") or {}).get("mean_accuracy")
-    if passkey is not None and passkey < 0.9:
+    if needles and min(needles.values()) < 0.9:
+        shares = " and ".join(f"{v:.0%} in {NEEDLE_HAYSTACK_NAMES.get(h, h)}" for h, v in needles.items())
+        lines.append(f"- Facts hidden once in natural text are recalled {shares}: do not rely on this model to "
+                     "retrieve one fact from a long prompt.")
+    elif not needles and passkey is not None and passkey < 0.9:
         lines.append(f"- Passkey retrieval succeeds in {passkey:.0%} of trials: do not rely on this model to "
                      "retrieve one fact from a long prompt.")
     recall = (student.get("associative_recall") or {}).get("mean_accuracy")
     if recall is not None and recall < 0.9:
         lines.append(f"- Associative recall answers {recall:.0%} of queries: do not rely on this model to keep "
                      "several facts from a long prompt.")
-    if (report or {}).get("recipe", {}).get("budget") == "quick" or (student.get("quick")):
+    recipe = (report or {}).get("recipe") or {}
+    packaged = str(recipe.get("source") or "hf_recattn/recipes/").startswith("hf_recattn/recipes/")
+    if recipe.get("budget") == "quick" and packaged:  # a recipe file's budgets are its own
         lines.append("- This is a quick-budget conversion: few training tokens and small evaluation probes.")
+    elif (recipe.get("eval") or {}).get("quick") or student.get("quick"):
+        lines.append("- Its evaluation ran the quick probes: the recall figures above are small samples (see their "
+                     "intervals).")
     lines.append("- Inherits the teacher's biases and limitations.")
     return "\n".join(lines)
 

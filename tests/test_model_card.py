@@ -43,7 +43,11 @@ PROVENANCE = {"date": "2026-01-02", "commit": "0123456789abcdef", "command": "hf
 
 def fake_report(ppl: float = 11.5, teacher_ppl: float = 10.0, passkey: float = 0.5) -> dict[str, Any]:
     row = {"perplexity": ppl, "eval_tokens": 128, "block_size": 32,
-           "passkey": {"accuracy": {"1024": passkey}, "mean_accuracy": passkey}}
+           "passkey": {"accuracy": {"1024": passkey}, "mean_accuracy": passkey},
+           "needles": {"accuracy": {"heldout": 0.75, "ood": 1.0}, "tasks": ["single_number"], "lengths": [1024],
+                       "cells": {"single_number": {
+                           "heldout": {"1024": {"accuracy": 0.75, "n": 4, "interval": [0.3, 0.95]}},
+                           "ood": {"1024": {"accuracy": 1.0, "n": 4, "interval": [0.51, 1.0]}}}}}}
     return {
         "teacher": "org/teacher",
         "teacher_license": "mit",
@@ -70,7 +74,12 @@ def test_card_metadata_parses_with_huggingface_hub(checkpoint: Path, tmp_path: P
     assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
     assert {"hf_recattn", "mixer-hybrid", "mixer-linear", "distillation"} <= set(data.tags)
     results = {r.metric_type: r.metric_value for r in data.eval_results}
-    assert results == {"perplexity": 11.5, "perplexity_ratio": 1.15, "passkey_accuracy": 0.5}
+    assert results == {"perplexity": 11.5, "perplexity_ratio": 1.15, "passkey_accuracy": 0.5,
+                       "needle_accuracy_heldout": 0.75, "needle_accuracy_ood": 1.0}
+    names = {r.metric_type: (r.metric_name, r.dataset_name) for r in data.eval_results}
+    assert names["passkey_accuracy"][0].startswith("synthetic passkey")
+    assert names["needle_accuracy_ood"] == ("needle recall (single_number; 1024 tokens)",
+                                            "facts hidden in the corpus's license texts")
     assert data.model_name == "org/tiny-recattn"
 
 
@@ -85,8 +94,25 @@ def test_card_body_tables_and_snippets(checkpoint: Path) -> None:
     assert "| tiny | 11.50 | 1.150 |" in text and "1024 tokens: 50%" in text
     assert 'AutoTokenizer.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
     assert 'AutoModelForCausalLM.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
-    assert "Passkey retrieval succeeds in 50% of trials" in text and "1,000 tokens" in text
+    assert ("Facts hidden once in natural text are recalled 75% in held-out documents and 100% in the corpus's "
+            "license texts: do not rely") in text and "1,000 tokens" in text
+    assert "Passkey retrieval succeeds" not in text  # the synthetic probe warns only where no needles ran
+    assert ("single_number in held-out documents at 1024 tokens 75% [30%-95%] of 4; single_number in the corpus's "
+            "license texts at 1024 tokens 100% [51%-100%] of 4.") in text
+    assert "Synthetic passkey accuracy of this model by context: 1024 tokens: 50%." in text
     assert "finetuning with transformers' Trainer (LoRA, loss" in text
+
+
+def test_card_limitations_follow_the_needles_and_the_recipe_source(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "model")
+    report = fake_report()
+    report["recipe"].update(source="my/recipe.yaml", eval={"quick": True})  # a file: its budget is its own
+    text = str(build_model_card(folder, "org/x", report=report))
+    assert "quick-budget conversion" not in text and "ran the quick probes" in text
+    report["recipe"]["source"] = "hf_recattn/recipes/tiny.yaml"  # a packaged quick budget
+    assert "This is a quick-budget conversion" in str(build_model_card(folder, "org/x", report=report))
+    del report["student"]["needles"]  # a report from before the needle probe: the passkey warns
+    assert "Passkey retrieval succeeds in 50% of trials" in str(build_model_card(folder, "org/x", report=report))
 
 
 def test_card_names_a_full_finetune(tmp_path: Path) -> None:
@@ -242,7 +268,9 @@ def test_cached_hybrid_entry_and_card_show_the_cache_and_recall(tmp_path: Path) 
         (folder / "report.json").write_text(json.dumps(report))
     plain = tmp_path / "plain"
     save_checkpoint(plain / "model")
-    (plain / "report.json").write_text(json.dumps(fake_report()))
+    plain_report = fake_report()
+    del plain_report["student"]["needles"]  # a report from before the needle probe
+    (plain / "report.json").write_text(json.dumps(plain_report))
     entries = build_zoo([plain, run], tmp_path / "cards", "python scripts/build_zoo.py ...")
     entry = next(e for e in entries if e["recipe"] == "cached")
     # the cache and its pending buffer: (cache_slots + window) x (k and v of each KV head + a mask) x 2 bytes
