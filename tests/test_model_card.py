@@ -79,7 +79,7 @@ def test_card_metadata_parses_with_huggingface_hub(checkpoint: Path, tmp_path: P
     names = {r.metric_type: (r.metric_name, r.dataset_name) for r in data.eval_results}
     assert names["passkey_accuracy"][0].startswith("synthetic passkey")
     assert names["needle_accuracy_ood"] == ("needle recall (single_number; 1024 tokens)",
-                                            "facts hidden in the corpus's license texts")
+                                            "facts hidden in the embedded corpus's license texts")
     assert data.model_name == "org/tiny-recattn"
 
 
@@ -94,11 +94,11 @@ def test_card_body_tables_and_snippets(checkpoint: Path) -> None:
     assert "| tiny | 11.50 | 1.150 |" in text and "1024 tokens: 50%" in text
     assert 'AutoTokenizer.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
     assert 'AutoModelForCausalLM.from_pretrained("org/tiny-recattn", trust_remote_code=True)' in text
-    assert ("Facts hidden once in natural text are recalled 75% in held-out documents and 100% in the corpus's "
-            "license texts: do not rely") in text and "1,000 tokens" in text
+    assert ("Facts hidden once in natural text are recalled 75% in held-out documents and 100% in the embedded "
+            "corpus's license texts: do not rely") in text and "1,000 tokens" in text
     assert "Passkey retrieval succeeds" not in text  # the synthetic probe warns only where no needles ran
-    assert ("single_number in held-out documents at 1024 tokens 75% [30%-95%] of 4; single_number in the corpus's "
-            "license texts at 1024 tokens 100% [51%-100%] of 4.") in text
+    assert ("single_number in held-out documents at 1024 tokens 75% [30%-95%] of 4; single_number in the embedded "
+            "corpus's license texts at 1024 tokens 100% [51%-100%] of 4.") in text
     assert "Synthetic passkey accuracy of this model by context: 1024 tokens: 50%." in text
     assert "finetuning with transformers' Trainer (LoRA, loss" in text
 

@@ -78,7 +78,7 @@ NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
 #: the haystacks: the corpus's held-out documents (in distribution) and its license texts (out of distribution)
 NEEDLE_HAYSTACKS = ("heldout", "ood")
 #: what each haystack is, as reports and cards name it
-NEEDLE_HAYSTACK_NAMES = {"heldout": "held-out documents", "ood": "the corpus's license texts"}
+NEEDLE_HAYSTACK_NAMES = {"heldout": "held-out documents", "ood": "the embedded corpus's license texts"}
 NEEDLE_PROMPTS = 20
 
 
