@@ -444,8 +444,10 @@ def test_evaluate_quick_runs_both_probes_and_the_card_shows_them(tmp_path: Path)
     assert "1024 tokens; 1, 4, 16 pairs" in metrics["associative_recall_accuracy"].metric_name
     text = str(card)
     assert "1024 tokens: 1 pairs 50%, 4 pairs 25%, 16 pairs 0%" in text
-    assert "Passkey accuracy of this model by context: 1024 tokens:" in text
-    assert "Passkey accuracy by depth of the key" in text and "0.5:" in text
+    assert "Synthetic passkey accuracy of this model by context: 1024 tokens:" in text
+    assert "Synthetic passkey accuracy by depth of the key" in text and "0.5:" in text
+    assert metrics["needle_accuracy_heldout"].metric_value == round(student["needles"]["accuracy"]["heldout"], 4)
+    assert "Recall of facts stated once in natural text" in text
     assert "Associative recall answers 25% of queries" in text
 
 
