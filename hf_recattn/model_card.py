@@ -18,9 +18,11 @@ from typing import Any
 
 from .atomic import write_text
 from .conversion.baselines import WINDOW_LABEL
+from .conversion.recipe import is_packaged_source
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .evaluation.needles import NEEDLE_HAYSTACK_NAMES
+from .evaluation.report import needle_means
 from .modeling.cache_precision import PAIR_CODES, pair_codes
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
@@ -119,7 +121,7 @@ def _eval_results(report: dict[str, Any], model_name: str) -> list[Any]:
                                   metric_name="perplexity / teacher's",
                                   metric_value=round(student["perplexity"] / teacher["perplexity"], 4), **dataset))
     needles = student.get("needles") or {}
-    for haystack, accuracy in (needles.get("accuracy") or {}).items():
+    for haystack, accuracy in needle_means(student).items():
         results.append(EvalResult(task_type="text-generation", metric_type=f"needle_accuracy_{haystack}",
                                   metric_name=f"needle recall ({_needle_scope(needles)})",
                                   metric_value=round(accuracy, 4), dataset_type=f"hf_recattn/needles_{haystack}",
@@ -278,7 +280,7 @@ def _limitations(config: RecAttnConfig, report: dict[str, Any] | None) -> str:
         ratio = student["perplexity"] / teacher["perplexity"]
         lines.append(f"- Held-out perplexity is {ratio:.2f}x the teacher's, measured on one corpus; other text "
                      "may fare differently.")
-    needles = (student.get("needles") or {}).get("accuracy") or {}
+    needles = needle_means(student)
     passkey = (student.get("passkey") or {}).get("mean_accuracy")
     if needles and min(needles.values()) < 0.9:
         shares = " and ".join(f"{v:.0%} in {NEEDLE_HAYSTACK_NAMES.get(h, h)}" for h, v in needles.items())
@@ -292,8 +294,8 @@ def _limitations(config: RecAttnConfig, report: dict[str, Any] | None) -> str:
         lines.append(f"- Associative recall answers {recall:.0%} of queries: do not rely on this model to keep "
                      "several facts from a long prompt.")
     recipe = (report or {}).get("recipe") or {}
-    packaged = str(recipe.get("source") or "hf_recattn/recipes/").startswith("hf_recattn/recipes/")
-    if recipe.get("budget") == "quick" and packaged:  # a recipe file's budgets are its own
+    # a recipe file's budgets are its own: only a packaged quick budget is the small one
+    if recipe.get("budget") == "quick" and is_packaged_source(recipe.get("source")):
         lines.append("- This is a quick-budget conversion: few training tokens and small evaluation probes.")
     elif (recipe.get("eval") or {}).get("quick") or student.get("quick"):
         lines.append("- Its evaluation ran the quick probes: the recall figures above are small samples (see their "

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_text
-from .conversion.recipe import report_training_tokens
+from .conversion.recipe import is_packaged_source, report_training_tokens
 from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
 from .evaluation.needles import NEEDLE_HAYSTACKS
+from .evaluation.report import needle_means
 from .model_card import BYTES_PER_ELEMENT, build_model_card
 from .modeling.configuration import read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_slots
@@ -84,8 +85,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "teacher_associative_recall": (teacher.get("associative_recall") or {}).get("mean_accuracy"),
         "recall_by_distance": (student.get("recall_by_distance") or {}).get("accuracy"),
         "teacher_recall_by_distance": (teacher.get("recall_by_distance") or {}).get("accuracy"),
-        "needles": (student.get("needles") or {}).get("accuracy"),
-        "teacher_needles": (teacher.get("needles") or {}).get("accuracy"),
+        "needles": needle_means(student),
+        "teacher_needles": needle_means(teacher),
         "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {_recipe_argument(recipe)} "
         f"--budget {budget} --output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
@@ -96,10 +97,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
 def _recipe_argument(recipe: dict[str, Any]) -> str:
     """What ``--recipe`` takes to convert the run again: a packaged recipe's name, else its file's path (as the
     report's ``source`` gives it)."""
-    source = recipe.get("source")
-    if not source or source == "<dict>" or source.startswith("hf_recattn/recipes/"):
-        return recipe["name"]
-    return source
+    return recipe["name"] if is_packaged_source(recipe.get("source")) else recipe["source"]
 
 
 def _entry_name(teacher: str, recipe: str) -> str:
@@ -213,8 +211,7 @@ def build_zoo(
         "cache, held-out perplexity against the teacher's on the same tokens, recall of facts hidden in natural text "
         "(needles: the mean over the run's needle tasks and lengths on held-out documents / on the license texts, "
         "the teacher's in brackets; - for entries indexed before this column, whose cards may give it) and the "
-        "synthetic "
-        "passkey (a key in repeated filler, which a cache can pass without recall). Each entry's "
+        "synthetic passkey (a key in repeated filler, which a cache can pass without recall). Each entry's "
         "card is beside this file; its `command` (in `zoo.json`) reproduces it. In Python: "
         "`hf_recattn.zoo.zoo_entries()`; on the command line: `hf-recattn zoo`.",
         "",

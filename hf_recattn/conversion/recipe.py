@@ -231,6 +231,12 @@ def recipe_source(path: Path) -> str:
     return str(path)
 
 
+def is_packaged_source(source: str | None) -> bool:
+    """Whether a report's recipe ``source`` names a packaged recipe (``recipe_source``'s form), or nothing that a
+    path could reproduce (older reports, recipes built from a dict): either way the recipe goes by its name."""
+    return not source or source == "<dict>" or source.startswith("hf_recattn/recipes/")
+
+
 def load_recipe(name_or_path: str | Path, budget: str = "quick", seed: int | None = None) -> Recipe:
     """Read, merge (base settings + ``budgets[budget]``) and validate a recipe."""
     path = find_recipe(name_or_path)

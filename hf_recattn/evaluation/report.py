@@ -39,7 +39,7 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
     recall = any("associative_recall" in report for report in rows.values())
     distances = _measured(rows, "recall_by_distance", "accuracy")
     long = [(field, n) for field in LONG_FIELDS for n in _measured(rows, field, "perplexity")]
-    haystacks = [h for h in NEEDLE_HAYSTACKS if any(h in _needle_means(report) for report in rows.values())]
+    haystacks = [h for h in NEEDLE_HAYSTACKS if any(h in needle_means(report) for report in rows.values())]
     extra_head = ((f" recall @ {'/'.join(distances)} |" if distances else "")
                   + "".join(f" ppl @ {n}{LONG_FIELDS[field]} |" for field, n in long))
     extra_rule = "---:|" * (len(haystacks) + bool(recall) + bool(distances) + len(long))
@@ -58,7 +58,7 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
         mib = decode["cache_bytes"] / 2**20 if "cache_bytes" in decode else None
         lines.append(
             f"| {name} | {_fmt(ppl, '.2f')} | {_fmt(ratio, '.3f')} | {_fmt(passkey, '.0%')} | "
-            + "".join(f"{_fmt(_needle_means(report).get(h), '.0%')} | " for h in haystacks)
+            + "".join(f"{_fmt(needle_means(report).get(h), '.0%')} | " for h in haystacks)
             + (f"{_fmt(recalled, '.0%')} | " if recall else "")
             + _long_cells(report, distances, long)
             + f"{_fmt(decode.get('median_ms_per_token'), '.1f')} | {_fmt(decode.get('context_length'), 'd')} | "
@@ -67,8 +67,8 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
     return "\n".join(lines)
 
 
-def _needle_means(report: dict[str, Any]) -> dict[str, float]:
-    """The row's needle accuracy per haystack (the mean over its tasks and lengths); {} without that probe."""
+def needle_means(report: dict[str, Any]) -> dict[str, float]:
+    """A report row's needle accuracy per haystack (the mean over its tasks and lengths); {} without that probe."""
     return (report.get("needles") or {}).get("accuracy") or {}
 
 
