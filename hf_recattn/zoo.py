@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_text
-from .conversion.recipe import is_packaged_source, report_training_tokens
+from .conversion.recipe import NO_BUDGETS, is_packaged_source, report_training_tokens
 from .embedded_teachers import DEFAULT, EMBEDDED, embedded_teacher
 from .evaluation.needles import NEEDLE_HAYSTACKS
 from .evaluation.report import needle_means
@@ -87,8 +87,8 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "teacher_recall_by_distance": (teacher.get("recall_by_distance") or {}).get("accuracy"),
         "needles": needle_means(student),
         "teacher_needles": needle_means(teacher),
-        "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {_recipe_argument(recipe)} "
-        f"--budget {budget} --output runs/{recipe['name']}",
+        "command": f"hf-recattn convert --teacher {teacher_spec} --recipe {_recipe_argument(recipe)}"
+        f"{_budget_argument(budget)} --output runs/{recipe['name']}",
         "card": f"{recipe['name']}.md",
         "provenance": report["provenance"],
     }
@@ -98,6 +98,16 @@ def _recipe_argument(recipe: dict[str, Any]) -> str:
     """What ``--recipe`` takes to convert the run again: a packaged recipe's name, else its file's path (as the
     report's ``source`` gives it)."""
     return recipe["name"] if is_packaged_source(recipe.get("source")) else recipe["source"]
+
+
+def _budget_argument(budget: str) -> str:
+    """`` --budget NAME``, or nothing for a recipe without budgets (whose run names its budget ``default``)."""
+    return "" if budget == NO_BUDGETS else f" --budget {budget}"
+
+
+def _budget_label(budget: str) -> str:
+    """The budget as the index shows it beside the recipe: `` (NAME)``, nothing for a recipe without budgets."""
+    return "" if budget == NO_BUDGETS else f" ({budget})"
 
 
 def _entry_name(teacher: str, recipe: str) -> str:
@@ -125,7 +135,7 @@ def format_zoo(entries: list[dict[str, Any]], card_prefix: str = "") -> str:
         recall = "-" if e.get("associative_recall") is None else f"{e['associative_recall']:.0%}"
         cache = f"{e['cache_slots']} slots, {e['exact_cache_mib_at_8k']:.2f} MiB" if e.get("cache_slots") else "-"
         lines.append(
-            f"| {e['name']} | `{e['recipe']}` ({e['budget']}) | {e['training_tokens']:,} | "
+            f"| {e['name']} | `{e['recipe']}`{_budget_label(e['budget'])} | {e['training_tokens']:,} | "
             f"{e['state_mib_at_8k']:.2f} MiB | {e['state_fraction_at_8k']:.3f} | {cache} | "
             f"{e['perplexity']:.2f} ({e['perplexity_ratio']:.3f}x) | {_needles(e)} | {_by_length(e.get('passkey'))} | "
             f"{_by_length(e.get('recall_by_distance'))} | {recall} | [{e['card']}]({card_prefix}{e['card']}) |"

@@ -219,6 +219,15 @@ def test_zoo_from_runs(tmp_path: Path) -> None:
     assert _entry_name("gemma3-270m", "gemma3-270m-full-delta") == "gemma3-270m-full-delta"  # no doubled prefix
     gem_entry = next(e for e in added if e["recipe"] == "gem")
     assert gem_entry["command"].startswith("hf-recattn convert --teacher gemma3-270m ")
+    assert "| `gem` (quick) |" in format_zoo(added)
+    one = tmp_path / "one"  # a recipe file without budgets: its run records the budget "default"
+    save_checkpoint(one / "model", LAYERS)
+    report = fake_report()
+    report["recipe"].update(name="one", budget="default", source="my/one.yaml")
+    (one / "report.json").write_text(json.dumps(report))
+    one_entry = entry_from_run(one)
+    assert one_entry["command"].endswith("--recipe my/one.yaml --output runs/one")  # no --budget it cannot take
+    assert "| `one` |" in format_zoo([one_entry])
     assert zoo_entries(tmp_path / "cards" / "zoo.json") == added
     assert json.loads((tmp_path / "cards" / "zoo.json").read_text())["command"] == (
         "python scripts/build_zoo.py ...\npython scripts/build_zoo.py --add ...")

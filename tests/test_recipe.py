@@ -69,7 +69,7 @@ def test_packaged_recipe_loads_and_fits_smollm2(name: str) -> None:
     assert quick.fingerprint() != full.fingerprint()
 
 
-def _error(tmp_path: Path, recipe: dict, budget: str = "quick") -> str:
+def _error(tmp_path: Path, recipe: dict, budget: str | None = None) -> str:
     path = write_recipe(tmp_path / "bad.yaml", recipe)
     with pytest.raises(ValueError) as info:
         load_recipe(path, budget)
@@ -91,6 +91,13 @@ def test_unknown_top_level_key(tmp_path: Path) -> None:
     recipe = tiny_recipe_dict()
     recipe["stage3"] = {}
     assert "stage3" in _error(tmp_path, recipe)
+
+
+def test_a_budget_for_a_recipe_without_budgets_is_refused(tmp_path: Path) -> None:
+    recipe = tiny_recipe_dict()
+    assert "budgets" not in recipe
+    assert "no budgets" in _error(tmp_path, recipe, "full")  # not ignored: its one set of settings would run
+    assert load_recipe(tmp_path / "bad.yaml").budget == load_recipe(tmp_path / "bad.yaml", "default").budget == "default"
 
 
 def test_unknown_nested_key_names_its_path(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def convert(
     teacher: str = "embedded",
     recipe: str | Recipe = "hybrid-w64-taylor2",
     output: str | os.PathLike = "runs/convert",
-    budget: str = "quick",
+    budget: str | None = None,
     seed: int | None = None,
     overwrite: bool = False,
     data: str | None = None,

@@ -169,6 +169,9 @@ _TOP_KEYS = {
     "extends",
 }
 _BUDGET_KEYS = {"stage1", "stage2", "eval", "seed", "retrieval_heads"}
+# the budget a run of a recipe without budgets records (its one set of settings, whatever --budget said)
+NO_BUDGETS = "default"
+QUICK = "quick"  # the budget a recipe with budgets runs when none is named
 
 
 def recipes_folder() -> Path:
@@ -237,8 +240,10 @@ def is_packaged_source(source: str | None) -> bool:
     return not source or source == "<dict>" or source.startswith("hf_recattn/recipes/")
 
 
-def load_recipe(name_or_path: str | Path, budget: str = "quick", seed: int | None = None) -> Recipe:
-    """Read, merge (base settings + ``budgets[budget]``) and validate a recipe."""
+
+def load_recipe(name_or_path: str | Path, budget: str | None = None, seed: int | None = None) -> Recipe:
+    """Read, merge (base settings + ``budgets[budget]``) and validate a recipe (``budget``: see
+    ``recipe_from_dict``)."""
     path = find_recipe(name_or_path)
     return recipe_from_dict(read_recipe_yaml(path), budget, source=recipe_source(path)).with_seed(seed)
 
@@ -248,9 +253,10 @@ def budgets_of(name_or_path: str | Path) -> list[str]:
     return sorted((read_recipe_yaml(find_recipe(name_or_path)).get("budgets") or {}).keys())
 
 
-def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = "<dict>") -> Recipe:
+def recipe_from_dict(data: dict[str, Any], budget: str | None = None, source: str = "<dict>") -> Recipe:
     """Validate a recipe given as a dict (the parsed YAML; an ``extends`` path there is relative to the working
-    folder)."""
+    folder). ``budget``: one of its ``budgets`` (none: ``quick``); a recipe without budgets takes none (or
+    ``NO_BUDGETS``, the name its runs record), and any other is an error rather than ignored."""
     data = resolve_extends(data, None, source, _read_base)
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
@@ -261,6 +267,10 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
     if not isinstance(budgets, dict):
         raise ValueError(f"{source}: 'budgets' must map a budget name to settings")
     merged = {k: copy.deepcopy(v) for k, v in data.items() if k != "budgets"}
+    if not budgets and budget not in (None, NO_BUDGETS):
+        raise ValueError(f"{source}: no budget {budget!r}; this recipe has no budgets (one set of settings): "
+                         "convert it without --budget")
+    budget = (budget or QUICK) if budgets else NO_BUDGETS
     if budgets:
         if budget not in budgets:
             raise ValueError(f"{source}: no budget {budget!r}; this recipe has {sorted(budgets)}")
@@ -290,7 +300,7 @@ def recipe_from_dict(data: dict[str, Any], budget: str = "quick", source: str = 
         description=typed(merged.get("description", ""), str, f"{source}: description"),
         attention=attention,
         attention_overrides=overrides,
-        budget=budget if budgets else "default",
+        budget=budget,
         seed=typed(merged.get("seed", 0), int, f"{source}: seed"),
         expects=dict(expects),
         init=typed(merged["init"], str, f"{source}: init") if merged.get("init") is not None else None,
