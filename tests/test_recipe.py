@@ -97,7 +97,8 @@ def test_a_budget_for_a_recipe_without_budgets_is_refused(tmp_path: Path) -> Non
     recipe = tiny_recipe_dict()
     assert "budgets" not in recipe
     assert "no budgets" in _error(tmp_path, recipe, "full")  # not ignored: its one set of settings would run
-    assert load_recipe(tmp_path / "bad.yaml").budget == load_recipe(tmp_path / "bad.yaml", "default").budget == "default"
+    path = tmp_path / "bad.yaml"
+    assert load_recipe(path).budget == load_recipe(path, "default").budget == "default"
 
 
 def test_unknown_nested_key_names_its_path(tmp_path: Path) -> None:
