@@ -13,7 +13,9 @@ every hybrid layer of an hf_recattn checkpoint (``modeling.hybrid_options``; the
 ``--max-positions N`` raises a model's ``max_position_embeddings`` to N where it is lower, so that a teacher runs
 past its context with its own rotary (changing nothing else for a rotary that does not read it, SmolLM2's).
 ``--hybrid-layers 0-10`` sets the options on those layers only (which layers' windows a task needs, say); runs
-that differ only in it add their rows to the same file.
+that differ only in it add their rows to the same file. ``--prefill-chunk 2048`` prefills a softmax teacher's prompt
+2,048 tokens at a time through its cache: the same attention in exact arithmetic, and on Gemma 3 at 16k-32k tokens
+its sliding-window layers attend over at most 2,559 keys a chunk instead of scoring the whole masked square.
 
     python benchmarks/needles.py --models runs/hybrid-w64-sink4-gdn-learned64-long/model --tasks single_number \
         --lengths 16384 32768 --prompts 2 --hybrid-options '{"distant_positions": "clamp"}' --threads 2 \
@@ -69,6 +71,11 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
         model = with_hybrid_options(model, args.hybrid_options, args.hybrid_layers)
     if args.max_positions and model.config.max_position_embeddings < args.max_positions:
         model.config.max_position_embeddings = args.max_positions
+    if args.prefill_chunk:
+        if getattr(model.config, "model_type", None) == "recattn":
+            raise ValueError(f"--prefill-chunk: {spec} is an hf_recattn checkpoint, which prefills in its own forms; "
+                             "give it to softmax teachers only")
+        model.generation_config.prefill_chunk_size = args.prefill_chunk
     start = time.perf_counter()
     result = needle_probe(model, tokenizer, natural_haystacks(args.haystacks), tasks=args.tasks,
                           lengths=args.lengths, prompts=args.prompts, seed=args.seed, depths=args.depths,
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", type=float, nargs="+", default=None, metavar="D",
                         help="prompt t's asked needle at depth D[t %% len(D)] (default: spread evenly); the table "
                         "then counts answers per depth")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prefill a softmax teacher's prompt N tokens at a time through its cache (generate's "
+                        "prefill_chunk_size): the same attention, far less work for sliding-window layers at 16k+")
     add_out_argument(parser, "needles_cpu.json")
     args = parser.parse_args(argv)
     try:
@@ -138,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if args.hybrid_layers is not None and not args.hybrid_options:
         parser.error("--hybrid-layers needs --hybrid-options (the options to set on those layers)")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
     if args.threads:
         torch.set_num_threads(args.threads)
     record = run_record()
@@ -145,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "hybrid_options", "max_positions")}
     if args.depths is not None:  # set later than the others: files measured without it keep their settings
         settings["depths"] = args.depths
+    if args.prefill_chunk is not None:  # as above
+        settings["prefill_chunk"] = args.prefill_chunk
     models: dict[str, Any] = {}
     if args.out.is_file():  # a rerun with the same settings keeps the models measured before it stopped
         earlier = json.loads(args.out.read_text())

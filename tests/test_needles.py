@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_lm import tiny_dims, tiny_tokenizer
+from tiny_lm import save_tiny_teacher, tiny_dims, tiny_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -378,6 +378,32 @@ def test_the_benchmark_renders_every_cell_with_its_interval(tok: Any, monkeypatc
     assert table[2] == "| reader | single_number | heldout | 1000 | 100% | 34%-100% | 2 | 0 |"
     assert table[5] == "| reader | multi_query | ood | 1000 | 100% | 68%-100% | 8 | 0 |"
     assert table[6] == "| reader | skipped | | 2048 | | | | |" and table[-1] == bench.NOTE
+
+
+def test_a_chunked_prefill_scores_as_one_prefill(tmp_path: Path) -> None:
+    """``benchmarks/needles.py --prefill-chunk``: a sliding-window teacher prefilled in chunks through its cache
+    (generate's ``prefill_chunk_size``) gives the logits of one prefill; an hf_recattn checkpoint is refused."""
+    from script_modules import load_script
+
+    model = save_tiny_teacher(tmp_path / "gemma", "gemma3_text", sliding_window=16, num_hidden_layers=3, head_dim=8,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    ids = torch.randint(3, 120, (1, 200), generator=torch.Generator().manual_seed(0))
+
+    def logits() -> torch.Tensor:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        return torch.stack(out.logits)
+
+    whole = logits()
+    model.generation_config.prefill_chunk_size = 48  # 200 tokens in 5 chunks, each past the window of 16
+    torch.testing.assert_close(logits(), whole, rtol=1e-5, atol=1e-5)
+    bench = load_script("benchmarks", "needles")
+    student = tmp_path / "student"
+    RecAttnForCausalLM(RecAttnConfig(**tiny_dims(120), attention="linear")).save_pretrained(student)
+    tiny_tokenizer().save_pretrained(student)
+    args = bench.argparse.Namespace(hybrid_options=None, hybrid_layers=None, max_positions=None, prefill_chunk=64)
+    with pytest.raises(ValueError, match="--prefill-chunk: .* is an hf_recattn checkpoint"):
+        bench.measure(str(student), args)
 
 
 def test_depths_place_each_prompts_needle_and_the_benchmark_counts_them(tok: Any,
