@@ -20,6 +20,7 @@ from hf_recattn import evaluation
 from hf_recattn.cli import main
 from hf_recattn.conversion.baselines import WINDOW_LABEL
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
+from hf_recattn.evaluation import suite
 from hf_recattn.training import attention_objective as objective
 from hf_recattn.training.distill import finetune as distill_finetune
 from hf_recattn.training.parallel import local_share
@@ -251,6 +252,36 @@ def test_resume_after_interrupt_skips_finished_stage(
     assert "resuming" in printed and "stage 1: done earlier" in printed
     assert (out / "model" / "model.safetensors").is_file()
     assert (out / "stage1" / "result" / "mixer.safetensors").read_bytes() == saved
+
+
+def test_an_interrupted_evaluation_resumes_from_its_finished_probes(
+    assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    recall = suite.associative_recall_probe
+    models: list[int] = []
+
+    def stopped_at_the_student(*args: object, **kwargs: object) -> object:
+        models.append(1)
+        if len(models) == 2:  # the teacher's, then the student's: interrupted there
+            raise KeyboardInterrupt
+        return recall(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "associative_recall_probe", stopped_at_the_student)
+    assert main(_args(assets, out, "linear")) == 130
+    assert not (out / "report.json").exists()
+    assert sorted(p.name for p in (out / "evaluation").iterdir()) == ["teacher", "tiny-linear"]
+    assert (out / "evaluation" / "teacher" / "associative_recall.json").is_file()
+    assert not (out / "evaluation" / "tiny-linear" / "associative_recall.json").exists()
+    monkeypatch.undo()
+    perplexities: list[int] = []
+    monkeypatch.setattr(suite, "perplexity", lambda *a, **k: perplexities.append(1))
+    assert main(_args(assets, out, "linear")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert not perplexities  # every model's perplexity had finished: read back, not measured again
+    teacher, student = report["comparison"]["teacher"], report["student"]
+    assert "associative_recall" in teacher["resumed_probes"] and "perplexity" in student["resumed_probes"]
+    assert "associative_recall" not in student["resumed_probes"] and student["associative_recall"]["accuracy"]
 
 
 def test_refuses_a_folder_holding_something_else(

@@ -15,6 +15,8 @@ from ..training.forms import fastest_forms
 from .baselines import baseline_models
 from .job import Job, Teacher
 
+EVALUATION_FOLDER = "evaluation"
+
 
 def compare_models(label: str, job: Job, teacher: Teacher, student: nn.Module,
                    heldout_texts: list[str]) -> dict[str, Any]:
@@ -27,8 +29,8 @@ def compare_models(label: str, job: Job, teacher: Teacher, student: nn.Module,
 
     def evaluate(model: nn.Module, name: str) -> dict[str, Any]:
         return evaluation.evaluate(model, tokenizer, blocks, quick=ev.quick, recall_texts=heldout_texts,
-                                   sizes=ev.recall_sizes(),
-                                   progress=name if job.progress else None, long_texts=long_texts)
+                                   sizes=ev.recall_sizes(), progress=name if job.progress else None,
+                                   long_texts=long_texts, store=evaluation_store(job, name))
 
     rows: dict[str, dict[str, Any]] = {}
     rows["teacher"] = evaluate(teacher.model, "teacher")
@@ -46,6 +48,12 @@ def compare_models(label: str, job: Job, teacher: Teacher, student: nn.Module,
     teacher_ppl = rows["teacher"]["perplexity"]
     ratios = {name: row["perplexity"] / teacher_ppl for name, row in rows.items()}
     return {"student": rows[job.recipe.name], "comparison": rows, "perplexity_ratio": ratios, "table": table}
+
+
+def evaluation_store(job: Job, name: str) -> evaluation.ProbeStore:
+    """Where the evaluation of model ``name`` keeps its finished probes: ``OUTPUT/evaluation/NAME`` (the folder's
+    ``run.json`` binds it to this run, whose recipe fixes the probes)."""
+    return evaluation.ProbeStore(job.output / EVALUATION_FOLDER / evaluation.ProbeStore.file_name(name))
 
 
 def report_sample(job: Job, student: nn.Module, tokenizer: Any) -> dict[str, Any]:

@@ -12,12 +12,14 @@ checkpoint.
     retrieval_heads.json  the KV heads that keep exact softmax (recipes with retrieval_heads.max_heads)
     stage2/trainer/     Trainer checkpoints (resume point of stage 2)
     model/              the converted checkpoint (safetensors + tokenizer + model card), written atomically
+    evaluation/NAME/    each evaluated model's finished probes (and needle cells), read back on a rerun
     report.json         evaluation of teacher and student (and window-only / far-only for hybrids)
 
 The stages (``STAGES``), each a function of explicit inputs (the ``Job``, what earlier stages made) that returns
 what it made: the teacher, the data, the student with stage 1 and the retrieval heads (``stage1.py``), stage 2 and
 the saved model (``stage2.py``), the evaluation (``comparison.py``); then the report. Every stage that finished is
-skipped on a rerun; an interrupted stage continues from its last checkpoint.
+skipped on a rerun; an interrupted stage continues from its last checkpoint (the evaluation from its last
+finished probe).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@
 * ``decode``: decode cost and cache size;
 * ``suite``: all of them on one model (``evaluate``), and a sample through the cache (``cache_sample``);
 * ``progress``: the progress bars of the long passes;
+* ``store``: finished probes kept on disk, so that an interrupted evaluation resumes;
 * ``report``: the comparison table and the report file.
 
 Every function takes any causal LM (the softmax teacher or a hf_recattn student), so the numbers in a
@@ -50,6 +51,7 @@ from .needles import (
 from .passkey import PASSKEY_DEPTHS, passkey_ids, passkey_probe, passkey_prompt
 from .recall import associative_recall_probe
 from .report import comparison_table, write_report
+from .store import ProbeStore
 from .suite import RecallSizes, cache_sample, describe_model, evaluate
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "PASSKEY_DEPTHS",
     "Continuation",
     "NeedlePrompt",
+    "ProbeStore",
     "RecallSizes",
     "Template",
     "TemplateError",

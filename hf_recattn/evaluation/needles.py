@@ -22,6 +22,7 @@ in the training templates' words for the training data. This module scores the a
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,7 @@ from ..prompting.needles import (
 )
 from .generation import eval_mode, greedy_continuation, max_positions
 from .progress import progress_bar
+from .store import ProbeStore, cached
 
 __all__ = [
     "ANSWER_SLACK",
@@ -178,6 +180,7 @@ def needle_probe(
     seed: int = 0,
     progress: str | None = None,
     depths: Sequence[float] | None = None,
+    store: ProbeStore | None = None,
 ) -> dict[str, Any]:
     """Recall of needles in natural text per task, haystack and length.
 
@@ -188,11 +191,12 @@ def needle_probe(
     ``{task: {haystack: {length: cell_summary}}}``, the depth of each prompt t (``depths``), ``accuracy``
     ``{haystack: mean over its cells}`` and every trial under ``answers``; lengths beyond the model's
     ``max_position_embeddings`` are listed under ``skipped``. ``progress``: the label of a progress bar over the
-    prompts (None: no bar)."""
+    prompts (None: no bar). ``store``: where each finished cell is kept and read back from on a rerun."""
     check_needle_args(tasks, lengths, prompts)
     if depths is not None and (not depths or any(not 0.0 <= d <= 1.0 for d in depths)):
         raise ValueError(f"needles: depths must be a non-empty list in [0, 1], got {list(depths)}")
     placed = [(t + 0.5) / prompts if depths is None else float(depths[t % len(depths)]) for t in range(prompts)]
+    placement = "" if depths is None else "-depths" + "_".join(f"{d:g}" for d in depths)  # a stored cell's key
     limit = max_positions(model)
     runs = [n for n in lengths if limit is None or n <= limit]
     cells: dict[str, dict[str, dict[str, Any]]] = {}
@@ -209,17 +213,25 @@ def needle_probe(
             documents[name] = len(haystack.texts)
             for task in tasks:
                 for length in runs:
-                    rows = []
-                    for t in range(prompts):
-                        prompt = needle_prompt(tokenizer, haystack, task, length, f"{seed}:{name}:{task}:{length}:{t}",
-                                               depth=placed[t])
-                        rows.append(score_needle_prompt(model, tokenizer, prompt))
-                        bar.update()
+                    run_cell = functools.partial(_needle_cell, model, tokenizer, haystack, name, task, length,
+                                                 placed, seed, bar)
+                    rows = cached(store, f"needles-{name}-{task}-{length}-{prompts}x-seed{seed}{placement}", run_cell)
                     cells.setdefault(task, {}).setdefault(name, {})[str(length)] = cell_summary(rows)
                     answers.setdefault(task, {}).setdefault(name, {})[str(length)] = rows
     return {"accuracy": _haystack_means(cells), "cells": cells, "tasks": list(tasks), "haystacks": documents,
             "lengths": list(lengths), "prompts": prompts, "seed": seed, "depths": placed,
             "skipped": [n for n in lengths if n not in runs], "answers": answers}
+
+
+def _needle_cell(model: Any, tokenizer: Any, haystack: Haystack, name: str, task: str, length: int,
+                 placed: Sequence[float], seed: int, bar: Any) -> list[dict[str, Any]]:
+    """The scored prompts of one (haystack, task, length) cell, prompt t at depth ``placed[t]``."""
+    rows = []
+    for t, depth in enumerate(placed):
+        prompt = needle_prompt(tokenizer, haystack, task, length, f"{seed}:{name}:{task}:{length}:{t}", depth=depth)
+        rows.append(score_needle_prompt(model, tokenizer, prompt))
+        bar.update()
+    return rows
 
 
 def _haystack_means(cells: Mapping[str, Mapping[str, Mapping[str, dict[str, Any]]]]) -> dict[str, float]:

@@ -25,6 +25,7 @@ from .heldout import LONG_LENGTHS, long_perplexity, perplexity
 from .needles import NEEDLE_HAYSTACKS, NEEDLE_PROMPTS, NEEDLE_TASKS, TASK_FORMS, natural_haystacks, needle_probe
 from .passkey import PASSKEY_DEPTHS, passkey_probe
 from .recall import associative_recall_probe, texts_from_blocks
+from .store import ProbeStore, cached
 
 
 def describe_model(model: Any) -> dict[str, Any]:
@@ -102,6 +103,7 @@ def evaluate(
     progress: str | None = None,
     long_texts: Sequence[str] | None = None,
     needle_texts: Mapping[str, Sequence[str]] | None = None,
+    store: ProbeStore | None = None,
 ) -> dict[str, Any]:
     """Perplexity on ``heldout_blocks`` and on long blocks, passkey accuracy, needles in natural text,
     associative recall, recall at fixed distances, greedy samples and decode cost.
@@ -113,58 +115,64 @@ def evaluate(
     ``needle_texts`` replaces either by name. ``sizes`` sets the probes (default:
     ``RecallSizes.for_mode(quick)``). ``quick`` shrinks the probes (recall probes at 1k only; 2 samples of 24
     tokens; decode at 512 context) for smoke runs; the perplexity always uses all the blocks given. ``progress``
-    (e.g. the model's name) labels a progress bar for each pass and probe; None shows none."""
+    (e.g. the model's name) labels a progress bar for each pass and probe; None shows none. ``store``: where each
+    finished probe (each needle cell) is kept, so that a rerun after an interrupt reads it back instead of running
+    it again (``resumed_probes`` lists those; ``seconds`` counts this call only)."""
     sizes = sizes or RecallSizes.for_mode(quick)
     texts = texts_from_blocks(tokenizer, heldout_blocks) if recall_texts is None else recall_texts
     start = time.perf_counter()
     report: dict[str, Any] = {"model": describe_model(model), "quick": quick}
-    report["perplexity"] = perplexity(model, heldout_blocks, progress=_label(progress, "perplexity"))
+    report["perplexity"] = cached(store, "perplexity", lambda: perplexity(
+        model, heldout_blocks, progress=_label(progress, "perplexity")))
     report["eval_tokens"] = int(heldout_blocks.numel())
     report["block_size"] = int(heldout_blocks.shape[1])
-    report["passkey"] = passkey_probe(model, tokenizer, context_lengths=sizes.passkey_lengths,
-                                      trials=sizes.passkey_trials, depths=sizes.passkey_depths,
-                                      progress=_label(progress, "passkey"))
+    report["passkey"] = cached(store, "passkey", lambda: passkey_probe(
+        model, tokenizer, context_lengths=sizes.passkey_lengths, trials=sizes.passkey_trials,
+        depths=sizes.passkey_depths, progress=_label(progress, "passkey")))
     haystacks = {**natural_haystacks(sizes.needle_haystacks, heldout=texts), **{
         name: source for name, source in (needle_texts or {}).items() if name in sizes.needle_haystacks}}
     report["needles"] = needle_probe(model, tokenizer, haystacks, tasks=sizes.needle_tasks,
                                      lengths=sizes.needle_lengths, prompts=sizes.needle_prompts,
-                                     progress=_label(progress, "needles"))
-    report["associative_recall"] = associative_recall_probe(
+                                     progress=_label(progress, "needles"), store=store)
+    report["associative_recall"] = cached(store, "associative_recall", lambda: associative_recall_probe(
         model, tokenizer, texts, context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs,
-        trials=sizes.recall_trials, progress=_label(progress, "associative recall"),
-    )
-    report.update(_long_context(model, tokenizer, texts, long_texts, haystacks.get("ood"), sizes, progress))
+        trials=sizes.recall_trials, progress=_label(progress, "associative recall")))
+    report.update(_long_context(model, tokenizer, texts, long_texts, haystacks.get("ood"), sizes, progress, store))
     decoding = _label(progress, "decode timing")
     if quick:
         chosen, new_tokens = list(prompts)[:2], 24
-        report["decode"] = decode_stats(model, context_length=512, steps=8, progress=decoding)
+        report["decode"] = cached(store, "decode", lambda: decode_stats(
+            model, context_length=512, steps=8, progress=decoding))
     else:
         chosen, new_tokens = list(prompts), 40
-        report["decode"] = decode_stats(model, progress=decoding)
-    outputs = generation_samples(model, tokenizer, chosen, max_new_tokens=new_tokens)
+        report["decode"] = cached(store, "decode", lambda: decode_stats(model, progress=decoding))
+    outputs = cached(store, "samples", lambda: generation_samples(model, tokenizer, chosen,
+                                                                  max_new_tokens=new_tokens))
     report["samples"] = [{"prompt": p, "output": o} for p, o in zip(chosen, outputs, strict=True)]
+    if store is not None and store.resumed:
+        report["resumed_probes"] = list(store.resumed)
     report["seconds"] = time.perf_counter() - start
     return report
 
 
 def _long_context(model: Any, tokenizer: Any, texts: Sequence[str], long_texts: Sequence[str] | None,
                   ood: Sequence[str] | Callable[[], Sequence[str]] | None, sizes: RecallSizes,
-                  progress: str | None) -> dict[str, Any]:
+                  progress: str | None, store: ProbeStore | None = None) -> dict[str, Any]:
     """The report's long-context fields: recall at fixed distances and perplexity on long blocks of held-out text
     and (``ood``: the needle probe's out-of-distribution haystack, when it runs) of text of another kind; documents
     too short for a block are joined (``long_blocks(join=True)``)."""
     fields = {
-        "recall_by_distance": distance_recall_probe(model, tokenizer, texts, sizes.distances,
-                                                    trials=sizes.distance_trials,
-                                                    progress=_label(progress, "recall by distance")),
-        "long_perplexity": long_perplexity(model, tokenizer, texts if long_texts is None else long_texts,
-                                           sizes.long_lengths, blocks=sizes.long_blocks, join=True,
-                                           progress=_label(progress, "long perplexity")),
+        "recall_by_distance": cached(store, "recall_by_distance", lambda: distance_recall_probe(
+            model, tokenizer, texts, sizes.distances, trials=sizes.distance_trials,
+            progress=_label(progress, "recall by distance"))),
+        "long_perplexity": cached(store, "long_perplexity", lambda: long_perplexity(
+            model, tokenizer, texts if long_texts is None else long_texts, sizes.long_lengths,
+            blocks=sizes.long_blocks, join=True, progress=_label(progress, "long perplexity"))),
     }
     if ood is not None:
-        fields["long_perplexity_ood"] = long_perplexity(model, tokenizer, ood() if callable(ood) else ood,
-                                                        sizes.long_lengths, blocks=sizes.long_blocks, join=True,
-                                                        progress=_label(progress, "long perplexity (OOD)"))
+        fields["long_perplexity_ood"] = cached(store, "long_perplexity_ood", lambda: long_perplexity(
+            model, tokenizer, ood() if callable(ood) else ood, sizes.long_lengths, blocks=sizes.long_blocks,
+            join=True, progress=_label(progress, "long perplexity (OOD)")))
     return fields
 
 
