@@ -359,11 +359,33 @@ def test_evaluate_runs_the_needles_on_both_haystacks() -> None:
     assert report["passkey"]["skipped"] == [1200]
 
 
+def test_only_the_named_cells_run(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``needle_cells`` runs the recall bar's cells, not every task at every length."""
+    bar = RecallSizes(needle_cells=("single_number@1024", "single_number@4096", "multi_key@2048", "multi_query@2048"))
+    assert bar.needle_grid() == (("single_number", "multi_key", "multi_query"), (1024, 2048, 4096), [
+        ("single_number", 1024), ("single_number", 4096), ("multi_key", 2048), ("multi_query", 2048)])
+    assert RecallSizes().needle_grid() == (NEEDLE_TASKS, (1024, 2048, 4096), None)
+    for bad in ("single_number", "riddles@1024", "multi_key@0", "multi_key@2k"):
+        with pytest.raises(ValueError, match="^needle_cells must be TASK@LENGTH"):
+            RecallSizes(needle_cells=(bad,))
+    with pytest.raises(ValueError, match="^needle_cells must not repeat"):
+        RecallSizes(needle_cells=("multi_key@2048", "multi_key@2048"))
+    monkeypatch.setattr(needles_module, "greedy_continuation", _fake(_reader))
+    measured = needle_probe(Stub(), tok, {"heldout": HELDOUT}, ("single_number", "multi_key"), (1100, 1300), prompts=1,
+                            cells=[("single_number", 1100), ("multi_key", 1300)])
+    assert {task: list(per["heldout"]) for task, per in measured["cells"].items()} == {
+        "single_number": ["1100"], "multi_key": ["1300"]}
+    with pytest.raises(ValueError, match="outside the tasks"):
+        needle_probe(Stub(), tok, {"heldout": HELDOUT}, ("single_number",), (1100,), cells=[("multi_key", 1100)])
+
+
 def test_eval_command_names_a_bad_needle_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "no-such-checkpoint", "--needle-tasks", "single_number", "riddles"]) == 2
     assert "--needle-tasks: needle_tasks must be some of" in capsys.readouterr().err
     assert main(["eval", "no-such-checkpoint", "--needle-haystacks", "train"]) == 2
     assert "--needle-haystacks" in capsys.readouterr().err
+    assert main(["eval", "no-such-checkpoint", "--needle-cells", "multi_key:2048"]) == 2
+    assert "--needle-cells: needle_cells must be TASK@LENGTH" in capsys.readouterr().err
 
 
 def test_the_benchmark_renders_every_cell_with_its_interval(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -469,6 +469,21 @@ def test_packaged_smollm2_recall_recipe_trains_as_the_measured_one() -> None:
     assert quick["stage2"] == packaged["stage2"] | {"tokens": 4096, "gradient_checkpointing": True}
 
 
+#: the recall bar's needle cells (README): single needles at 1k and 4k, multi-key and multi-query at 2k
+BAR_CELLS = [("single_number", 1024), ("single_number", 4096), ("multi_key", 2048), ("multi_query", 2048)]
+
+
+@pytest.mark.parametrize("name", ["gemma3-270m-exact-cache-k8v4g16", "retrieval9-int8-int4keydiff-multikey"])
+def test_packaged_bar_recipes_evaluate_the_bar_at_their_full_budget(name: str) -> None:
+    """The full budget's report measures every cell of the recall bar on both haystacks with 20 prompts, and the
+    perplexity on 512- and 4,096-token blocks, and nothing that takes hours beyond them."""
+    sizes = load_recipe(name, "full").eval.recall_sizes()
+    tasks, lengths, cells = sizes.needle_grid()
+    assert cells == BAR_CELLS and sizes.needle_prompts == 20 and sizes.needle_haystacks == ("heldout", "ood")
+    assert load_recipe(name, "full").eval.block_size == 512 and sizes.long_lengths == (4096,)
+    assert max(sizes.passkey_lengths + sizes.recall_lengths + sizes.distances) <= 1024
+
+
 @pytest.mark.parametrize("budget", ["quick", "full"])
 def test_packaged_gemma3_recipe_fits_a_sixteenth_of_its_teachers_kv_cache(budget: str) -> None:
     """On Gemma 3 270M's shape, as trained and as served: the same bytes at 1k, 8k and 32k tokens, at most 1/16 of

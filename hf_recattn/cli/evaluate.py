@@ -29,7 +29,7 @@ def _label(spec: str) -> str:
 #: the ``hf-recattn eval`` options that set the recall probes, by RecallSizes field
 RECALL_OPTIONS = ("passkey_lengths", "passkey_depths", "passkey_trials", "recall_lengths", "recall_pairs",
                   "recall_trials", "distances", "distance_trials", "long_lengths", "long_blocks", "needle_tasks",
-                  "needle_lengths", "needle_prompts", "needle_haystacks")
+                  "needle_lengths", "needle_prompts", "needle_haystacks", "needle_cells")
 
 
 def recall_sizes(args: argparse.Namespace) -> RecallSizes:
@@ -195,6 +195,8 @@ _PROBE_SIZE_OPTIONS: tuple[tuple[str, type, str | None, str, str], ...] = (
     ("--needle-prompts", int, None, "N", "needle prompts per task, haystack and length (default 20)"),
     ("--needle-haystacks", str, "+", "NAME", "needle haystacks: heldout (the corpus's held-out documents), ood (the "
      "embedded corpus's license texts) (default both)"),
+    ("--needle-cells", str, "+", "TASK@TOKENS", "only these needle cells instead of every task at every length, "
+     "e.g. single_number@1024 single_number@4096 multi_key@2048 multi_query@2048 (the recall bar's cells)"),
 )
 
 

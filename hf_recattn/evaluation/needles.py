@@ -181,6 +181,7 @@ def needle_probe(
     progress: str | None = None,
     depths: Sequence[float] | None = None,
     store: ProbeStore | None = None,
+    cells: Sequence[tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
     """Recall of needles in natural text per task, haystack and length.
 
@@ -191,7 +192,8 @@ def needle_probe(
     ``{task: {haystack: {length: cell_summary}}}``, the depth of each prompt t (``depths``), ``accuracy``
     ``{haystack: mean over its cells}`` and every trial under ``answers``; lengths beyond the model's
     ``max_position_embeddings`` are listed under ``skipped``. ``progress``: the label of a progress bar over the
-    prompts (None: no bar). ``store``: where each finished cell is kept and read back from on a rerun."""
+    prompts (None: no bar). ``store``: where each finished cell is kept and read back from on a rerun. ``cells``:
+    only these (task, length) pairs of the grid (None: all of them)."""
     check_needle_args(tasks, lengths, prompts)
     if depths is not None and (not depths or any(not 0.0 <= d <= 1.0 for d in depths)):
         raise ValueError(f"needles: depths must be a non-empty list in [0, 1], got {list(depths)}")
@@ -199,26 +201,28 @@ def needle_probe(
     placement = "" if depths is None else "-depths" + "_".join(f"{d:g}" for d in depths)  # a stored cell's key
     limit = max_positions(model)
     runs = [n for n in lengths if limit is None or n <= limit]
-    cells: dict[str, dict[str, dict[str, Any]]] = {}
+    if cells is not None and (outside := [c for c in cells if c[0] not in tasks or c[1] not in lengths]):
+        raise ValueError(f"needles: cells {outside} lie outside the tasks {list(tasks)} x lengths {list(lengths)}")
+    chosen = [(task, n) for task in tasks for n in runs if cells is None or (task, n) in set(cells)]
+    summaries: dict[str, dict[str, dict[str, Any]]] = {}
     answers: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     documents: dict[str, int] = {}
-    with eval_mode(model), progress_bar(len(haystacks) * len(tasks) * len(runs) * prompts, progress, "prompt") as bar:
+    with eval_mode(model), progress_bar(len(haystacks) * len(chosen) * prompts, progress, "prompt") as bar:
         for name, source in haystacks.items():
-            if not runs:
+            if not chosen:
                 break
             texts = source() if callable(source) else source
             if not any(t.strip() for t in texts):
                 raise ValueError(f"needles: haystack {name!r} holds no text")
             haystack = Haystack(tokenizer, texts)
             documents[name] = len(haystack.texts)
-            for task in tasks:
-                for length in runs:
-                    run_cell = functools.partial(_needle_cell, model, tokenizer, haystack, name, task, length,
-                                                 placed, seed, bar)
-                    rows = cached(store, f"needles-{name}-{task}-{length}-{prompts}x-seed{seed}{placement}", run_cell)
-                    cells.setdefault(task, {}).setdefault(name, {})[str(length)] = cell_summary(rows)
-                    answers.setdefault(task, {}).setdefault(name, {})[str(length)] = rows
-    return {"accuracy": _haystack_means(cells), "cells": cells, "tasks": list(tasks), "haystacks": documents,
+            for task, length in chosen:
+                run_cell = functools.partial(_needle_cell, model, tokenizer, haystack, name, task, length, placed,
+                                             seed, bar)
+                rows = cached(store, f"needles-{name}-{task}-{length}-{prompts}x-seed{seed}{placement}", run_cell)
+                summaries.setdefault(task, {}).setdefault(name, {})[str(length)] = cell_summary(rows)
+                answers.setdefault(task, {}).setdefault(name, {})[str(length)] = rows
+    return {"accuracy": _haystack_means(summaries), "cells": summaries, "tasks": list(tasks), "haystacks": documents,
             "lengths": list(lengths), "prompts": prompts, "seed": seed, "depths": placed,
             "skipped": [n for n in lengths if n not in runs], "answers": answers}
 

@@ -62,6 +62,9 @@ class RecallSizes:
     needle_lengths: tuple[int, ...] = (1024, 2048, 4096)
     needle_prompts: int = NEEDLE_PROMPTS
     needle_haystacks: tuple[str, ...] = NEEDLE_HAYSTACKS
+    #: only these needle cells, each ``TASK@LENGTH`` (e.g. ``single_number@4096``), instead of every task at every
+    #: length; empty: the whole grid of ``needle_tasks`` x ``needle_lengths``
+    needle_cells: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("passkey_lengths", "recall_lengths", "recall_pairs", "distances", "long_lengths",
@@ -74,10 +77,20 @@ class RecallSizes:
         for name in ("passkey_trials", "recall_trials", "distance_trials", "long_blocks", "needle_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        parse_needle_cells(self.needle_cells)
         for name, known in (("needle_tasks", tuple(TASK_FORMS)), ("needle_haystacks", NEEDLE_HAYSTACKS)):
             values = getattr(self, name)
             if not values or any(v not in known for v in values):
                 raise ValueError(f"{name} must be some of {list(known)}, got {list(values)}")
+
+    def needle_grid(self) -> tuple[tuple[str, ...], tuple[int, ...], list[tuple[str, int]] | None]:
+        """The needle probe's tasks, lengths and cells: ``needle_cells``' when given (their tasks and lengths in
+        order), else every task at every length (cells None)."""
+        cells = parse_needle_cells(self.needle_cells)
+        if not cells:
+            return self.needle_tasks, self.needle_lengths, None
+        tasks = tuple(dict.fromkeys(task for task, _ in cells))
+        return tasks, tuple(sorted({length for _, length in cells})), cells
 
     @classmethod
     def for_mode(cls, quick: bool) -> RecallSizes:
@@ -90,6 +103,20 @@ class RecallSizes:
         return cls(passkey_lengths=(1024,), passkey_trials=len(PASSKEY_DEPTHS), recall_lengths=(1024,),
                    recall_trials=1, distances=(100, 1000), distance_trials=2, long_lengths=(4096, 8192), long_blocks=1,
                    needle_tasks=("single_number", "multi_key"), needle_lengths=(1024,))
+
+
+def parse_needle_cells(cells: Sequence[str]) -> list[tuple[str, int]]:
+    """``TASK@LENGTH`` strings as (task, length) pairs; ValueError naming the bad one."""
+    pairs = []
+    for cell in cells:
+        task, sep, length = str(cell).partition("@")
+        if not sep or task not in TASK_FORMS or not length.isdigit() or int(length) < 1:
+            raise ValueError(f"needle_cells must be TASK@LENGTH with a task among {list(TASK_FORMS)} and a positive "
+                             f"length, got {cell!r}")
+        pairs.append((task, int(length)))
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"needle_cells must not repeat a cell, got {list(cells)}")
+    return pairs
 
 
 def evaluate(
@@ -131,9 +158,10 @@ def evaluate(
         depths=sizes.passkey_depths, progress=_label(progress, "passkey")))
     haystacks = {**natural_haystacks(sizes.needle_haystacks, heldout=texts), **{
         name: source for name, source in (needle_texts or {}).items() if name in sizes.needle_haystacks}}
-    report["needles"] = needle_probe(model, tokenizer, haystacks, tasks=sizes.needle_tasks,
-                                     lengths=sizes.needle_lengths, prompts=sizes.needle_prompts,
-                                     progress=_label(progress, "needles"), store=store)
+    tasks, lengths, cells = sizes.needle_grid()
+    report["needles"] = needle_probe(model, tokenizer, haystacks, tasks=tasks, lengths=lengths,
+                                     prompts=sizes.needle_prompts, progress=_label(progress, "needles"), store=store,
+                                     cells=cells)
     report["associative_recall"] = cached(store, "associative_recall", lambda: associative_recall_probe(
         model, tokenizer, texts, context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs,
         trials=sizes.recall_trials, progress=_label(progress, "associative recall")))
