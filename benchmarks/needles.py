@@ -117,7 +117,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(results["notes"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["embedded"], metavar="SPEC")
     parser.add_argument("--tasks", nargs="+", default=list(NEEDLE_TASKS), choices=NEEDLE_TASKS, metavar="TASK")
@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill a softmax teacher's prompt N tokens at a time through its cache (generate's "
                         "prefill_chunk_size): the same attention, far less work for sliding-window layers at 16k+")
     add_out_argument(parser, "needles_cpu.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         args.hybrid_layers = parse_layers(args.hybrid_layers)

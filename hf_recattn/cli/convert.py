@@ -45,8 +45,7 @@ def add_convert(sub: SubParsers) -> None:
                    help="load the teacher in this dtype (the student trains in float32)")
     p.add_argument("--recipe", required=True, help="a packaged recipe name or a .yaml file")
     p.add_argument("--output", required=True, help="output folder (resumed when it holds the same run)")
-    p.add_argument("--budget", default=None, help="a budget of the recipe: quick (the default) or full; none "
-                   "for a recipe without budgets")
+    p.add_argument("--budget", default=None, help="a budget of the recipe: quick (default), full; none without budgets")
     p.add_argument("--seed", type=int, default=None, help="override the recipe's seed")
     p.add_argument("--corpus", default=None, help="embedded (default), a .txt/.jsonl/.parquet file or "
                    "folder, or a saved datasets folder")
