@@ -18,6 +18,7 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from hf_recattn import evaluation
 from hf_recattn.cli import main
+from hf_recattn.conversion import stage2 as stage2_module
 from hf_recattn.conversion.baselines import WINDOW_LABEL
 from hf_recattn.data.corpus import load_texts, split_heldout, token_blocks
 from hf_recattn.evaluation import suite
@@ -282,6 +283,20 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_probes(
     teacher, student = report["comparison"]["teacher"], report["student"]
     assert "associative_recall" in teacher["resumed_probes"] and "perplexity" in student["resumed_probes"]
     assert "associative_recall" not in student["resumed_probes"] and student["associative_recall"]["accuracy"]
+
+
+def test_the_report_names_the_code_the_run_began_with(
+    assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The provenance is taken before the training: a commit made while a conversion runs is not what it ran."""
+    events: list[str] = []
+    monkeypatch.setattr("hf_recattn.conversion.pipeline.provenance",
+                        lambda **kwargs: events.append("provenance") or {"commit": f"at event {len(events)}"})
+    finetune = stage2_module.finetune
+    monkeypatch.setattr(stage2_module, "finetune", lambda *a, **k: events.append("stage 2") or finetune(*a, **k))
+    assert main(_args(assets, tmp_path / "run", "linear", "--no-eval")) == 0
+    assert events == ["provenance", "stage 2"]
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["provenance"] == {"commit": "at event 1"}
 
 
 def test_refuses_a_folder_holding_something_else(

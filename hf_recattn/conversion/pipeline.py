@@ -148,11 +148,12 @@ def convert(
         f"{'resuming' if decision == 'resume' else 'starting'} conversion in {job.output}: recipe {recipe.name} "
         f"(budget {recipe.budget}, seed {recipe.seed})"
     )
+    record = provenance(corpus=is_embedded(job.data))  # the code and machine this sitting starts with
     loaded = _stage("teacher", _load_teacher, job, identity, decision)
     texts = _stage("data", _prepare_data, job)
     first = _stage("stage 1", _student_and_stage1, job, loaded, texts.train)
     second = _stage("stage 2", _stage2_and_save, job, loaded, first, texts.train)
-    report = _stage("evaluation", _evaluate, job, loaded, first, second, texts.heldout)
+    report = _stage("evaluation", _evaluate, job, loaded, first, second, texts.heldout, record)
     if not parallel.is_main():
         return {}
     timings = {**loaded.timings, **texts.timings, **first.timings, **second.timings, **report.timings}
@@ -245,8 +246,9 @@ def _stage2_and_save(label: str, job: Job, teacher: Teacher, first: Trained, tra
 
 
 def _evaluate(label: str, job: Job, teacher: Teacher, first: Trained, second: Trained,
-              heldout_texts: list[str]) -> Report:
-    """The report: what the stages did, and (rank 0, unless turned off) the evaluation against the teacher."""
+              heldout_texts: list[str], record: dict[str, Any]) -> Report:
+    """The report: what the stages did, and (rank 0, unless turned off) the evaluation against the teacher;
+    ``record``: the provenance taken when this sitting began (a commit made while it runs is not the code it ran)."""
     if not parallel.is_main():
         return Report({}, {})
     report = _records(job, first.summary, second.summary)
@@ -255,7 +257,7 @@ def _evaluate(label: str, job: Job, teacher: Teacher, first: Trained, second: Tr
         t0 = time.perf_counter()
         report.update(compare_models(label, job, teacher, second.student, heldout_texts))
         timings["evaluate"] = time.perf_counter() - t0
-    report["provenance"] = provenance(corpus=is_embedded(job.data))
+    report["provenance"] = record
     report["sample"] = report_sample(job, second.student, teacher.tokenizer)
     return Report(report, timings)
 
