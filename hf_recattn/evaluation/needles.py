@@ -201,9 +201,10 @@ def needle_probe(
     placement = "" if depths is None else "-depths" + "_".join(f"{d:g}" for d in depths)  # a stored cell's key
     limit = max_positions(model)
     runs = [n for n in lengths if limit is None or n <= limit]
-    if cells is not None and (outside := [c for c in cells if c[0] not in tasks or c[1] not in lengths]):
+    wanted = None if cells is None else set(cells)
+    if wanted is not None and (outside := [c for c in cells if c[0] not in tasks or c[1] not in lengths]):
         raise ValueError(f"needles: cells {outside} lie outside the tasks {list(tasks)} x lengths {list(lengths)}")
-    chosen = [(task, n) for task in tasks for n in runs if cells is None or (task, n) in set(cells)]
+    chosen = [(task, n) for task in tasks for n in runs if wanted is None or (task, n) in wanted]
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     answers: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     documents: dict[str, int] = {}

@@ -3,8 +3,8 @@
 A ``ProbeStore`` is a folder of JSON files, one per finished piece of work (a probe, or one needle cell), each
 written atomically once its piece is done. ``cached(key, run)`` returns the stored result when the piece finished
 before, else runs it and stores what it returns. The store trusts its folder: the caller gives each model and each
-set of probe settings a folder of its own (``conversion.comparison`` keys it by the run and the evaluation's
-settings), so a stored result is never read for other settings.
+set of probe settings a folder of its own (``conversion.comparison``: one per model in the run's folder, whose
+``run.json`` fixes the recipe and so the probes), so a stored result is never read for other settings.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class ProbeStore:
         return stored["value"]
 
     def put(self, key: str, value: Any) -> Any:
-        """Store ``value`` (JSON) as ``key``'s result, atomically; returns it as read back."""
+        """Store ``value`` (JSON) as ``key``'s result, atomically; returns it as a later ``get`` reads it."""
         write_json(self.path(key), {"key": key, "value": value})
-        return self.get(key)
+        return json.loads(json.dumps(value))
 
     def cached(self, key: str, run: Callable[[], T]) -> T:
         """``key``'s stored result, else ``run()``'s, stored first."""
