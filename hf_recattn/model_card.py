@@ -87,7 +87,7 @@ def attention_table(config: RecAttnConfig, context: int = STATE_CONTEXTS[-1]) ->
 
 
 def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS) -> str:
-    """Decode state against the KV cache of the same model with softmax everywhere, per context length."""
+    """Decode state against the teacher's KV cache (a layer the teacher slid at its window), per context length."""
     lines = ["| context | this model | teacher's KV cache | ratio |", "|---:|---:|---:|---:|"]
     for context in contexts:
         rows = state_size_report(config, context)

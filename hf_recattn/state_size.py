@@ -25,8 +25,8 @@ class LayerStateSize:
     mixer: str
     kind: str  # kv, window, recurrent
     state_elements: int  # per sequence at the requested context
-    kv_cache_elements: int  # what softmax attention would hold at that context
-    break_even_context: int | None  # first context where a KV cache is at least as large; None: never smaller
+    kv_cache_elements: int  # what the teacher's layer holds at that context (a sliding layer: its window's pairs)
+    break_even_context: int | None  # first context where that KV cache is at least as large; None: never smaller
     window: int | None = None  # a sliding window's visible keys (a teacher's window layer kept as it is)
     code_bytes: int = 0  # of the state, the bytes held as integer codes and their scales (counted at a quarter above)
 
@@ -55,15 +55,28 @@ def _code_bytes(mixer: torch.nn.Module) -> int:
     return sum(m.code_bytes() for m in mixer.modules() if isinstance(m, ExactCacheForms))
 
 
-def _break_even(mixer: Any, kv_per_token: int) -> int | None:
+def teacher_kv_tokens(config: RecAttnConfig, layer: int, context_length: int) -> int:
+    """The pairs the teacher's KV cache holds in ``layer`` after ``context_length`` tokens: all of them, or
+    ``window - 1`` in a layer the teacher ran with a sliding window (``teacher_kv_windows``)."""
+    windows = getattr(config, "teacher_kv_windows", None)
+    window = windows[layer] if windows else None
+    return context_length if window is None else min(context_length, window - 1)
+
+
+def _break_even(mixer: Any, kv_per_token: int, kv_tokens_at_most: int) -> int | None:
+    """The first context at which the teacher's cache (``kv_per_token`` a pair, at most ``kv_tokens_at_most``
+    pairs) is at least the size of the mixer's state once it stops growing; None if it never is."""
     if mixer.state_kind == "kv":
         return None
     fixed = mixer.state_size(1 << 40)  # the state's size once it stops growing
-    return -(-fixed // kv_per_token)
+    tokens = -(-fixed // kv_per_token)
+    return tokens if tokens <= kv_tokens_at_most else None
 
 
 def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerStateSize]:
-    """One row per layer; element counts per sequence (multiply by the dtype size for bytes)."""
+    """One row per layer; element counts per sequence (multiply by the dtype size for bytes). The KV cache beside
+    each state is the teacher's: the whole context, or its window in a layer the teacher slid
+    (``teacher_kv_windows``)."""
     if context_length < 1:
         raise ValueError(f"context length must be >= 1, got {context_length}")
     rows = []
@@ -80,8 +93,8 @@ def state_size_report(config: RecAttnConfig, context_length: int) -> list[LayerS
                     mixer=spec["mixer"],
                     kind=mixer.state_kind,
                     state_elements=mixer.state_size(context_length),
-                    kv_cache_elements=kv_per_token * context_length,
-                    break_even_context=_break_even(mixer, kv_per_token),
+                    kv_cache_elements=kv_per_token * teacher_kv_tokens(config, i, context_length),
+                    break_even_context=_break_even(mixer, kv_per_token, teacher_kv_tokens(config, i, 1 << 40)),
                     window=spec.get("window") if isinstance(spec.get("window"), int) else None,
                     code_bytes=_code_bytes(mixer),
                 )

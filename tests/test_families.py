@@ -133,6 +133,16 @@ def test_teacher_windows_and_nope_layers_are_kept_per_layer() -> None:
     assert windows["smollm3-nope"] == [None, 5, None, 5]  # SmolLM3 slides only its NoPE layers
 
 
+def test_the_student_records_which_teacher_layers_slid_whatever_it_converts() -> None:
+    """``teacher_kv_windows`` (what state reports read as the teacher's KV cache) is the teacher's window per layer
+    even where the student's layer no longer slides; None for a teacher that slides nowhere."""
+    gemma3 = from_teacher(teacher("gemma3"), {"mixer": "linear", "feature_map": "elu"}).config
+    assert [s["mixer"] for s in gemma3.layer_specs()] == ["linear"] * 4
+    assert gemma3.teacher_kv_windows == [5, None, 5, None]
+    assert from_teacher(teacher("mistral-window"), "softmax").config.teacher_kv_windows == [5, 5, 5, 5]
+    assert from_teacher(teacher("llama"), "softmax").config.teacher_kv_windows is None
+
+
 def test_option_values_map_exactly() -> None:
     gemma3 = from_teacher(teacher("gemma3"), "softmax").config
     assert gemma3.rope_layer_groups == ALTERNATE and gemma3.qk_norm == "head" and gemma3.norm_layout == "sandwich"

@@ -71,6 +71,34 @@ def test_window_is_bounded() -> None:
     assert sizes[3].break_even_context == 127
 
 
+def test_the_teachers_sliding_layers_hold_their_window_beside_the_state() -> None:
+    """A teacher that slid layers 1 and 2 (window 128: 127 cached pairs) holds no more there at any context; its
+    full layers grow. A state larger than such a layer's window never breaks even with it."""
+    windowed = config()
+    windowed.teacher_kv_windows = [None, 128, 128, None, None]
+    for context in (10, 127, 128, 100_000):
+        plain, rows = state_size_report(config(), context), state_size_report(windowed, context)
+        held = min(context, 127)
+        want = (context, held, held, context, context)
+        assert [r.kv_cache_elements for r in rows] == [KV_PER_TOKEN * n for n in want]
+        assert [r.state_elements for r in rows] == [r.state_elements for r in plain]
+    rows = state_size_report(windowed, 4096)
+    assert rows[1].kv_cache_elements == rows[1].state_elements  # the teacher's own window kept: ratio 1
+    assert rows[2].break_even_context is None  # taylor2 needs 1,090 pairs; the teacher keeps 127 here
+    assert rows[1].break_even_context == 127 and rows[3].break_even_context == 33
+
+
+def test_teacher_kv_windows_is_checked_by_name() -> None:
+    for bad in ([None] * 4, [None, 1, None, None, None], [None, True, None, None, None], "128"):
+        with pytest.raises(ValueError, match="teacher_kv_windows"):
+            config_with_windows(bad)
+
+
+def config_with_windows(windows: object) -> RecAttnConfig:
+    return RecAttnConfig(vocab_size=100, hidden_size=4 * D, intermediate_size=64, num_hidden_layers=len(LAYERS),
+                         num_attention_heads=4, num_key_value_heads=HKV, attention=LAYERS, teacher_kv_windows=windows)
+
+
 def test_forget_factors_add_one_float_per_cached_key_and_query_head() -> None:
     """ALiBi / FoX: the KV cache plus c (cumulative log-forget) per cached key and query head (4 heads)."""
     specs = [{"mixer": "softmax", "forget": "fox"}, {"mixer": "sliding_window", "window": 128, "forget": "alibi"}]

@@ -59,7 +59,9 @@ def recattn_config_from(
         attention = [_student_spec(requested[i], teacher_specs[i]) if i in chosen else teacher_specs[i]
                      for i in range(n)]
         attention_overrides = None
-    config = RecAttnConfig(**values, attention=attention, attention_overrides=attention_overrides)
+    windows = [spec.get("window") for spec in teacher_specs]
+    config = RecAttnConfig(**values, attention=attention, attention_overrides=attention_overrides,
+                           teacher_kv_windows=windows if any(w is not None for w in windows) else None)
     config._attn_implementation = getattr(teacher_config, "_attn_implementation", None) or "sdpa"
     return config
 

@@ -76,6 +76,17 @@ def resolve_layer_specs(attention: Any, overrides: dict | None, num_layers: int)
     return [validate_spec(spec, f"layer {i}") for i, spec in enumerate(raw)]
 
 
+def _check_teacher_kv_windows(windows: Any, num_layers: int) -> None:
+    """ValueError naming ``teacher_kv_windows`` unless it is None or one window (an int >= 2) or None per layer."""
+    if windows is None:
+        return
+    if not isinstance(windows, list) or len(windows) != num_layers:
+        raise ValueError(f"teacher_kv_windows must list one entry per layer ({num_layers}), got {windows!r}")
+    bad = [w for w in windows if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 2)]
+    if bad:
+        raise ValueError(f"teacher_kv_windows: each entry is a sliding window (an int >= 2) or None, got {bad[0]!r}")
+
+
 class RecAttnConfig(LlamaConfig):
     r"""Llama configuration plus per-layer attention mixers.
 
@@ -114,6 +125,11 @@ class RecAttnConfig(LlamaConfig):
             this many tokens, each continuing from the cache the previous one left (the same function: every form
             continues exactly). Activations then stay O(block) and tokens/s stays flat in the prompt length.
             ``None`` or 0 runs the whole prompt at once.
+        teacher_kv_windows: per layer, the sliding window of the teacher layer it was converted from (None: the
+            teacher attends to the whole context there). The model never reads it: state reports
+            (``state_size_report``, cards, the zoo) compare this model's state with the teacher's KV cache, which
+            holds ``window - 1`` pairs in a sliding layer (Gemma 3: 15 of its 18 layers). None: a teacher without
+            sliding layers, or a model not converted from one.
     """
 
     model_type = "recattn"
@@ -135,6 +151,7 @@ class RecAttnConfig(LlamaConfig):
     final_logit_softcapping: float | None = None
     rope_layer_groups: list[str] | None = None
     recompute_cache_after: int | None = None
+    teacher_kv_windows: list[int | None] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.attention is None:
@@ -149,6 +166,7 @@ class RecAttnConfig(LlamaConfig):
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
             raise ValueError(f"prefill_block_size must be a positive int, 0 or None, got {block!r}")
         check_architecture(self)
+        _check_teacher_kv_windows(self.teacher_kv_windows, self.num_hidden_layers)
         specs = self._specs()  # validate now, so that a bad spec fails at construction
         if self.attn_logit_softcapping is not None:
             for i, spec in enumerate(specs):
