@@ -283,6 +283,9 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_probes(
     teacher, student = report["comparison"]["teacher"], report["student"]
     assert "associative_recall" in teacher["resumed_probes"] and "perplexity" in student["resumed_probes"]
     assert "associative_recall" not in student["resumed_probes"] and student["associative_recall"]["accuracy"]
+    first, second = report["sittings"]["sittings"]  # the interrupted sitting ends at the last probe it stored
+    assert first["ended_by"] == "last_file" and second["ended_by"] == "report"
+    assert report["sittings"]["total_s"] == round(first["seconds"] + second["seconds"], 1)
 
 
 def test_the_report_names_the_code_the_run_began_with(

@@ -13,6 +13,7 @@ checkpoint.
     stage2/trainer/     Trainer checkpoints (resume point of stage 2)
     model/              the converted checkpoint (safetensors + tokenizer + model card), written atomically
     evaluation/NAME/    each evaluated model's finished probes (and needle cells), read back on a rerun
+    sittings.json       when each call on the folder began and ended (an interrupted one: at its last file)
     report.json         evaluation of teacher and student (and window-only / far-only for hybrids)
 
 The stages (``STAGES``), each a function of explicit inputs (the ``Job``, what earlier stages made) that returns
@@ -50,6 +51,7 @@ from .from_teacher import student_from_teacher
 from .init_checkpoint import check_init, init_facts, load_converted
 from .job import Job, Log, Teacher, read_json
 from .recipe import Recipe, check_against_teacher, load_recipe
+from .sittings import begin_sitting, end_sitting
 from .stage1 import keep_retrieval_heads, stage1
 from .stage2 import stage2
 from .teacher import load_teacher, teacher_license, teacher_name
@@ -131,7 +133,7 @@ def convert(
     training stages run data parallel; rank 0 writes the files and evaluates (the other ranks return ``{}``).
     ``fsdp`` (or accelerate launch's FSDP config): both stages shard what they train over the processes (FSDP2).
     """
-    began = time.perf_counter()
+    began, began_wall = time.perf_counter(), time.time()
     if teacher_dtype not in TEACHER_DTYPES:
         raise ValueError(f"teacher dtype {teacher_dtype!r}: use one of {sorted(TEACHER_DTYPES)}")
     sharding.check_flag(fsdp, "fsdp")
@@ -150,6 +152,8 @@ def convert(
     )
     record = provenance(corpus=is_embedded(job.data))  # the code and machine this sitting starts with
     loaded = _stage("teacher", _load_teacher, job, identity, decision)
+    if parallel.is_main():  # the folder is the run's now
+        begin_sitting(job.output, began_wall, record.get("commit"))
     texts = _stage("data", _prepare_data, job)
     first = _stage("stage 1", _student_and_stage1, job, loaded, texts.train)
     second = _stage("stage 2", _stage2_and_save, job, loaded, first, texts.train)
@@ -158,6 +162,7 @@ def convert(
         return {}
     timings = {**loaded.timings, **texts.timings, **first.timings, **second.timings, **report.timings}
     timings["total"] = time.perf_counter() - began
+    report.values["sittings"] = end_sitting(job.output, time.time())
     _write_report(job, report.values, timings)
     return report.values
 
@@ -293,7 +298,7 @@ def _write_report(job: Job, report: dict[str, Any], timings: dict[str, float]) -
     evaluation.write_report(job.output, report)
     evaluation.write_report(job.model_dir, report)
     write_model_card(job.model_dir, job.output.resolve().name, report=report)
-    job.log(
-        f"report: {job.output / 'report.json'}; model card: {job.model_dir / 'README.md'}; "
-        f"total {timings['total']:.0f} s"
-    )
+    count, total = len(report["sittings"]["sittings"]), report["sittings"]["total_s"]
+    over = f" ({count} sittings: {total:.0f} s)" if count > 1 else ""
+    job.log(f"report: {job.output / 'report.json'}; model card: {job.model_dir / 'README.md'}; "
+            f"total {timings['total']:.0f} s{over}")
