@@ -115,7 +115,7 @@ def exact_cache_bytes(config: RecAttnConfig, context_length: int, bytes_per_elem
 
 def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str:
     """A plain-text table with totals in MiB at the given element size."""
-    lines = [f"{'layer':>5} {'mixer':<20} {'kind':<9} {'state':>14} {'kv cache':>14} {'break-even':>11}"]
+    lines = [f"{'layer':>5} {'mixer':<20} {'kind':<9} {'state':>14} {'teacher kv':>14} {'break-even':>11}"]
     for r in rows:
         be = "-" if r.break_even_context is None else str(r.break_even_context)
         lines.append(
@@ -124,7 +124,7 @@ def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str
     total_state = state_bytes(rows, bytes_per_element) / 2**20
     total_kv = sum(r.kv_cache_elements for r in rows) * bytes_per_element / 2**20
     lines.append(
-        f"total per sequence: state {total_state:.2f} MiB, kv cache {total_kv:.2f} MiB "
+        f"total per sequence: state {total_state:.2f} MiB, teacher's kv cache {total_kv:.2f} MiB "
         f"({bytes_per_element} bytes per element)"
     )
     return "\n".join(lines)

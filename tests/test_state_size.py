@@ -218,12 +218,12 @@ def test_bad_context_is_a_value_error() -> None:
 def test_format_report_table() -> None:
     text = format_report(state_size_report(config(), 4096), bytes_per_element=2)
     lines = text.splitlines()
-    assert lines[0].split() == ["layer", "mixer", "kind", "state", "kv", "cache", "break-even"]
+    assert lines[0].split() == ["layer", "mixer", "kind", "state", "teacher", "kv", "break-even"]
     assert len(lines) == 1 + len(LAYERS) + 1
     assert lines[3].split() == ["2", "linear", "recurrent", "278,850", "1,048,576", "1090"]
     assert lines[1].split()[-1] == "-"
     total_kv = len(LAYERS) * 4096 * KV_PER_TOKEN * 2 / 2**20
-    assert f"kv cache {total_kv:.2f} MiB" in lines[-1] and "2 bytes per element" in lines[-1]
+    assert f"teacher's kv cache {total_kv:.2f} MiB" in lines[-1] and "2 bytes per element" in lines[-1]
 
 
 # ----- the command line -------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def _config_argument(text: str):  # noqa: ANN202
 
 
 def add_state_size(sub: SubParsers) -> None:
-    p = add_command(sub, "state-size", "per-layer decode state vs KV cache, and the break-even context")
+    p = add_command(sub, "state-size", "per-layer decode state vs the teacher's KV cache, and the break-even context")
     p.add_argument("config", help="checkpoint folder, config.json, or inline JSON config")
     p.add_argument("--context", type=int, default=4096, help="context length in tokens")
     p.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16/fp16, 4 for fp32")
