@@ -27,7 +27,7 @@ from .modeling.cache_precision import PAIR_CODES, pair_codes
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_dtypes, hybrid_cache_scores, hybrid_cache_slots
-from .state_size import exact_cache_bytes, state_bytes, state_size_report
+from .state_size import exact_cache_bytes, state_bytes, state_size_report, teacher_kv_bytes
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 STATE_CONTEXTS = (1024, 8192, 32768)
@@ -92,7 +92,7 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
     for context in contexts:
         rows = state_size_report(config, context)
         state = state_bytes(rows, BYTES_PER_ELEMENT)
-        kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
+        kv = teacher_kv_bytes(rows, BYTES_PER_ELEMENT)
         lines.append(f"| {context:,} | {human_bytes(state)} | {human_bytes(kv)} | {state / kv:.4f} |")
     slots = hybrid_cache_slots(config)
     if slots:

@@ -50,6 +50,11 @@ def state_bytes(rows: list[LayerStateSize], bytes_per_element: int) -> int:
     return sum(r.state_bytes(bytes_per_element) for r in rows)
 
 
+def teacher_kv_bytes(rows: list[LayerStateSize], bytes_per_element: int) -> int:
+    """The teacher's KV cache beside the rows' states in bytes, at ``bytes_per_element`` a key or value element."""
+    return sum(r.kv_cache_elements for r in rows) * bytes_per_element
+
+
 def _code_bytes(mixer: torch.nn.Module) -> int:
     """The bytes a mixer's exact caches (its own or its parts') hold as integer codes and scales."""
     return sum(m.code_bytes() for m in mixer.modules() if isinstance(m, ExactCacheForms))
@@ -122,7 +127,7 @@ def format_report(rows: list[LayerStateSize], bytes_per_element: int = 2) -> str
             f"{r.layer:>5} {r.label:<20} {r.kind:<9} {r.state_elements:>14,} {r.kv_cache_elements:>14,} {be:>11}"
         )
     total_state = state_bytes(rows, bytes_per_element) / 2**20
-    total_kv = sum(r.kv_cache_elements for r in rows) * bytes_per_element / 2**20
+    total_kv = teacher_kv_bytes(rows, bytes_per_element) / 2**20
     lines.append(
         f"total per sequence: state {total_state:.2f} MiB, teacher's kv cache {total_kv:.2f} MiB "
         f"({bytes_per_element} bytes per element)"

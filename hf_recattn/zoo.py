@@ -22,7 +22,7 @@ from .model_card import BYTES_PER_ELEMENT, build_model_card
 from .modeling.configuration import read_checkpoint_config
 from .modeling.hybrid_options import hybrid_cache_slots
 from .provenance import provenance_line
-from .state_size import exact_cache_bytes, state_bytes, state_size_report
+from .state_size import exact_cache_bytes, state_bytes, state_size_report, teacher_kv_bytes
 
 ZOO_FILE = Path(__file__).parent / "zoo.json"
 STATE_CONTEXT = 8192
@@ -58,7 +58,7 @@ def entry_from_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     config = read_checkpoint_config(run / "model")
     rows = state_size_report(config, STATE_CONTEXT)
     state = state_bytes(rows, BYTES_PER_ELEMENT)
-    kv = sum(r.kv_cache_elements for r in rows) * BYTES_PER_ELEMENT
+    kv = teacher_kv_bytes(rows, BYTES_PER_ELEMENT)
     recipe = report["recipe"]
     student, teacher = report["student"], report["comparison"]["teacher"]
     passkey = student.get("passkey") or {}

@@ -34,10 +34,14 @@ def _file_times(output: Path) -> list[float]:
     return [p.stat().st_mtime for p in output.rglob("*") if p.is_file() and p.name != SITTINGS_FILE]
 
 
-def _entry(began: float, ended: float | None, commit: str | None, **extra: Any) -> dict[str, Any]:
-    entry = {"began": _stamp(began), "ended": None if ended is None else _stamp(ended),
-             "seconds": None if ended is None else round(ended - began, 1), "commit": commit}
-    return {**entry, **extra}
+def _entry(began: float, commit: str | None, **extra: Any) -> dict[str, Any]:
+    """A sitting that began at ``began`` and has not ended."""
+    return {"began": _stamp(began), "ended": None, "seconds": None, "commit": commit, **extra}
+
+
+def _close(sitting: dict[str, Any], ended: float, ended_by: str) -> None:
+    """Give ``sitting`` its end, its seconds and what ended it (``report``, or ``last_file`` after an interrupt)."""
+    sitting.update(ended=_stamp(ended), seconds=round(ended - _seconds(sitting["began"]), 1), ended_by=ended_by)
 
 
 def begin_sitting(output: Path, began: float, commit: str | None) -> list[dict[str, Any]]:
@@ -45,13 +49,13 @@ def begin_sitting(output: Path, began: float, commit: str | None) -> list[dict[s
     earlier one that never wrote its end; returns every sitting so far. Call it once the folder is the run's."""
     path = output / SITTINGS_FILE
     sittings = json.loads(path.read_text()) if path.is_file() else []
-    times = [t for t in _file_times(output) if t <= began]
-    if not sittings and times:  # resumed from a run that kept no sittings
-        sittings.append(_entry(min(times), None, None, inferred="began at the folder's oldest file"))
-    if sittings and sittings[-1]["ended"] is None:
-        last = max([_seconds(sittings[-1]["began"]), *times])
-        sittings[-1].update(_entry(_seconds(sittings[-1]["began"]), last, sittings[-1]["commit"]), ended_by="last_file")
-    sittings.append(_entry(began, None, commit))
+    if not sittings or sittings[-1]["ended"] is None:  # the folder's files tell where an earlier sitting stopped
+        times = [t for t in _file_times(output) if t <= began]
+        if not sittings and times:  # resumed from a run that kept no sittings
+            sittings.append(_entry(min(times), None, inferred="began at the folder's oldest file"))
+        if sittings:
+            _close(sittings[-1], max([_seconds(sittings[-1]["began"]), *times]), "last_file")
+    sittings.append(_entry(began, commit))
     write_json(path, sittings)
     return sittings
 
@@ -61,7 +65,6 @@ def end_sitting(output: Path, ended: float) -> dict[str, Any]:
     report: every sitting, and their seconds summed."""
     path = output / SITTINGS_FILE
     sittings = json.loads(path.read_text())
-    current = sittings[-1]
-    current.update(_entry(_seconds(current["began"]), ended, current["commit"]), ended_by="report")
+    _close(sittings[-1], ended, "report")
     write_json(path, sittings)
     return {"sittings": sittings, "total_s": round(sum(s["seconds"] for s in sittings), 1)}
