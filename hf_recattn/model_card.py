@@ -22,7 +22,7 @@ from .conversion.recipe import is_packaged_source
 from .embedded_teachers import TEACHERS
 from .evaluation import comparison_table
 from .evaluation.needles import NEEDLE_HAYSTACK_NAMES
-from .evaluation.report import needle_means
+from .evaluation.report import needle_means, ood_perplexity
 from .modeling.cache_precision import PAIR_CODES, pair_codes
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
@@ -278,8 +278,11 @@ def _limitations(config: RecAttnConfig, report: dict[str, Any] | None) -> str:
     teacher = ((report or {}).get("comparison") or {}).get("teacher") or {}
     if student.get("perplexity") and teacher.get("perplexity"):
         ratio = student["perplexity"] / teacher["perplexity"]
-        lines.append(f"- Held-out perplexity is {ratio:.2f}x the teacher's, measured on one corpus; other text "
-                     "may fare differently.")
+        student_ood, teacher_ood = ood_perplexity(student), ood_perplexity(teacher)
+        other = (f" ({student_ood / teacher_ood:.2f}x on {NEEDLE_HAYSTACK_NAMES['ood']}, which no training block "
+                 "uses)" if student_ood is not None and teacher_ood else "")
+        lines.append(f"- Held-out perplexity is {ratio:.2f}x the teacher's{other}, measured on one corpus; other "
+                     "text may fare differently.")
     needles = needle_means(student)
     passkey = (student.get("passkey") or {}).get("mean_accuracy")
     if needles and min(needles.values()) < 0.9:

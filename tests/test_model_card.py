@@ -115,6 +115,18 @@ def test_card_limitations_follow_the_needles_and_the_recipe_source(tmp_path: Pat
     assert "Passkey retrieval succeeds in 50% of trials" in str(build_model_card(folder, "org/x", report=report))
 
 
+def test_card_limitations_give_the_perplexity_ratio_on_both_kinds_of_text(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "model")
+    report = fake_report(ppl=11.5, teacher_ppl=10.0)
+    text = str(build_model_card(folder, "org/x", report=report))
+    assert "Held-out perplexity is 1.15x the teacher's, measured on one corpus" in text  # no OOD figure yet
+    report["comparison"]["teacher"]["perplexity_ood"] = {"perplexity": {"32": 20.0}}
+    report["student"] = {**report["student"], "perplexity_ood": {"perplexity": {"32": 26.0}}}
+    text = str(build_model_card(folder, "org/x", report=report))
+    assert ("Held-out perplexity is 1.15x the teacher's (1.30x on the embedded corpus's license texts, which no "
+            "training block uses), measured on one corpus") in text
+
+
 def test_card_names_a_full_finetune(tmp_path: Path) -> None:
     folder = save_checkpoint(tmp_path / "full")
     report = fake_report()

@@ -11,6 +11,7 @@ distractor after it). A tiny random model checks that answering through the cach
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import re
 from pathlib import Path
@@ -332,6 +333,13 @@ def test_sizes_and_the_table(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             "student": {"perplexity": 12.0, "passkey": {"mean_accuracy": 1.0},
                         "needles": {"accuracy": {"heldout": 0.25, "ood": 0.5}}},
             "old": {"perplexity": 11.0, "passkey": {"mean_accuracy": 0.5}}}  # a report from before the probe
+    with_ood = {name: {**row, "perplexity_ood": {"perplexity": {"512": value}}}
+                for (name, row), value in zip(list(rows.items())[:2], (20.0, 25.0), strict=True)}
+    ood_lines = comparison_table({**with_ood, "old": rows["old"]}).splitlines()
+    assert ood_lines[0].startswith("| model | perplexity | × teacher | perplexity OOD | × teacher | passkey")
+    assert ood_lines[1].count("---:|") == 10
+    assert ood_lines[3].startswith("| student | 12.00 | 1.200 | 25.00 | 1.250 | 100% |")
+    assert ood_lines[4].startswith("| old | 11.00 | 1.100 | - | - | 50% |")
     lines = comparison_table(rows).splitlines()
     assert lines[0] == ("| model | perplexity | × teacher | passkey (synthetic) | needles (held-out) | needles (OOD) | "
                         "decode ms/token | context | cache MiB |")
@@ -357,6 +365,15 @@ def test_evaluate_runs_the_needles_on_both_haystacks() -> None:
     assert set(needles["cells"]) == {"single_number", "multi_key"} and needles["haystacks"] == {"heldout": 12, "ood": 6}
     assert set(needles["accuracy"]) == {"heldout", "ood"} and needles["cells"]["multi_key"]["ood"]["1024"]["n"] == 1
     assert report["passkey"]["skipped"] == [1200]
+    # the short-block perplexity of the other kind of text: the first 32 tokens of the first OOD document, by hand
+    ood_ids = torch.tensor([tokenizer(OOD[0].lower(), add_special_tokens=False)["input_ids"][:32]])
+    with torch.no_grad():
+        logits = model(input_ids=ood_ids).logits[0, :-1].double()
+    expected = math.exp(float(torch.nn.functional.cross_entropy(logits, ood_ids[0, 1:])))
+    ood = report["perplexity_ood"]
+    assert ood["blocks"] == {"32": 1} and ood["joined"] == {"32": 0}
+    assert ood["perplexity"]["32"] == pytest.approx(expected, rel=1e-5)
+    assert abs(ood["perplexity"]["32"] - report["perplexity"]) > 1e-3  # not the held-out block
 
 
 def test_only_the_named_cells_run(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,7 +26,8 @@ def _fmt(value: Any, spec: str) -> str:
 def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher") -> str:
     """A markdown table, one row per evaluated model (e.g. teacher / window-only / far-only / hybrid).
 
-    The ratio column divides each perplexity by the ``reference`` row's (the first row if there is none). The
+    The ratio column divides each perplexity by the ``reference`` row's (the first row if there is none); the
+    perplexity on as many blocks of text of another kind (OOD) and its ratio follow when some row has it. The
     passkey column is the synthetic probe (a key in repeated filler); the needle columns (natural-text recall,
     mean accuracy over the tasks and lengths of the held-out and of the out-of-distribution haystack) appear when
     some row has that probe's results, and so do the associative recall column, the recall-by-distance column
@@ -36,6 +37,8 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
         raise ValueError("comparison_table needs at least one row")
     ref_name = reference if reference in rows else next(iter(rows))
     ref_ppl = rows[ref_name].get("perplexity")
+    ref_ood = ood_perplexity(rows[ref_name])
+    ood = any(ood_perplexity(report) is not None for report in rows.values())
     recall = any("associative_recall" in report for report in rows.values())
     distances = _measured(rows, "recall_by_distance", "accuracy")
     long = [(field, n) for field in LONG_FIELDS for n in _measured(rows, field, "perplexity")]
@@ -44,20 +47,21 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
                   + "".join(f" ppl @ {n}{LONG_FIELDS[field]} |" for field, n in long))
     extra_rule = "---:|" * (len(haystacks) + bool(recall) + bool(distances) + len(long))
     needle_head = "".join(f" {NEEDLE_COLUMNS[h]} |" for h in haystacks)
+    ood_head = f" perplexity OOD | × {ref_name} |" if ood else ""
     lines = [
-        f"| model | perplexity | × {ref_name} | passkey (synthetic) |{needle_head}{' recall |' if recall else ''}"
-        f"{extra_head} decode ms/token | context | cache MiB |",
-        f"|---|---:|---:|---:|{extra_rule}---:|---:|---:|",
+        f"| model | perplexity | × {ref_name} |{ood_head} passkey (synthetic) |{needle_head}"
+        f"{' recall |' if recall else ''}{extra_head} decode ms/token | context | cache MiB |",
+        f"|---|---:|---:|{'---:|---:|' if ood else ''}---:|{extra_rule}---:|---:|---:|",
     ]
     for name, report in rows.items():
-        ppl = report.get("perplexity")
-        ratio = ppl / ref_ppl if ppl is not None and ref_ppl else None
         passkey = (report.get("passkey") or {}).get("mean_accuracy")
         recalled = (report.get("associative_recall") or {}).get("mean_accuracy")
         decode = report.get("decode") or {}
         mib = decode["cache_bytes"] / 2**20 if "cache_bytes" in decode else None
         lines.append(
-            f"| {name} | {_fmt(ppl, '.2f')} | {_fmt(ratio, '.3f')} | {_fmt(passkey, '.0%')} | "
+            f"| {name} | " + _ratio_cells(report.get("perplexity"), ref_ppl)
+            + (_ratio_cells(ood_perplexity(report), ref_ood) if ood else "")
+            + f"{_fmt(passkey, '.0%')} | "
             + "".join(f"{_fmt(needle_means(report).get(h), '.0%')} | " for h in haystacks)
             + (f"{_fmt(recalled, '.0%')} | " if recall else "")
             + _long_cells(report, distances, long)
@@ -65,6 +69,19 @@ def comparison_table(rows: dict[str, dict[str, Any]], reference: str = "teacher"
             f"{_fmt(mib, '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def ood_perplexity(report: dict[str, Any]) -> float | None:
+    """A report row's perplexity on short blocks of text of another kind (``perplexity_ood``, at the held-out
+    blocks' length); None when not measured."""
+    values = list(((report.get("perplexity_ood") or {}).get("perplexity") or {}).values())
+    return values[0] if values else None
+
+
+def _ratio_cells(value: float | None, reference: float | None) -> str:
+    """A perplexity cell and its ratio to the reference's."""
+    ratio = value / reference if value is not None and reference else None
+    return f"{_fmt(value, '.2f')} | {_fmt(ratio, '.3f')} | "
 
 
 def needle_means(report: dict[str, Any]) -> dict[str, float]:

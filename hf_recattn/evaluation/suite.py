@@ -132,7 +132,8 @@ def evaluate(
     needle_texts: Mapping[str, Sequence[str]] | None = None,
     store: ProbeStore | None = None,
 ) -> dict[str, Any]:
-    """Perplexity on ``heldout_blocks`` and on long blocks, passkey accuracy, needles in natural text,
+    """Perplexity on ``heldout_blocks`` (and on as many blocks of text of another kind, when the needle probe has
+    its ``ood`` haystack) and on long blocks, passkey accuracy, needles in natural text,
     associative recall, recall at fixed distances, greedy samples and decode cost.
 
     The recall probes plant their facts in ``recall_texts`` (held-out documents), else in the documents of
@@ -165,6 +166,9 @@ def evaluate(
     report["associative_recall"] = cached(store, "associative_recall", lambda: associative_recall_probe(
         model, tokenizer, texts, context_lengths=sizes.recall_lengths, pairs=sizes.recall_pairs,
         trials=sizes.recall_trials, progress=_label(progress, "associative recall")))
+    if "ood" in haystacks:
+        report["perplexity_ood"] = cached(store, "perplexity_ood", lambda: ood_perplexity(
+            model, tokenizer, haystacks["ood"], heldout_blocks, progress=_label(progress, "perplexity (OOD)")))
     report.update(_long_context(model, tokenizer, texts, long_texts, haystacks.get("ood"), sizes, progress, store))
     decoding = _label(progress, "decode timing")
     if quick:
@@ -202,6 +206,16 @@ def _long_context(model: Any, tokenizer: Any, texts: Sequence[str], long_texts: 
             model, tokenizer, ood() if callable(ood) else ood, sizes.long_lengths, blocks=sizes.long_blocks,
             join=True, progress=_label(progress, "long perplexity (OOD)")))
     return fields
+
+
+def ood_perplexity(model: Any, tokenizer: Any, ood: Sequence[str] | Callable[[], Sequence[str]],
+                   heldout_blocks: torch.Tensor, progress: str | None = None) -> dict[str, Any]:
+    """Perplexity on blocks of text of another kind (``ood``: the needle probe's out-of-distribution haystack) of
+    the held-out blocks' length and, as far as its documents reach, their number (``long_perplexity``'s fields at
+    that one length), so that the report's short-block perplexity has both kinds of text."""
+    count, length = heldout_blocks.shape
+    return long_perplexity(model, tokenizer, ood() if callable(ood) else ood, [length], blocks=count, join=True,
+                           progress=progress)
 
 
 def _label(progress: str | None, probe: str) -> str | None:
