@@ -259,6 +259,19 @@ def test_lengths_beyond_the_model_are_skipped_and_bad_arguments_named(tok: Any,
         natural_haystacks(("train",))
 
 
+def test_the_license_texts_are_read_once_for_every_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lazy ``ood`` haystack reads its documents on the first call only: the needle probe and the report's two
+    perplexities on the license texts share that read."""
+    from hf_recattn.data import corpus
+
+    reads = []
+    monkeypatch.setattr(corpus, "embedded_texts", lambda split: reads.append(split) or ["a license text"])
+    ood = natural_haystacks(("ood",))["ood"]
+    assert reads == []
+    assert ood() is ood() and ood() == ["a license text"]
+    assert reads == ["ood"]
+
+
 def test_answers_through_the_cache_equal_answers_from_scratch() -> None:
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)

@@ -146,7 +146,8 @@ def cell_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def natural_haystacks(names: Sequence[str] = NEEDLE_HAYSTACKS,
                       heldout: Sequence[str] | None = None) -> dict[str, Sequence[str] | Callable[[], list[str]]]:
     """The probe's haystacks by name: ``heldout`` (the given held-out documents, else the embedded corpus's) and
-    ``ood`` (the embedded corpus's license texts), each read only when a prompt needs it."""
+    ``ood`` (the embedded corpus's license texts), each read once, when a probe first needs it (the needle probe and
+    the report's perplexities on the license texts share one read)."""
     from ..data.corpus import embedded_texts
 
     unknown = [n for n in names if n not in NEEDLE_HAYSTACKS]
@@ -155,7 +156,7 @@ def natural_haystacks(names: Sequence[str] = NEEDLE_HAYSTACKS,
     sources: dict[str, Sequence[str] | Callable[[], list[str]]] = {}
     for name in names:
         sources[name] = heldout if name == "heldout" and heldout is not None else (
-            lambda split=name: embedded_texts(split))
+            functools.cache(functools.partial(embedded_texts, name)))
     return sources
 
 
