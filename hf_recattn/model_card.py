@@ -26,7 +26,7 @@ from .evaluation.report import needle_means, ood_perplexity
 from .modeling.cache_precision import PAIR_CODES, pair_codes
 from .modeling.cache_scores import CACHE_SCORES
 from .modeling.configuration import RecAttnConfig, read_checkpoint_config
-from .modeling.hybrid_options import hybrid_cache_dtypes, hybrid_cache_scores, hybrid_cache_slots
+from .modeling.hybrid_options import hybrid_cache_choices, hybrid_cache_dtypes, hybrid_cache_slots
 from .state_size import exact_cache_bytes, state_bytes, state_size_report, teacher_kv_bytes
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
@@ -97,7 +97,8 @@ def state_table(config: RecAttnConfig, contexts: Sequence[int] = STATE_CONTEXTS)
     slots = hybrid_cache_slots(config)
     if slots:
         cache = exact_cache_bytes(config, contexts[-1], BYTES_PER_ELEMENT)
-        keeps = "; ".join(CACHE_SCORES[score].keeps for score in hybrid_cache_scores(config))
+        keeps = "; ".join(CACHE_SCORES[score].keeps + (f", the {reserve:,} newest kept first" if reserve else "")
+                          for score, reserve in hybrid_cache_choices(config))
         coded = [pair_codes(d).description for d in hybrid_cache_dtypes(config) if d in PAIR_CODES]
         held = f", its slots holding {' or '.join(coded)}" if coded else ""
         lines += ["", f"Of this model's state, the exact cache of its hybrid layers (`cache_slots` {slots}: {keeps}, "

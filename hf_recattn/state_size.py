@@ -8,10 +8,8 @@ from typing import Any
 import torch
 
 from .modeling.configuration import RecAttnConfig
-from .modeling.hybrid_cached import ExactCacheForms
+from .modeling.hybrid_cached import CACHE_OPTIONS, ExactCacheForms
 from .modeling.hybrid_options import (
-    DEFAULT_CACHE_DTYPE,
-    DEFAULT_CACHE_SCORE,
     config_with_hybrid_options,
     hybrid_cache_slots,
 )
@@ -112,8 +110,7 @@ def exact_cache_bytes(config: RecAttnConfig, context_length: int, bytes_per_elem
     sequence in bytes (``state_bytes``): the state less that of the same model without the cache; 0 without one."""
     if not hybrid_cache_slots(config):
         return 0
-    plain = config_with_hybrid_options(config, {"cache_slots": 0, "cache_score": DEFAULT_CACHE_SCORE,
-                                                "cache_dtype": DEFAULT_CACHE_DTYPE})
+    plain = config_with_hybrid_options(config, {name: option.default for name, option in CACHE_OPTIONS.items()})
     return state_bytes(state_size_report(config, context_length), bytes_per_element) - state_bytes(
         state_size_report(plain, context_length), bytes_per_element)
 

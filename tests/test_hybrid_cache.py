@@ -285,6 +285,9 @@ def cached_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                         scores = [retention_score(mixer.retention, hk, *pair(s)) for s in candidates]
                     else:
                         scores = [_score(far, b, t, hk, *pair(s), pairs) for s in candidates]
+                    reserve = mixer.spec.get("cache_recent", 0)  # the newest candidates first, whatever they score
+                    scores = [math.inf if reserve and s in candidates[-reserve:] else x
+                              for s, x in zip(candidates, scores, strict=True)]
                     ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])  # stable: the older first
                     cache = sorted(candidates[i] for i in ranked[:slots])
                     evicted += [leaving[s] for s in candidates if s not in cache]
@@ -392,6 +395,13 @@ OTHER_OPTIONS += [({"cache_score": score, "cache_dtype": "k8v4g16"}, {"cache_sco
                    far, sinks, 26) for far, score, sinks, other in (("delta", "far", 1, "int8"),
                                                                     ("none", "keydiff", 0, "int4g16"))]
 
+#: cache_recent: the newest pairs reserved, the other slots as the score says, told from the score alone
+OTHER_OPTIONS += [({"slots": 5, "cache_score": score, "cache_recent": 2, **codes}, {"slots": 5, "cache_score": score,
+                                                                                    **codes}, far, sinks, 27)
+                  for far, score, sinks, codes in (("none", "keydiff", 1, {}), ("delta", "far", 0, {}),
+                                                   ("linear-hedgehog", "novelty", 1, {}),
+                                                   ("none", "keydiff_span", 1, {"cache_dtype": "k8v4g16"}))]
+
 
 @pytest.mark.parametrize(("options", "other_options", "far", "sinks", "seed"), OTHER_OPTIONS)
 def test_options_match_the_reference(options: Options, other_options: Options, far: str, sinks: int,
@@ -458,6 +468,28 @@ def test_keydiff_span_pools_over_filled_neighbours_only() -> None:
                                             ("delta", "novelty"), ("linear-elu", "recent")])
 def test_float64_forms_match_the_reference_closely(far: str, score: str) -> None:
     assert_float64_forms_match(make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score), seed=2)
+
+
+@pytest.mark.parametrize(("far", "score"), [("delta", "far"), ("none", "keydiff")])
+def test_a_recent_reserve_matches_the_reference_with_gradients(far: str, score: str) -> None:
+    """cache_recent (the newest pairs kept first), float64: the forms within FP64 of the reference and the parallel
+    form's gradients within GRAD."""
+    mixer = make(far, torch.float64, window=2, slots=3, sink_tokens=1, cache_score=score, cache_recent=1)
+    assert_float64_forms_match(mixer, seed=4)
+    unused = () if far == "delta" else ("x", "mix_logit")  # without a far part nothing mixes
+    checks.assert_gradients_match(mixer, reference_of(mixer), 11, GRAD, unused=unused)
+
+
+def test_a_recent_reserve_is_checked() -> None:
+    """More reserved slots than the cache has, a reserve with the cache off, or beside cache_score 'recent' (which
+    reserves every slot): an error naming the option."""
+    for options, says in (({"cache_slots": 2, "cache_recent": 3}, "reserves more slots than the exact cache has"),
+                          ({"cache_recent": 1}, "'cache_recent'=1 reserves slots of the exact cache for the newest "
+                           "pairs, which is off"),
+                          ({"cache_slots": 2, "cache_recent": 1, "cache_score": "recent"}, "already holds the newest"),
+                          ({"cache_slots": 2, "cache_recent": -1}, "cache_recent")):
+        with pytest.raises(ValueError, match=says):
+            validate_spec({"mixer": "hybrid", "far": "none", **options}, "layer 3")
 
 
 def assert_float64_forms_match(mixer: Mixer, seed: int) -> None:

@@ -320,10 +320,18 @@ def test_cached_hybrid_entry_and_card_show_the_cache_and_recall(tmp_path: Path) 
     (["far"], ["its far state recalls worst"], "least like"),
     (["novelty"], ["least like any value in the window"], "recalls worst"),
     (["far", "novelty"], ["its far state recalls worst; the key / value pairs whose values are least like"], None),
+    (["keydiff+3"], ["from the mean direction of the candidates' keys, the 3 newest kept first"], "recalls worst"),
+    (["keydiff", "keydiff+3"], ["candidates' keys; the key / value pairs whose keys", "the 3 newest kept first"],
+     None),
 ])
 def test_card_says_what_each_cache_score_keeps(scores: list[str], says: list[str], never: str | None) -> None:
-    """The card's sentence on the exact cache names what the layers' ``cache_score`` keeps, each score once."""
-    layers = [{"mixer": "hybrid", "window": 4, "cache_slots": 8, "cache_score": s} for s in scores for _ in range(2)]
+    """The card's sentence on the exact cache names what the layers' ``cache_score`` keeps (and the newest pairs
+    reserved by ``cache_recent``, written ``score+N`` here), each once."""
+    def cache(score: str) -> dict[str, Any]:
+        name, _, reserve = score.partition("+")
+        return {"cache_score": name, "cache_recent": int(reserve or 0)}
+
+    layers = [{"mixer": "hybrid", "window": 4, "cache_slots": 8, **cache(s)} for s in scores for _ in range(2)]
     layers.append({"mixer": "hybrid", "window": 4})  # no cache: says nothing
     config = RecAttnConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layers),
                            num_attention_heads=4, num_key_value_heads=HKV, max_position_embeddings=256,

@@ -28,6 +28,10 @@ function here plus one line there.
 * ``learned``: the layer's retention head (retention_head.py, Locret's retaining heads) predicts from each pair
   the attention the teacher's later queries put on it; trained during conversion (training/retention_objective.py).
   It reads no far state, so it also serves a hybrid without a far part (a pure learned-eviction softmax cache).
+
+Option ``cache_recent`` reserves some of the slots for the newest pairs whatever the score says
+(``reserving_newest``): a fact stated just before the window's reach stays while the score picks the rest from the
+whole context.
 """
 
 from __future__ import annotations
@@ -113,6 +117,28 @@ def recency(parts: ScoreParts, decision: Decision) -> torch.Tensor:
     keys = decision.keys
     order = torch.arange(keys.shape[2], device=keys.device, dtype=torch.promote_types(keys.dtype, torch.float32))
     return order.expand(keys.shape[:3])
+
+
+def newest_first(score: torch.Tensor, filled: torch.Tensor, reserve: int) -> torch.Tensor:
+    """``score`` [B, Hkv, N] raised to +inf for the ``reserve`` newest filled candidates (``filled`` [B, N], in token
+    order), so that a decision keeps them before any other."""
+    filled_after = filled.flip(-1).long().cumsum(-1).flip(-1) - filled.long()  # the filled candidates newer than each
+    newest = filled & (filled_after < reserve)
+    return torch.where(newest[:, None, :], torch.full_like(score, float("inf")), score)
+
+
+def reserving_newest(
+    score: Callable[[ScoreParts, Decision], torch.Tensor], reserve: int
+) -> Callable[[ScoreParts, Decision], torch.Tensor]:
+    """``score`` with its decisions keeping the ``reserve`` newest pairs first (option ``cache_recent``); ``score``
+    itself when ``reserve`` is 0."""
+    if not reserve:
+        return score
+
+    def reserved(parts: ScoreParts, decision: Decision) -> torch.Tensor:
+        return newest_first(score(parts, decision), decision.filled, reserve)
+
+    return reserved
 
 
 class CacheScore(NamedTuple):

@@ -61,6 +61,10 @@ CACHE_OPTIONS = {
         "them ('keydiff_span'), the most recent ('recent') or what a retention head trained on the teacher's "
         "attention predicts later queries need ('learned'); see modeling/cache_scores.py", choices=tuple(CACHE_SCORES),
     ),
+    "cache_recent": Option(
+        (int,), 0, "of the exact cache's slots, how many always hold the newest pairs past the window, whatever "
+        "'cache_score' says of them (the others go as it says; 0: none)", minimum=0,
+    ),
     "cache_dtype": Option(
         (str,), MODEL, "how the exact cache holds its keys and values: as the model computes them ('model') or "
         "as int8 codes with a float32 scale per key and per value ('int8', about a quarter of float32's bytes) or "
@@ -72,6 +76,7 @@ CACHE_OPTIONS = {
 }
 #: what each cache option does, for the error when it is set with the cache off
 CACHE_OPTION_ROLES = {"cache_score": "scores the exact cache",
+                      "cache_recent": "reserves slots of the exact cache for the newest pairs",
                       "cache_dtype": "sets how the exact cache holds its pairs"}
 #: the far part's terms of the queries over the keys it reads, and its next state (None in the parallel form)
 FarForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MixerInputs, State], tuple[FarTerms, State | None]]
@@ -95,6 +100,12 @@ def check_cache_spec(spec: dict[str, Any], where: str, has_far: bool) -> None:
     for name, role in CACHE_OPTION_ROLES.items():
         if spec[name] != CACHE_OPTIONS[name].default and not spec["cache_slots"]:
             raise ValueError(f"{where}: option {name!r}={spec[name]!r} {role}, which is off (cache_slots: 0)")
+    if spec["cache_recent"] > spec["cache_slots"]:
+        raise ValueError(f"{where}: option 'cache_recent'={spec['cache_recent']} reserves more slots than the exact "
+                         f"cache has (cache_slots: {spec['cache_slots']})")
+    if spec["cache_recent"] and spec["cache_score"] == "recent":
+        raise ValueError(f"{where}: option 'cache_recent'={spec['cache_recent']} with cache_score='recent': every "
+                         "slot already holds the newest pairs; set one of the two")
     if not has_far and spec["cache_slots"] and CACHE_SCORES[spec["cache_score"]].reads_far:
         raise ValueError(f"{where}: option 'cache_slots' with cache_score={spec['cache_score']!r} needs a far "
                          "part (its state scores the pairs), got far='none'; a score that reads no far state "

@@ -75,9 +75,11 @@ def _cached(config: RecAttnConfig) -> Iterator[dict[str, Any]]:
     return (h for spec in config.layer_specs() for h in _hybrids(spec) if int(h.get("cache_slots", 0)))
 
 
-def hybrid_cache_scores(config: RecAttnConfig) -> list[str]:
-    """The ``cache_score`` of the model's hybrid layers with an exact cache, each once, in layer order."""
-    return list(dict.fromkeys(h.get("cache_score", DEFAULT_CACHE_SCORE) for h in _cached(config)))
+def hybrid_cache_choices(config: RecAttnConfig) -> list[tuple[str, int]]:
+    """The ``cache_score`` and ``cache_recent`` (newest pairs reserved) of the model's hybrid layers with an exact
+    cache, each pair once, in layer order."""
+    return list(dict.fromkeys((h.get("cache_score", DEFAULT_CACHE_SCORE), int(h.get("cache_recent", 0)))
+                              for h in _cached(config)))
 
 
 def hybrid_cache_dtypes(config: RecAttnConfig) -> list[str]:

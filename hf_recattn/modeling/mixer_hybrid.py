@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache_scores import CACHE_SCORES
+from .cache_scores import CACHE_SCORES, reserving_newest
 from .far_part import ARRIVING, FarTerms, serves_as_far_part
 from .gated_parts import logit
 from .hybrid_cached import (
@@ -230,7 +230,7 @@ class HybridMixer(ExactCacheForms, Mixer):
         self.cache_dtype = spec["cache_dtype"]
         check_cache_fits(spec, shape, config)
         chosen = CACHE_SCORES[spec["cache_score"]]
-        self.cache_score = chosen.score
+        self.cache_score = reserving_newest(chosen.score, int(spec["cache_recent"]))  # cache_scores.py
         # the learned score's parameters (retention_head.py); only with the cache on, which is what they score
         self.retention = RetentionHead(shape) if chosen.learned and self.cache_slots else None
         #: the clamp of distant sinks and cache slots (key_distance.py), None for distant_positions='absolute'
